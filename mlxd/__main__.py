@@ -1,0 +1,3 @@
+from mlxd.cli import main
+
+main()

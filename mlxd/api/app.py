@@ -1,0 +1,86 @@
+"""The Quart app and its hypercorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
+
+from mlxd.api import admin, openai
+from mlxd.api.errors import openai_error
+from mlxd.daemon import Daemon
+from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
+
+log = logging.getLogger("mlxd.api")
+
+# Generous: a burst of clients must queue in the kernel, not be reset (mlx_lm.server uses 5).
+LISTEN_BACKLOG = 2048
+
+
+def create_app(daemon: Daemon) -> Quart:
+    app = Quart("mlxd")
+    app.daemon = daemon
+    server = daemon.registry.server
+    app.config.update(
+        RESPONSE_TIMEOUT=None,  # generations are bounded by max_tokens, not wall time
+        BODY_TIMEOUT=60,
+        MAX_CONTENT_LENGTH=server.max_request_bytes,
+    )
+    app.register_blueprint(openai.blueprint)
+    app.register_blueprint(admin.blueprint)
+
+    @app.errorhandler(MlxdError)
+    async def mlxd_error(error: MlxdError) -> Any:
+        return _render(error)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Any:
+        if error.code == 404:
+            return _render(NotFound(f"no route for {request.method} {request.path}"))
+        if error.code == 413:
+            limit = server.max_request_bytes
+            return _render(RequestTooLarge(f"request body exceeds {limit} bytes "
+                                           "(server.max_request_bytes)"))
+        wrapped = InvalidRequest(error.description or error.name)
+        wrapped.status = error.code or 400
+        return _render(wrapped)
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception) -> Any:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _render(MlxdError(f"internal error: {type(error).__name__}: {error}"))
+
+    @app.before_serving
+    async def start_engines() -> None:
+        app.loading = asyncio.create_task(daemon.start())
+
+    @app.after_serving
+    async def stop_engines() -> None:
+        app.loading.cancel()
+        await daemon.close()
+
+    return app
+
+
+def _render(error: MlxdError) -> Response:
+    return openai_error(error), error.status, error.headers
+
+
+async def serve(app: Quart, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.backlog = LISTEN_BACKLOG
+    config.accesslog = None
+    config.graceful_timeout = 5
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)

@@ -1,0 +1,145 @@
+"""A text LLM: mlx-lm weights behind a continuous-batching scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from mlxd.config import ModelConfig
+from mlxd.engines.base import Event, Finished, GenerationRequest
+from mlxd.errors import InvalidRequest
+from mlxd.models.loader import LoadedModel, load_llm
+from mlxd.models.sources import resolve_source
+from mlxd.scheduler.batcher import ContinuousBatcher, Sequence
+
+log = logging.getLogger("mlxd.engine")
+
+DEFAULT_CONTEXT = 4096
+
+
+class LLMEngine:
+    kind = "llm"
+
+    def __init__(self, name: str, config: ModelConfig, loaded: LoadedModel):
+        self.name = name
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.context_length = config.context_length or int(
+            loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
+        )
+        self.batcher = ContinuousBatcher(name, loaded.model, loaded.tokenizer, config.batch)
+
+    @classmethod
+    async def load(cls, name: str, config: ModelConfig, cache_dir: Path) -> LLMEngine:
+        def load_blocking() -> LoadedModel:
+            path = resolve_source(config.source, model_name=name, cache_dir=cache_dir)
+            return load_llm(path, dtype=config.dtype, model_name=name)
+
+        return cls(name, config, await asyncio.to_thread(load_blocking))
+
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        prompt_ids = await asyncio.to_thread(self.encode, request)
+        request = replace(request, max_tokens=self._admissible_max_tokens(request, prompt_ids))
+        sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
+        self.batcher.submit(sequence)
+        return self._events(sequence)
+
+    async def _events(self, sequence: Sequence) -> AsyncIterator[Event]:
+        try:
+            while True:
+                event = await sequence.events.get()
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            if not sequence.done:  # the caller went away: free the slot at the next step
+                self.batcher.cancel(sequence)
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
+        if request.messages is not None:
+            ids = self._render_chat(request.messages, request.tools)
+        elif isinstance(request.prompt, str):
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = list(request.prompt or [])
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        return ids
+
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list | None) -> list[int]:
+        messages = [_text_only(m, self.name) for m in messages]
+        if not self.tokenizer.has_chat_template:
+            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+            return self.tokenizer.encode(text + "assistant:")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:  # jinja raises for shapes the template rejects
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+
+    def _admissible_max_tokens(self, request: GenerationRequest, prompt_ids: list[int]) -> int:
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise InvalidRequest(
+                f"prompt is {len(prompt_ids)} tokens; model '{self.name}' accepts at most "
+                f"{limit} (max_prompt_tokens)",
+                param="messages" if request.messages is not None else "prompt",
+            )
+        room = self.context_length - len(prompt_ids)
+        if room <= 0:
+            raise InvalidRequest(
+                f"prompt is {len(prompt_ids)} tokens; model '{self.name}' has a context of "
+                f"{self.context_length} tokens",
+                param="messages" if request.messages is not None else "prompt",
+            )
+        return min(request.max_tokens, room)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.batcher.stats
+        return {
+            "kind": self.kind,
+            "dtype": self.loaded.dtype,
+            "weights_bytes": self.loaded.nbytes,
+            "context_length": self.context_length,
+            "running": self.batcher.running,
+            "waiting": self.batcher.waiting,
+            "decode_steps": s.steps,
+            "multi_sequence_steps": s.multi_sequence_steps,
+            "max_batch_seen": s.max_batch_seen,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "finished": s.finished,
+            "cancelled": s.cancelled,
+            "failed": s.failed,
+        }
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.batcher.close)
+
+
+def _text_only(message: dict[str, Any], model: str) -> dict[str, Any]:
+    """Flatten list content to a string: text models' templates expect plain strings."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(part.get("text", ""))
+        else:
+            raise InvalidRequest(
+                f"model '{model}' is a text model and does not take '{kind}' content",
+                param="messages",
+            )
+    return {**message, "content": "".join(parts)}

@@ -1,0 +1,65 @@
+"""Errors are values with a type and an HTTP status; the API layer renders them per dialect."""
+
+from __future__ import annotations
+
+
+class MlxdError(Exception):
+    """Base error. `kind` is dialect-neutral; each API maps it to its own error type name."""
+
+    status: int = 500
+    kind: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+class InvalidRequest(MlxdError):
+    status = 400
+    kind = "invalid_request"
+
+
+class Unauthorized(MlxdError):
+    status = 401
+    kind = "authentication"
+
+
+class Forbidden(MlxdError):
+    status = 403
+    kind = "permission"
+
+
+class NotFound(MlxdError):
+    status = 404
+    kind = "not_found"
+
+
+class RequestTooLarge(MlxdError):
+    status = 413
+    kind = "request_too_large"
+
+
+class Overloaded(MlxdError):
+    status = 429
+    kind = "rate_limit"
+
+
+class Unavailable(MlxdError):
+    status = 503
+    kind = "overloaded"
+
+
+class ConfigError(MlxdError):
+    """A config file that cannot be parsed or validated. The message names file, line and key."""
+
+    status = 400
+    kind = "invalid_request"
+
+
+class ModelLoadError(MlxdError):
+    """A model whose source is missing, corrupt or unsupported. The message names the model."""
+
+    status = 503
+    kind = "overloaded"

@@ -1,0 +1,293 @@
+"""Continuous batching on one dedicated model thread.
+
+mlx-lm's `BatchGenerator` does the batched prefill/decode; this class owns the thread it runs
+on, admission from a bounded queue, detokenization, stop strings and cancellation. The event
+loop talks to the thread only through a thread-safe inbox; events go back through
+`loop.call_soon_threadsafe`, once per step for all sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from mlxd.config import BatchConfig
+from mlxd.engines.base import Delta, Event, Finished, GenerationRequest
+from mlxd.errors import Overloaded
+from mlxd.scheduler.sampling import (
+    make_sequence_processors,
+    make_sequence_sampler,
+    token_logprob,
+)
+from mlxd.scheduler.stops import StopMatcher
+
+log = logging.getLogger("mlxd.scheduler")
+
+IDLE_POLL_S = 0.5
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's life inside the batcher. Touched only by the model thread once queued."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event]
+    uid: int | None = None
+    completion_tokens: int = 0
+    done: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    stops: StopMatcher | None = None
+    detokenizer: Any = None
+
+
+@dataclass
+class BatcherStats:
+    steps: int = 0
+    # Decode steps that carried more than one sequence: proof the batching batches.
+    multi_sequence_steps: int = 0
+    max_batch_seen: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+class ContinuousBatcher:
+    def __init__(
+        self,
+        name: str,
+        model: Any,
+        tokenizer: Any,
+        batch: BatchConfig,
+    ):
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = batch
+        self.stats = BatcherStats()
+        self._inbox: queue.SimpleQueue[tuple[str, Sequence | None]] = queue.SimpleQueue()
+        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}
+        self._queued = 0  # sequences submitted but not yet admitted; guarded by _lock
+        self._lock = threading.Lock()
+        self._eos = set(tokenizer.eos_token_ids)
+        self._vocab_size = len(tokenizer)
+        self._generator: BatchGenerator | None = None
+        self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
+        self._thread.start()
+
+    # -- event-loop side -------------------------------------------------------------------
+
+    def submit(self, sequence: Sequence) -> None:
+        with self._lock:
+            if self._queued >= self.config.max_queue:
+                raise Overloaded(
+                    f"model '{self.name}' has {self._queued} requests waiting "
+                    f"(batch.max_queue={self.config.max_queue}); retry shortly",
+                    headers={"Retry-After": "1"},
+                )
+            self._queued += 1
+        self._inbox.put(("add", sequence))
+
+    def cancel(self, sequence: Sequence) -> None:
+        self._inbox.put(("cancel", sequence))
+
+    def close(self) -> None:
+        self._inbox.put(("close", None))
+        self._thread.join()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return self._queued
+
+    # -- model thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        # Streams belong to the thread that made them, so the generator is built here.
+        self._generator = self._new_generator()
+        while True:
+            idle = not self._running and not self._waiting
+            if not self._drain_inbox(block=idle):
+                break
+            self._admit()
+            if self._running:
+                self._step()
+        self._fail_all("engine closed", reason="cancelled")
+
+    def _new_generator(self) -> BatchGenerator:
+        stop_tokens = [[t] for t in sorted(self._eos)]
+        return BatchGenerator(
+            self.model,
+            stop_tokens=stop_tokens,
+            completion_batch_size=self.config.max_batch_size,
+            prefill_batch_size=min(self.config.prefill_batch_size, self.config.max_batch_size),
+            prefill_step_size=self.config.prefill_step_size,
+            stream=mx.new_stream(mx.default_device()),
+        )
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; False once the batcher must stop."""
+        while True:
+            try:
+                command, sequence = self._inbox.get(timeout=IDLE_POLL_S) if block else (
+                    self._inbox.get_nowait()
+                )
+            except queue.Empty:
+                return True
+            block = False
+            if command == "close":
+                return False
+            if command == "add":
+                self._waiting.append(sequence)
+            elif command == "cancel" and not sequence.done:
+                self.stats.cancelled += 1
+                cancelled = Finished(
+                    "cancelled", len(sequence.prompt_ids), sequence.completion_tokens
+                )
+                self._remove(sequence, cancelled)
+
+    def _admit(self) -> None:
+        free = self.config.max_batch_size - len(self._running)
+        admitted = []
+        while free > 0 and self._waiting:
+            admitted.append(self._waiting.popleft())
+            free -= 1
+        if not admitted:
+            return
+        with self._lock:
+            self._queued -= len(admitted)
+        uids = self._generator.insert(
+            [s.prompt_ids for s in admitted],
+            max_tokens=[s.request.max_tokens for s in admitted],
+            samplers=[make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted],
+            logits_processors=[
+                make_sequence_processors(s.request.sampling, s.request.max_tokens)
+                for s in admitted
+            ],
+            stop_sequences=[StopSequences([[t] for t in sorted(self._eos)])] * len(admitted),
+        )
+        for uid, sequence in zip(uids, admitted, strict=True):
+            sequence.uid = uid
+            sequence.stops = StopMatcher(sequence.request.stop)
+            sequence.detokenizer = self.tokenizer.detokenizer
+            self._running[uid] = sequence
+            self.stats.prompt_tokens += len(sequence.prompt_ids)
+
+    def _step(self) -> None:
+        try:
+            _, responses = self._generator.next()
+        except Exception as exc:  # one bad step must not kill the engine: fail the batch, go on
+            log.exception("model '%s': batch step failed", self.name)
+            self._fail_all(f"generation failed: {exc}", reason="error")
+            self._generator = self._new_generator()
+            return
+        if not responses:
+            return  # a prefill-only step
+        self.stats.steps += 1
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(responses))
+        if len(responses) > 1:
+            self.stats.multi_sequence_steps += 1
+        outbox: list[tuple[Sequence, Event]] = []
+        for response in responses:
+            sequence = self._running.get(response.uid)
+            if sequence is not None:
+                self._advance(sequence, response, outbox)
+        self._deliver(outbox)
+
+    def _advance(self, sequence: Sequence, response: Any, outbox: list) -> None:
+        token, finish = response.token, response.finish_reason
+        sequence.completion_tokens += 1
+        self.stats.generated_tokens += 1
+        if sequence.first_token_at is None:
+            sequence.first_token_at = time.monotonic()
+        detok = sequence.detokenizer
+        if not (finish == "stop" and token in self._eos):
+            detok.add_token(token)
+        if finish:
+            detok.finalize()
+        text, stop = sequence.stops.feed(detok.last_segment)
+        logprobs = None
+        top = sequence.request.sampling.top_logprobs
+        if top is not None:
+            logprobs = [token_logprob(response.logprobs, token, top, self._decode_one)]
+        if stop is None and finish:
+            text += sequence.stops.flush()
+        if text or logprobs:
+            outbox.append((sequence, Delta(text, [token], logprobs)))
+        if stop is not None or finish:
+            reason = "stop" if stop is not None else finish
+            done = Finished(reason, len(sequence.prompt_ids), sequence.completion_tokens, stop)
+            self._remove(sequence, done, outbox, still_in_generator=finish is None)
+            self.stats.finished += 1
+
+    def _remove(
+        self,
+        sequence: Sequence,
+        event: Finished,
+        outbox: list | None = None,
+        still_in_generator: bool = True,
+    ) -> None:
+        if sequence.done:
+            return
+        sequence.done = True
+        if sequence.uid is None:
+            try:
+                self._waiting.remove(sequence)
+                with self._lock:
+                    self._queued -= 1
+            except ValueError:
+                pass
+        else:
+            self._running.pop(sequence.uid, None)
+            if still_in_generator:
+                self._generator.remove([sequence.uid])
+        if outbox is None:
+            self._deliver([(sequence, event)])
+        else:
+            outbox.append((sequence, event))
+
+    def _fail_all(self, message: str, reason: str) -> None:
+        outbox: list[tuple[Sequence, Event]] = []
+        for sequence in [*self._running.values(), *self._waiting]:
+            self.stats.failed += reason == "error"
+            event = Finished(reason, len(sequence.prompt_ids), sequence.completion_tokens,
+                             error=message)
+            self._remove(sequence, event, outbox, still_in_generator=False)
+        self._deliver(outbox)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    @staticmethod
+    def _deliver(outbox: list[tuple[Sequence, Event]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, Event]]] = {}
+        for sequence, event in outbox:
+            by_loop.setdefault(sequence.loop, []).append((sequence, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # the loop is gone (shutdown): nobody is listening any more
+
+
+def _put_all(items: list[tuple[Sequence, Event]]) -> None:
+    for sequence, event in items:
+        sequence.events.put_nowait(event)
+
