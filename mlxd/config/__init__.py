@@ -1,0 +1,24 @@
+"""The YAML config: `load_config(path)` → a validated, immutable `Registry`."""
+
+from mlxd.config.loader import load_config, parse_config
+from mlxd.config.schema import (
+    BatchConfig,
+    CacheConfig,
+    ModelConfig,
+    ParsersConfig,
+    Registry,
+    SamplingDefaults,
+    ServerConfig,
+)
+
+__all__ = [
+    "BatchConfig",
+    "CacheConfig",
+    "ModelConfig",
+    "ParsersConfig",
+    "Registry",
+    "SamplingDefaults",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+]

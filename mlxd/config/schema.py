@@ -1,0 +1,271 @@
+"""The YAML contract as pydantic models; their field descriptions become the config reference."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from mlxd.config.units import ByteSize, Duration
+
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]*")
+_SOURCE_SCHEMES = ("pkg://", "hf://")
+
+
+def _check_model_id(value: str) -> str:
+    if not _MODEL_ID.fullmatch(value):
+        raise PydanticCustomError(
+            "model_id",
+            f"invalid model id {value!r}: use letters, digits and . _ : / @ - "
+            "(starting with a letter or digit)",
+        )
+    return value
+
+
+ModelId = Annotated[str, AfterValidator(_check_model_id)]
+"""A name clients may put in a request's `model` field."""
+
+
+def _drop_empty_keys(keys: list[str]) -> list[str]:
+    # `api_keys: ["${MLXD_API_KEY:-}"]` with the variable unset must mean "open", not "key ''".
+    return [key for key in keys if key.strip()]
+
+
+ApiKeys = Annotated[list[str], AfterValidator(_drop_empty_keys)]
+
+
+class _Section(BaseModel):
+    """Every section rejects unknown keys (typos must not pass silently) and is immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Section):
+    """Process-wide settings: where to listen, who may call, where to keep files."""
+
+    host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 exposes the LAN.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    api_keys: ApiKeys = Field(
+        default_factory=list,
+        description="Keys accepted for every model (Bearer or x-api-key). Empty means open; "
+        "entries that interpolate to an empty string are dropped.",
+    )
+    cache_dir: Path = Field(
+        Path("~/.cache/mlxd"),
+        validate_default=True,
+        description="Directory for converted weights and the SSD KV-cache tier (`~` expanded).",
+    )
+    memory_budget: ByteSize | None = Field(
+        None,
+        description="Memory all loaded models may use together; idle models beyond it are "
+        "unloaded least recently used first. Unset means no limit.",
+    )
+    request_timeout: Duration = Field(
+        600.0, description="Longest a single request may run before it is cancelled."
+    )
+    drain_timeout: Duration = Field(
+        30.0, description="On shutdown or model swap, how long in-flight requests may finish."
+    )
+    max_request_bytes: ByteSize = Field(
+        10 * 1024**2, description="Largest accepted HTTP request body (images included)."
+    )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+class BatchConfig(_Section):
+    """Continuous-batching limits for one model."""
+
+    max_batch_size: int = Field(32, ge=1, description="Most sequences decoded together.")
+    prefill_batch_size: int = Field(8, ge=1, description="Most prompts prefilled together.")
+    prefill_step_size: int = Field(
+        512, ge=1, description="Prompt tokens processed per prefill step (bounds latency spikes)."
+    )
+    max_queue: int = Field(
+        128, ge=1, description="Requests that may wait for a slot; beyond it callers get 429."
+    )
+
+
+class CacheConfig(_Section):
+    """Tiered KV (prompt) cache for one model."""
+
+    ram: ByteSize = Field(1024**3, description="RAM tier size for reusable prompt prefixes.")
+    ssd: ByteSize = Field(0, description="SSD tier size under server.cache_dir; 0 disables it.")
+    block_size: int = Field(16, ge=1, description="Tokens per cache block (the unit of reuse).")
+    kv_bits: Literal[4, 8] | None = Field(
+        None, description="Quantize cached keys/values to 4 or 8 bits; null keeps full precision."
+    )
+    kv_group_size: int = Field(64, ge=1, description="Group size for KV quantization.")
+
+
+class ParsersConfig(_Section):
+    """Which output parsers turn raw model text into tool calls and reasoning."""
+
+    tool_calls: str | None = Field(
+        None, description="Tool-call parser name (e.g. hermes); null disables tool calling."
+    )
+    reasoning: str | None = Field(
+        None, description="Reasoning parser name; null leaves thinking text in the content."
+    )
+
+
+class SamplingDefaults(_Section):
+    """Sampling used when a request leaves a parameter out (YAML key `defaults`)."""
+
+    max_tokens: int = Field(512, ge=1, description="Tokens to generate when a request sets none.")
+    temperature: float = Field(0.7, ge=0, le=2, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it.")
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens; 0 disables it.")
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Drop tokens below this fraction of the top probability."
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="Multiplicative penalty on repeated tokens; null disables it."
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2, le=2, description="Additive penalty on tokens already present (OpenAI)."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2, le=2, description="Additive penalty scaled by token count so far (OpenAI)."
+    )
+
+
+class ModelConfig(_Section):
+    """One served model: where its weights come from and how it is run."""
+
+    kind: Literal["llm", "vlm", "embedding"] = Field("llm", description="What the model does.")
+    source: str = Field(
+        min_length=1,
+        description="Weights: pkg://MODULE/PATH (inside an installed package), hf://ORG/REPO, "
+        "or a local file/directory. Relative paths are relative to the config file.",
+    )
+    aliases: list[ModelId] = Field(
+        default_factory=list,
+        description="Other ids clients may use for this model; must be unique across models.",
+    )
+    load: Literal["eager", "lazy"] = Field(
+        "eager", description="eager: load at startup; lazy: load on the first request."
+    )
+    idle_ttl: Duration | None = Field(
+        None, description="Unload after this long unused; null keeps the model loaded."
+    )
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batching limits.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="KV cache tiers.")
+    parsers: ParsersConfig = Field(
+        default_factory=ParsersConfig, description="Tool-call and reasoning parsers."
+    )
+    defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults, description="Sampling defaults for requests."
+    )
+    api_keys: ApiKeys = Field(
+        default_factory=list,
+        description="If non-empty, only these keys (and server.api_keys) may use this model.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = Field(
+        "auto",
+        description="Compute dtype. auto picks per backend (float32 on CPU when it fits the "
+        "budget); keep leaves the weights as stored (e.g. quantized).",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Reject prompts longer than this; null means the context length."
+    )
+    context_length: int | None = Field(
+        None, ge=1, description="Override the context length from the model's own config."
+    )
+
+    @field_validator("aliases")
+    @classmethod
+    def _dedupe(cls, aliases: list[str]) -> list[str]:
+        return list(dict.fromkeys(aliases))
+
+    @field_validator("source")
+    @classmethod
+    def _resolve_path(cls, source: str, info: ValidationInfo) -> str:
+        """Anchor relative paths to the config file's directory, so any cwd works."""
+        if source.startswith(_SOURCE_SCHEMES):
+            return source
+        if "://" in source:
+            raise PydanticCustomError(
+                "source_scheme",
+                f"unsupported source {source!r}: use pkg://, hf:// or a local path",
+            )
+        path = Path(source).expanduser()
+        base_dir = (info.context or {}).get("base_dir")
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        # normpath, not resolve(): tidy `./` and `../` without chasing symlinks.
+        return os.path.normpath(path)
+
+
+class Registry(_Section):
+    """A whole config file: the server section and every model, keyed by name."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig, description="Server settings.")
+    models: dict[ModelId, ModelConfig] = Field(
+        default_factory=dict, description="Served models by name; the name is the default id."
+    )
+    _routes: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("server", "models", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any) -> Any:
+        # `models:` with every entry commented out is YAML null: treat it as an empty section.
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _build_routes(self) -> Registry:
+        routes = {name: name for name in self.models}
+        errors: list[InitErrorDetails] = []
+        for name, model in self.models.items():
+            for index, alias in enumerate(model.aliases):
+                owner = routes.setdefault(alias, name)
+                if owner == name:
+                    continue
+                clash = (
+                    f"is the name of model {owner!r}"
+                    if owner == alias
+                    else f"is already an alias of model {owner!r}"
+                )
+                errors.append(
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "alias_collision", f"alias {alias!r} of model {name!r} {clash}"
+                        ),
+                        loc=("models", name, "aliases", index),
+                        input=alias,
+                    )
+                )
+        if errors:
+            # A ValidationError (not a ValueError) keeps each clash's own location for the loader.
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        self._routes = routes
+        return self
+
+    def routes(self) -> dict[str, str]:
+        """Every id clients may use (model names and aliases) mapped to its model's name."""
+        return dict(self._routes)
+
+    def resolve(self, model_id: str) -> str | None:
+        """The name of the model that `model_id` (a name or an alias) refers to, if any."""
+        return self._routes.get(model_id)
+
+    def ids(self) -> list[str]:
+        """All ids clients may use: model names, then aliases, each in file order."""
+        return list(self._routes)
