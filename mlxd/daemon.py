@@ -27,7 +27,8 @@ class Daemon:
     async def start(self) -> None:
         """Load every eager model; a model that fails is marked failed, the rest still serve."""
         entries = {
-            name: ModelEntry(name, config, "loading") for name, config in self.registry.models.items()
+            name: ModelEntry(name, config, "loading")
+            for name, config in self.registry.models.items()
         }
         self.routes = RouteTable(dict(entries))
         for name, config in self.registry.models.items():
@@ -53,7 +54,10 @@ class Daemon:
         stats = engine.stats()
         log.info(
             "model '%s' loaded in %.1fs (%s, %s, %.0f MB)",
-            name, time.monotonic() - started, config.kind, stats.get("dtype"),
+            name,
+            time.monotonic() - started,
+            config.kind,
+            stats.get("dtype"),
             stats.get("weights_bytes", 0) / 1e6,
         )
         return ModelEntry(name, config, "loaded", engine=engine)

@@ -45,8 +45,9 @@ def create_app(daemon: Daemon) -> Quart:
             return _render(NotFound(f"no route for {request.method} {request.path}"))
         if error.code == 413:
             limit = server.max_request_bytes
-            return _render(RequestTooLarge(f"request body exceeds {limit} bytes "
-                                           "(server.max_request_bytes)"))
+            return _render(
+                RequestTooLarge(f"request body exceeds {limit} bytes (server.max_request_bytes)")
+            )
         wrapped = InvalidRequest(error.description or error.name)
         wrapped.status = error.code or 400
         return _render(wrapped)

@@ -118,7 +118,11 @@ async def event_stream(chunks: AsyncIterator[bytes]) -> Any:
     response = await make_response(
         chunks,
         200,
-        {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        {
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        },
     )
     response.timeout = None
     return response

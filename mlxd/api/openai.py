@@ -89,8 +89,12 @@ async def chat_completions() -> Any:
         "logprobs": _chat_logprobs(result.logprobs) if top is not None else None,
         "finish_reason": result.finished.reason,
     }
-    return {**head, "object": "chat.completion", "choices": [choice],
-            "usage": usage(result.finished)}
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": usage(result.finished),
+    }
 
 
 async def _chat_chunks(
@@ -139,8 +143,12 @@ async def completions() -> Any:
         "logprobs": _completion_logprobs(result.logprobs) if body.logprobs is not None else None,
         "finish_reason": result.finished.reason,
     }
-    return {**head, "object": "text_completion", "choices": [choice],
-            "usage": usage(result.finished)}
+    return {
+        **head,
+        "object": "text_completion",
+        "choices": [choice],
+        "usage": usage(result.finished),
+    }
 
 
 async def _completion_chunks(
@@ -180,8 +188,7 @@ async def list_models() -> Any:
     routes = current_app.daemon.routes
     created = int(current_app.daemon.started_at)
     data = [
-        {"id": model_id, "object": "model", "created": created, "owned_by": "mlxd",
-         "root": name}
+        {"id": model_id, "object": "model", "created": created, "owned_by": "mlxd", "root": name}
         for model_id, name in sorted(routes.ids.items())
     ]
     return {"object": "list", "data": data}
@@ -191,8 +198,13 @@ async def list_models() -> Any:
 async def get_model(model_id: str) -> Any:
     entry = current_app.daemon.routes.entry(model_id)
     created = int(current_app.daemon.started_at)
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlxd",
-            "root": entry.name}
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlxd",
+        "root": entry.name,
+    }
 
 
 def _sse(payload: dict) -> bytes:
@@ -207,8 +219,7 @@ def _top(item: tuple[str, float]) -> dict:
 def _chat_logprobs(items: list[TokenLogprob]) -> dict:
     return {
         "content": [
-            {**_top((i.token, i.logprob)), "top_logprobs": [_top(t) for t in i.top]}
-            for i in items
+            {**_top((i.token, i.logprob)), "top_logprobs": [_top(t) for t in i.top]} for i in items
         ]
     }
 

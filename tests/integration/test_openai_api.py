@@ -1,0 +1,274 @@
+"""The OpenAI API end to end: the real daemon, the real SmolLM2 weights, the official SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+
+pytestmark = pytest.mark.integration
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    workdir = tmp_path_factory.mktemp("openai-api")
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir), "max_request_bytes": "64KiB"},
+        "models": {
+            "smol": {
+                "source": SMOL_GGUF,
+                "aliases": ["default", "gpt-4o-mini"],
+                "context_length": 256,
+                "batch": {"max_batch_size": 8, "prefill_batch_size": 8},
+                "defaults": {"max_tokens": 32, "temperature": 0.0},
+            },
+            "broken": {"source": str(workdir / "no-such-model")},
+        },
+    }
+    running = start_daemon(workdir, config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_france_answers_paris(client: openai.OpenAI):
+    reply = client.chat.completions.create(model="smol", messages=FRANCE, temperature=0)
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 5
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_alias_routes_to_the_same_model(client: openai.OpenAI):
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=FRANCE, temperature=0)
+    assert reply.model == "gpt-4o-mini"
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_stream_concatenates_to_the_non_streamed_text(client: openai.OpenAI):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(
+        model="smol", messages=messages, temperature=0, max_tokens=24
+    )
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_concurrent_requests_share_decode_steps(daemon: Daemon):
+    before = daemon.status()["models"]["smol"]["multi_sequence_steps"]
+
+    async def ask(client: openai.AsyncOpenAI, i: int) -> str:
+        reply = await client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+            temperature=0,
+            max_tokens=24,
+        )
+        return reply.choices[0].message.content
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(ask(client, i) for i in range(8)))
+
+    answers = asyncio.run(main())
+    assert len(answers) == 8 and all(answers)
+    stats = daemon.status()["models"]["smol"]
+    assert stats["multi_sequence_steps"] > before
+    assert stats["max_batch_seen"] > 1
+    assert stats["running"] == 0
+
+
+def test_aborted_stream_frees_its_slot(daemon: Daemon):
+    cancelled_before = daemon.status()["models"]["smol"]["cancelled"]
+    body = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "max_tokens": 200,
+        "temperature": 0.7,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{daemon.url}/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) >= 3
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        stats = daemon.status()["models"]["smol"]
+        if stats["running"] == 0 and stats["cancelled"] > cancelled_before:
+            break
+        time.sleep(0.2)
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["cancelled"] == cancelled_before + 1
+    assert stats["generated_tokens"] > 0
+
+
+def test_stop_string_ends_the_answer(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model="smol", messages=FRANCE, temperature=0, stop=["Paris"]
+    )
+    assert "Paris" not in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model="smol", messages=FRANCE, temperature=0, max_tokens=3
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI):
+    def sample() -> str:
+        return (
+            client.chat.completions.create(
+                model="smol", messages=FRANCE, temperature=1.0, seed=7, max_tokens=12
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert sample() == sample()
+
+
+def test_logprobs(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model="smol", messages=FRANCE, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) >= 1
+    first = content[0]
+    assert first.logprob <= 0 and len(first.top_logprobs) == 3
+    # Greedy decoding picks the most likely token.
+    assert first.token == first.top_logprobs[0].token
+
+
+def test_text_completion(client: openai.OpenAI):
+    reply = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    choice = reply.choices[0]
+    assert choice.text
+    assert choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.tokens) == reply.usage.completion_tokens
+
+
+def test_text_completion_stream(client: openai.OpenAI):
+    kwargs = {"model": "smol", "prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0}
+    whole = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == whole
+
+
+def test_models_lists_names_and_aliases(client: openai.OpenAI):
+    ids = {m.id for m in client.models.list().data}
+    assert {"smol", "default", "gpt-4o-mini", "broken"} <= ids
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
+        (b'{"model": "smol"}', 400, "messages"),
+        (b'{"model": "smol", "messages": []}', 400, "messages"),
+        (b'{"model": "smol", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "role"),
+        (
+            b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], '
+            b'"temperature": "hot"}',
+            400,
+            "temperature",
+        ),
+        (b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+        (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', 404, "smol"),
+        (
+            b'{"model": "broken", "messages": [{"role": "user", "content": "hi"}]}',
+            503,
+            "no-such-model",
+        ),
+    ],
+)
+def test_bad_chat_requests(daemon: Daemon, body: bytes, status: int, needle: str):
+    response = httpx.post(
+        f"{daemon.url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] or needle == error["param"], error
+    assert error["type"]
+
+
+def test_oversized_prompt_is_rejected(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "word " * 400}], max_tokens=4
+        )
+    assert "context" in caught.value.message
+
+
+def test_oversized_body_is_413(daemon: Daemon):
+    big = {"model": "smol", "messages": [{"role": "user", "content": "x" * 100_000}]}
+    response = httpx.post(f"{daemon.url}/v1/chat/completions", json=big, timeout=30)
+    assert response.status_code == 413
+    assert "max_request_bytes" in response.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(daemon: Daemon):
+    assert httpx.get(f"{daemon.url}/v1/nothing").status_code == 404
+    assert httpx.get(f"{daemon.url}/v1/chat/completions").status_code == 405
+
+
+def test_unknown_model_through_the_sdk(client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-5", messages=FRANCE)
+    assert "smol" in caught.value.message
+
+
+def test_failed_model_shows_in_health_and_the_rest_serves(daemon: Daemon, client):
+    health = httpx.get(f"{daemon.url}/health").json()
+    assert health["status"] == "degraded"
+    assert health["models"] == {"smol": "loaded", "broken": "failed"}
+    assert "broken" in daemon.status()["models"]["broken"]["error"]
+    reply = client.chat.completions.create(model="smol", messages=FRANCE, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
