@@ -1,0 +1,105 @@
+"""Load a resolved model directory with mlx-lm, in the weight dtype the backend runs best.
+
+The MLX CPU backend has no fast quantized matmul, while float32 matmul goes through BLAS: on the
+CPU a dequantized float32 model decodes ~2x faster at batch 1 and ~15x at batch 32 than the 4-bit
+one. Metal and CUDA have fast quantized kernels, so there the stored weights are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import dequantize_model, load
+
+from mlxd.errors import ModelLoadError
+
+FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = ("auto", "keep", *FLOAT_DTYPES)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    path: Path
+    dtype: str  # "float32" etc. after a cast; for kept weights e.g. "q4/q8" or "bfloat16"
+    nbytes: int  # bytes of all parameters as loaded
+    config: dict[str, Any]
+
+
+def backend_name() -> str:
+    """Where MLX runs by default in this process: "cpu", "metal" or "cuda"."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def _target_dtype(dtype: str) -> str | None:
+    """The float dtype to cast to, or None to keep the weights as stored."""
+    if dtype == "auto":
+        return "float32" if backend_name() == "cpu" else None
+    return None if dtype == "keep" else dtype
+
+
+def _stored_dtype(model: nn.Module) -> str:
+    """Describe weights kept as stored: quantized bit widths, else the dominant float dtype."""
+    bits = sorted(
+        {m.bits for _, m in model.named_modules() if isinstance(getattr(m, "bits", None), int)}
+    )
+    if bits:
+        return "/".join(f"q{b}" for b in bits)
+    sizes: dict[str, int] = {}
+    for _, array in tree_flatten(model.parameters()):
+        if mx.issubdtype(array.dtype, mx.floating):
+            name = str(array.dtype).removeprefix("mlx.core.")
+            sizes[name] = sizes.get(name, 0) + array.nbytes
+    return max(sizes, key=sizes.__getitem__)
+
+
+def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel:
+    """Load model and tokenizer from a local model dir (see sources.resolve_source).
+
+    dtype: "auto" (float32 on the CPU backend, as stored elsewhere), "keep", or a float dtype
+    (quantized weights are dequantized first). Raises ModelLoadError naming `model_name`.
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(
+            f"model '{model_name}': dtype {dtype!r} is not one of {', '.join(DTYPES)}"
+        )
+    path = Path(path)
+    if not path.is_dir():
+        # mlx-lm would take a missing path for a hub repo id and try to download it.
+        raise ModelLoadError(f"model '{model_name}': model directory {path} does not exist")
+    try:
+        # Lazy: when casting, the stored weights are only read while computing the cast ones.
+        model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+        target = _target_dtype(dtype)
+        if target is not None:
+            # Scales in float32 first: the CPU dequantizes ~3x faster from float32 than float16.
+            model.set_dtype(mx.float32)
+            model = dequantize_model(model)
+            model.set_dtype(FLOAT_DTYPES[target])
+            config.pop("quantization", None)  # describe the weights as they now are
+            config.pop("quantization_config", None)
+        mx.eval(model.parameters())
+    except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind
+        raise ModelLoadError(
+            f"model '{model_name}': cannot load {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        dtype=target or _stored_dtype(model),
+        nbytes=sum(array.nbytes for _, array in tree_flatten(model.parameters())),
+        config=config,
+    )
