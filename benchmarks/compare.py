@@ -67,7 +67,7 @@ def resolve_model_dir(model_dir: Path | None, cache_dir: Path) -> Path:
 def server_env() -> dict[str, str]:
     """The environment both servers get. mlxd re-executes itself with an optimized BLAS
     preloaded; preloading it for both up front keeps the comparison about the servers."""
-    from mlxd.blas import find_optimized_blas
+    from mlxd.accel import find_optimized_blas
 
     env = dict(os.environ)
     blas = find_optimized_blas()

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from mlxd import blas
+from mlxd import accel
 from mlxd.errors import ConfigError
 
 COMMANDS = ("serve", "check")
@@ -63,7 +63,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    blas.ensure_optimized_blas()
+    accel.ensure_optimized_blas()
     from mlxd.settings import Settings
 
     settings = Settings()
@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     host = args.host or settings.host or registry.server.host
     port = args.port or settings.port or registry.server.port
-    log.info("mlxd on %s; config %s with %d models", blas.describe(), path, len(registry.models))
+    log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(registry.models))
     log.info("listening on http://%s:%d", host, port)
     asyncio.run(serve(create_app(Daemon(registry)), host, port))
     return 0

@@ -7,7 +7,7 @@ from typing import Any
 
 from quart import Blueprint, current_app
 
-from mlxd import blas
+from mlxd import accel
 
 blueprint = Blueprint("admin", __name__)
 
@@ -39,6 +39,6 @@ async def status() -> Any:
         }
     return {
         "uptime_s": round(time.time() - daemon.started_at, 1),
-        "platform": blas.describe(),
+        "platform": accel.describe(),
         "models": models,
     }

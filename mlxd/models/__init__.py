@@ -1,12 +1,11 @@
 """Where weights come from (local dir, .gguf, pkg://, hf://) and loading them into MLX."""
 
 from mlxd.models.gguf import convert_gguf, gguf_tensor_name
-from mlxd.models.loader import LoadedModel, backend_name, load_llm
+from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.models.sources import resolve_source
 
 __all__ = [
     "LoadedModel",
-    "backend_name",
     "convert_gguf",
     "gguf_tensor_name",
     "load_llm",

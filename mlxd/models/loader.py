@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load
 
+from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -31,16 +32,6 @@ class LoadedModel:
     dtype: str  # "float32" etc. after a cast; for kept weights e.g. "q4/q8" or "bfloat16"
     nbytes: int  # bytes of all parameters as loaded
     config: dict[str, Any]
-
-
-def backend_name() -> str:
-    """Where MLX runs by default in this process: "cpu", "metal" or "cuda"."""
-    if mx.default_device().type == mx.DeviceType.gpu:
-        if mx.metal.is_available():
-            return "metal"
-        if mx.cuda.is_available():
-            return "cuda"
-    return "cpu"
 
 
 def _target_dtype(dtype: str) -> str | None:

@@ -14,8 +14,9 @@ from mlx.utils import tree_flatten
 from mlx_lm import generate
 from mlx_lm.sample_utils import make_sampler
 
+from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
-from mlxd.models import LoadedModel, backend_name, load_llm, resolve_source
+from mlxd.models import LoadedModel, load_llm, resolve_source
 
 pytestmark = [
     pytest.mark.integration,

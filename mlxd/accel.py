@@ -1,4 +1,4 @@
-"""Make sure MLX's CPU backend multiplies matrices on an optimized BLAS.
+"""Where MLX computes: the backend (cpu/metal/cuda) and, on the CPU, the BLAS behind matmuls.
 
 The Linux MLX CPU wheel bundles the reference BLAS (≈4 GFLOP/s). Preloading an optimized
 libblas.so.3 (Debian's OpenBLAS) interposes `cblas_sgemm` & co. and runs the same float32
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-log = logging.getLogger("mlxd.blas")
+log = logging.getLogger("mlxd.accel")
 
 # Checked in order; the first that exists is preloaded.
 CANDIDATES = (
@@ -67,15 +67,21 @@ def ensure_optimized_blas(argv: list[str] | None = None) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "mlxd", *args[1:]], env)
 
 
-def describe() -> str:
-    """One line for the startup log: the MLX backend and the BLAS behind its CPU matmuls."""
+def backend_name() -> str:
+    """ "cpu", "metal" or "cuda": where MLX runs by default in this process."""
     import mlx.core as mx
 
-    backend = "cpu"
-    if mx.metal.is_available():
-        backend = "metal"
-    elif hasattr(mx, "cuda") and mx.cuda.is_available():
-        backend = "cuda"
+    if mx.default_device().type == mx.DeviceType.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def describe() -> str:
+    """One line for the startup log: the MLX backend and the BLAS behind its CPU matmuls."""
+    backend = backend_name()
     blas = loaded_blas()
     if backend == "cpu" and "reference" in blas:
         hint = "install libopenblas0-pthread for 25-50x faster CPU inference"
