@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# OpenAI-style requests against a local mlxd (make serve). Set MLXD_URL to point elsewhere.
+set -euo pipefail
+URL=${MLXD_URL:-http://localhost:8000}
+
+curl -s "$URL/v1/models"; echo
+
+curl -s "$URL/v1/chat/completions" -H 'content-type: application/json' -d '{
+  "model": "smol",
+  "messages": [{"role": "user", "content": "What is the capital of France?"}],
+  "temperature": 0
+}'; echo
+
+# Streaming: server-sent events ending with data: [DONE]
+curl -sN "$URL/v1/chat/completions" -H 'content-type: application/json' -d '{
+  "model": "default",
+  "messages": [{"role": "user", "content": "Name three colours."}],
+  "stream": true,
+  "stream_options": {"include_usage": true},
+  "max_tokens": 32
+}'
+
+curl -s "$URL/v1/completions" -H 'content-type: application/json' -d '{
+  "model": "smol", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0
+}'; echo
