@@ -66,15 +66,11 @@ def resolve_model_dir(model_dir: Path | None, cache_dir: Path) -> Path:
 
 def server_env() -> dict[str, str]:
     """The environment both servers get. mlxd re-executes itself with an optimized BLAS
-    preloaded; preloading it for both up front keeps the comparison about the servers."""
-    from mlxd.accel import find_optimized_blas
+    preloaded (and its kernels chosen); giving both that up front keeps the comparison
+    about the servers."""
+    from mlxd.accel import optimized_env
 
-    env = dict(os.environ)
-    blas = find_optimized_blas()
-    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    if blas is not None and blas not in preload:
-        env["LD_PRELOAD"] = ":".join([blas, *preload])
-    return env
+    return optimized_env(os.environ)
 
 
 def mlxd_command(model_dir: Path, port: int, workdir: Path) -> list[str]:
@@ -230,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
     print(f"model dir: {model_dir}")
     print(f"LD_PRELOAD: {env.get('LD_PRELOAD', '(none)')}")
+    print(f"OPENBLAS_CORETYPE: {env.get('OPENBLAS_CORETYPE', '(auto)')}")
     print(f"levels {args.levels}, max_tokens {args.max_tokens}", flush=True)
 
     runs: dict[str, ServerRun] = {}

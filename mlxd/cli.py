@@ -63,10 +63,11 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    accel.ensure_optimized_blas()
     from mlxd.settings import Settings
 
     settings = Settings()
+    if not settings.no_reexec:
+        accel.ensure_optimized_blas()
     logging.basicConfig(
         level=(args.log_level or settings.log_level).upper(),
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",

@@ -126,9 +126,7 @@ async def completions() -> Any:
     body = await parse_body(CompletionRequest)
     if body.echo or body.suffix:
         raise InvalidRequest("echo and suffix are not supported", param="echo")
-    model_id, generation = _generation_request(
-        body, body.logprobs, prompt=body.prompt, add_special_tokens=False
-    )
+    model_id, generation = _generation_request(body, body.logprobs, prompt=body.prompt)
     events = await _submit(model_id, generation)
     head = {"id": new_id("cmpl-"), "created": int(time.time()), "model": model_id}
 

@@ -94,9 +94,15 @@ class BatchConfig(_Section):
     """Continuous-batching limits for one model."""
 
     max_batch_size: int = Field(32, ge=1, description="Most sequences decoded together.")
-    prefill_batch_size: int = Field(8, ge=1, description="Most prompts prefilled together.")
+    prefill_batch_size: int = Field(
+        32, ge=1, description="Most waiting prompts prefilled together in one forward pass."
+    )
     prefill_step_size: int = Field(
-        512, ge=1, description="Prompt tokens processed per prefill step (bounds latency spikes)."
+        1024,
+        ge=1,
+        description="Prompt tokens processed per prefill step, across the prompts prefilled "
+        "together; a longer prompt is prefilled alone in chunks of this size. Bounds how long "
+        "a prefill step stalls the running decoders.",
     )
     max_queue: int = Field(
         128, ge=1, description="Requests that may wait for a slot; beyond it callers get 429."

@@ -40,8 +40,6 @@ class GenerationRequest:
     prompt: str | list[int] | None = None
     stop: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
-    # False for raw completions: the prompt is exactly what the caller sent.
-    add_special_tokens: bool = True
 
 
 @dataclass(frozen=True)

@@ -13,17 +13,17 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 
 from mlxd.config import BatchConfig
 from mlxd.engines.base import Delta, Event, Finished, GenerationRequest
 from mlxd.errors import Overloaded
+from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
     make_sequence_processors,
     make_sequence_sampler,
@@ -47,8 +47,6 @@ class Sequence:
     uid: int | None = None
     completion_tokens: int = 0
     done: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
     stops: StopMatcher | None = None
     detokenizer: Any = None
 
@@ -82,6 +80,7 @@ class ContinuousBatcher:
         self._inbox: queue.SimpleQueue[tuple[str, Sequence | None]] = queue.SimpleQueue()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}
+        self._prefilling: set[int] = set()  # admitted uids still waiting for their first token
         self._queued = 0  # sequences submitted but not yet admitted; guarded by _lock
         self._lock = threading.Lock()
         self._eos = set(tokenizer.eos_token_ids)
@@ -135,10 +134,11 @@ class ContinuousBatcher:
     def _new_generator(self) -> BatchGenerator:
         stop_tokens = [[t] for t in sorted(self._eos)]
         return BatchGenerator(
-            self.model,
+            SkipPrefillLogits(self.model),
             stop_tokens=stop_tokens,
             completion_batch_size=self.config.max_batch_size,
-            prefill_batch_size=min(self.config.prefill_batch_size, self.config.max_batch_size),
+            # Our admission forms the prefill groups; the generator must not split them.
+            prefill_batch_size=self.config.max_batch_size,
             prefill_step_size=self.config.prefill_step_size,
             stream=mx.new_stream(mx.default_device()),
         )
@@ -165,13 +165,18 @@ class ContinuousBatcher:
                 self._remove(sequence, cancelled)
 
     def _admit(self) -> None:
-        free = self.config.max_batch_size - len(self._running)
-        admitted = []
-        while free > 0 and self._waiting:
-            admitted.append(self._waiting.popleft())
-            free -= 1
-        if not admitted:
+        # One prefill group at a time: the next starts once this one has its first tokens.
+        if self._prefilling:
             return
+        count = prefill_group_size(
+            [len(s.prompt_ids) for s in self._waiting],
+            slots=self.config.max_batch_size - len(self._running),
+            max_prompts=self.config.prefill_batch_size,
+            token_budget=self.config.prefill_step_size,
+        )
+        if count == 0:
+            return
+        admitted = [self._waiting.popleft() for _ in range(count)]
         with self._lock:
             self._queued -= len(admitted)
         uids = self._generator.insert(
@@ -183,13 +188,13 @@ class ContinuousBatcher:
             logits_processors=[
                 make_sequence_processors(s.request.sampling, s.request.max_tokens) for s in admitted
             ],
-            stop_sequences=[StopSequences([[t] for t in sorted(self._eos)])] * len(admitted),
         )
         for uid, sequence in zip(uids, admitted, strict=True):
             sequence.uid = uid
             sequence.stops = StopMatcher(sequence.request.stop)
             sequence.detokenizer = self.tokenizer.detokenizer
             self._running[uid] = sequence
+            self._prefilling.add(uid)
             self.stats.prompt_tokens += len(sequence.prompt_ids)
 
     def _step(self) -> None:
@@ -215,10 +220,9 @@ class ContinuousBatcher:
 
     def _advance(self, sequence: Sequence, response: Any, outbox: list) -> None:
         token, finish = response.token, response.finish_reason
+        self._prefilling.discard(response.uid)
         sequence.completion_tokens += 1
         self.stats.generated_tokens += 1
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.monotonic()
         detok = sequence.detokenizer
         if not (finish == "stop" and token in self._eos):
             detok.add_token(token)
@@ -258,6 +262,7 @@ class ContinuousBatcher:
                 pass
         else:
             self._running.pop(sequence.uid, None)
+            self._prefilling.discard(sequence.uid)
             if still_in_generator:
                 self._generator.remove([sequence.uid])
         if outbox is None:
@@ -287,6 +292,24 @@ class ContinuousBatcher:
             # A closed loop (shutdown) raises RuntimeError: nobody is listening any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, items)
+
+
+def prefill_group_size(
+    prompt_lengths: list[int], *, slots: int, max_prompts: int, token_budget: int
+) -> int:
+    """How many of the waiting prompts (in arrival order) to prefill together.
+
+    As many as fit the free slots, `max_prompts` and `token_budget` prompt tokens; a first
+    prompt longer than the budget goes alone (it is prefilled in budget-sized chunks).
+    Prefilling many short prompts in one forward pass is far cheaper than one by one, and the
+    budget bounds how long one prefill step stalls the running decoders.
+    """
+    count, tokens = 0, 0
+    for length in prompt_lengths[: min(slots, max_prompts)]:
+        if count and tokens + length > token_budget:
+            break
+        count, tokens = count + 1, tokens + length
+    return count
 
 
 def _put_all(items: list[tuple[Sequence, Event]]) -> None:

@@ -272,3 +272,30 @@ def test_failed_model_shows_in_health_and_the_rest_serves(daemon: Daemon, client
     assert "broken" in daemon.status()["models"]["broken"]["error"]
     reply = client.chat.completions.create(model="smol", messages=FRANCE, temperature=0)
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI):
+    reply = client.completions.create(
+        model="smol",
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"330": 100},
+        logprobs=0,
+    )
+    tokens = reply.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1, tokens
+
+
+def test_penalties_are_accepted_and_change_nothing_structural(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model="smol",
+        messages=FRANCE,
+        temperature=0,
+        max_tokens=16,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        extra_body={"repetition_penalty": 1.3, "top_k": 20, "min_p": 0.05},
+    )
+    assert reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
