@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from mlxd import accel
 from mlxd.errors import ConfigError
@@ -87,5 +88,5 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port or settings.port or registry.server.port
     log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(registry.models))
     log.info("listening on http://%s:%d", host, port)
-    asyncio.run(serve(create_app(Daemon(registry)), host, port))
+    asyncio.run(serve(create_app(Daemon(registry, Path(path))), host, port))
     return 0

@@ -1,68 +1,95 @@
-"""The running daemon: the desired `Registry`, the engines that serve it, and the routes."""
+"""The running daemon: the config file, the reconciler that serves it, and the live routes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
-from mlxd.config import ModelConfig, Registry
+from mlxd.config import Registry, load_config
 from mlxd.engines.base import Engine
-from mlxd.engines.llm import LLMEngine
-from mlxd.errors import MlxdError
-from mlxd.registry.routes import ModelEntry, RouteTable
+from mlxd.errors import ConfigError
+from mlxd.registry.plan import Action
+from mlxd.registry.reconciler import Reconciler
+from mlxd.registry.routes import RouteTable
 
 log = logging.getLogger("mlxd")
 
-ENGINES: Mapping[str, type] = {"llm": LLMEngine}
+IDLE_SWEEP_S = 1.0
+
+
+@dataclass
+class ConfigStatus:
+    generation: int = 0
+    loaded_at: float | None = None
+    last_error: str | None = None
 
 
 class Daemon:
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, config_path: Path | None = None):
         self.registry = registry
+        self.config_path = config_path
+        self.config = ConfigStatus()
         self.routes = RouteTable()
         self.started_at = time.time()
         self.ready = False
+        self.reconciler = Reconciler(registry.server, self._set_routes)
+        self._reload_lock = asyncio.Lock()
+        self._sweeper: asyncio.Task | None = None
+
+    def _set_routes(self, routes: RouteTable) -> None:
+        self.routes = routes  # one assignment: readers see the old table or the new one
 
     async def start(self) -> None:
-        """Load every eager model; a model that fails is marked failed, the rest still serve."""
-        entries = {
-            name: ModelEntry(name, config, "loading")
-            for name, config in self.registry.models.items()
-        }
-        self.routes = RouteTable(dict(entries))
-        for name, config in self.registry.models.items():
-            entries[name] = await self._load(name, config)
-            self.routes = RouteTable(dict(entries))
+        """Reconcile the initial config and wait for its eager models (failures are kept)."""
+        self._apply(self.registry)
+        self._sweeper = asyncio.create_task(self._sweep_idle())
+        loads = [rt.loading for rt in self.reconciler.models.values() if rt.loading]
+        await asyncio.gather(*loads, return_exceptions=True)
         self.ready = True
 
-    async def _load(self, name: str, config: ModelConfig) -> ModelEntry:
-        engine_cls = ENGINES.get(config.kind)
-        if engine_cls is None:
-            error = f"kind '{config.kind}' is not supported yet"
-            log.error("model '%s': %s", name, error)
-            return ModelEntry(name, config, "failed", error=error)
-        started = time.monotonic()
-        try:
-            engine: Engine = await engine_cls.load(name, config, self.registry.server.cache_dir)
-        except MlxdError as exc:
-            log.error("model '%s' failed to load: %s", name, exc.message)
-            return ModelEntry(name, config, "failed", error=exc.message)
-        except Exception as exc:  # an unexpected loader bug must not take the daemon down
-            log.exception("model '%s' failed to load", name)
-            return ModelEntry(name, config, "failed", error=repr(exc))
-        stats = engine.stats()
-        log.info(
-            "model '%s' loaded in %.1fs (%s, %s, %.0f MB)",
-            name,
-            time.monotonic() - started,
-            config.kind,
-            stats.get("dtype"),
-            stats.get("weights_bytes", 0) / 1e6,
-        )
-        return ModelEntry(name, config, "loaded", engine=engine)
+    async def reload(self) -> list[Action]:
+        """Re-read the config file and converge on it. A file that fails to parse or validate
+        is rejected whole (ConfigError): what runs keeps running."""
+        async with self._reload_lock:
+            try:
+                registry = await asyncio.to_thread(load_config, self.config_path)
+            except ConfigError as exc:
+                self.config.last_error = exc.message
+                log.error(
+                    "config rejected, still serving generation %d:\n%s",
+                    self.config.generation,
+                    exc.message,
+                )
+                raise
+            for key in ("host", "port", "cache_dir"):
+                if getattr(registry.server, key) != getattr(self.registry.server, key):
+                    log.warning("server.%s changed: takes effect after a restart", key)
+            return self._apply(registry)
+
+    def _apply(self, registry: Registry) -> list[Action]:
+        self.registry = registry
+        actions = self.reconciler.apply(registry.models, registry.server)
+        self.config.generation += 1
+        self.config.loaded_at = time.time()
+        self.config.last_error = None
+        if not actions:
+            log.info("reconcile: generation %d, nothing to change", self.config.generation)
+        return actions
+
+    async def engine(self, model_id: str) -> Engine:
+        """The engine serving `model_id` (a name or alias); waits for a lazy or loading one."""
+        entry = self.routes.entry(model_id)
+        return entry.engine or await self.reconciler.engine_for(entry.name)
+
+    async def _sweep_idle(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SWEEP_S)
+            self.reconciler.unload_idle(time.monotonic())
 
     async def close(self) -> None:
-        for entry in self.routes.models.values():
-            if entry.engine is not None:
-                await entry.engine.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.reconciler.close()

@@ -1,4 +1,4 @@
-"""Operational endpoints: /health (liveness + readiness) and /v1/status (what runs where)."""
+"""Operational endpoints: /health, /v1/status (what runs where), /admin/reload."""
 
 from __future__ import annotations
 
@@ -8,8 +8,18 @@ from typing import Any
 from quart import Blueprint, current_app
 
 from mlxd import accel
+from mlxd.registry.plan import describe
 
 blueprint = Blueprint("admin", __name__)
+
+
+def _config_status() -> dict[str, Any]:
+    config = current_app.daemon.config
+    return {
+        "generation": config.generation,
+        "loaded_at": config.loaded_at,
+        "last_error": config.last_error,
+    }
 
 
 @blueprint.get("/health")
@@ -18,27 +28,26 @@ async def health() -> Any:
     states = {name: entry.state for name, entry in daemon.routes.models.items()}
     if not daemon.ready:
         status, code = "starting", 503
-    elif any(state == "failed" for state in states.values()):
+    elif any(state == "failed" for state in states.values()) or daemon.config.last_error:
         status, code = "degraded", 200
     else:
         status, code = "ok", 200
-    return {"status": status, "models": states}, code
+    return {"status": status, "models": states, "config": _config_status()}, code
 
 
 @blueprint.get("/v1/status")
 async def status() -> Any:
     daemon = current_app.daemon
-    models = {}
-    for name, entry in daemon.routes.models.items():
-        models[name] = {
-            "state": entry.state,
-            "kind": entry.config.kind,
-            "aliases": list(entry.config.aliases),
-            "error": entry.error,
-            **(entry.engine.stats() if entry.engine is not None else {}),
-        }
     return {
         "uptime_s": round(time.time() - daemon.started_at, 1),
         "platform": accel.describe(),
-        "models": models,
+        "config": {**_config_status(), "path": str(daemon.config_path)},
+        "models": daemon.reconciler.status(),
     }
+
+
+@blueprint.post("/admin/reload")
+async def reload() -> Any:
+    """Re-read the config file now. An invalid file is a 400 and changes nothing."""
+    actions = await current_app.daemon.reload()
+    return {"config": _config_status(), "actions": [describe(a) for a in actions]}

@@ -16,6 +16,7 @@ from mlxd.api import admin, openai
 from mlxd.api.errors import openai_error
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
+from mlxd.registry.watcher import reload_on_sighup, watch_config
 
 log = logging.getLogger("mlxd.api")
 
@@ -59,11 +60,17 @@ def create_app(daemon: Daemon) -> Quart:
 
     @app.before_serving
     async def start_engines() -> None:
-        app.loading = asyncio.create_task(daemon.start())
+        app.background = [asyncio.create_task(daemon.start())]
+        if daemon.config_path is not None:
+            app.background.append(
+                asyncio.create_task(watch_config(daemon.config_path, daemon.reload))
+            )
+            reload_on_sighup(daemon.reload)
 
     @app.after_serving
     async def stop_engines() -> None:
-        app.loading.cancel()
+        for task in app.background:
+            task.cancel()
         await daemon.close()
 
     return app

@@ -57,7 +57,7 @@ def _generation_request(
 
 
 async def _submit(model_id: str, generation: GenerationRequest) -> AsyncIterator[Event]:
-    engine = current_app.daemon.routes.engine(model_id)
+    engine = await current_app.daemon.engine(model_id)
     return await engine.submit(generation)
 
 

@@ -80,6 +80,11 @@ class ServerConfig(_Section):
     drain_timeout: Duration = Field(
         30.0, description="On shutdown or model swap, how long in-flight requests may finish."
     )
+    load_timeout: Duration = Field(
+        120.0,
+        description="How long a request waits for its model to load (lazy models, startup, "
+        "reloads) before it gets 503.",
+    )
     max_request_bytes: ByteSize = Field(
         10 * 1024**2, description="Largest accepted HTTP request body (images included)."
     )

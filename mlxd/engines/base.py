@@ -73,6 +73,13 @@ Event = Delta | Finished
 class Engine(Protocol):
     name: str
     kind: str
+    memory_bytes: int  # weights + KV budget: what the registry's memory budget counts
+    last_used: float  # time.monotonic() of the last request start or end
+
+    @property
+    def idle(self) -> bool:
+        """True when no request is queued, running or being submitted."""
+        ...
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Validate and queue a request, raising `MlxdError` if it cannot be taken; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,6 @@ from mlxd.config import ModelConfig
 from mlxd.engines.base import Event, Finished, GenerationRequest
 from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
-from mlxd.models.sources import resolve_source
 from mlxd.scheduler.batcher import ContinuousBatcher, Sequence
 
 log = logging.getLogger("mlxd.engine")
@@ -33,20 +33,34 @@ class LLMEngine:
             loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
         )
         self.batcher = ContinuousBatcher(name, loaded.model, loaded.tokenizer, config.batch)
+        self.memory_bytes = loaded.nbytes + config.cache.ram
+        self.last_used = time.monotonic()
+        self._submitting = 0
 
     @classmethod
-    async def load(cls, name: str, config: ModelConfig, cache_dir: Path) -> LLMEngine:
-        def load_blocking() -> LoadedModel:
-            path = resolve_source(config.source, model_name=name, cache_dir=cache_dir)
-            return load_llm(path, dtype=config.dtype, model_name=name)
+    async def load(cls, name: str, config: ModelConfig, path: Path) -> LLMEngine:
+        """Load weights from a resolved model directory (see models.sources.resolve_source)."""
+        loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
+        return cls(name, config, loaded)
 
-        return cls(name, config, await asyncio.to_thread(load_blocking))
+    @property
+    def idle(self) -> bool:
+        """Nothing submitted or in the batcher: the engine can be closed without cutting anyone."""
+        return self._submitting == 0 and self.batcher.running == 0 and self.batcher.waiting == 0
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        prompt_ids = await asyncio.to_thread(self.encode, request)
-        request = replace(request, max_tokens=self._admissible_max_tokens(request, prompt_ids))
-        sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
-        self.batcher.submit(sequence)
+        # Counted from the first (synchronous) line: a request that looked this engine up just
+        # before a route flip is seen by the drain until the batcher holds it.
+        self._submitting += 1
+        self.last_used = time.monotonic()
+        try:
+            prompt_ids = await asyncio.to_thread(self.encode, request)
+            max_tokens = self._admissible_max_tokens(request, prompt_ids)
+            request = replace(request, max_tokens=max_tokens)
+            sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
+            self.batcher.submit(sequence)
+        finally:
+            self._submitting -= 1
         return self._events(sequence)
 
     async def _events(self, sequence: Sequence) -> AsyncIterator[Event]:
@@ -57,6 +71,7 @@ class LLMEngine:
                 if isinstance(event, Finished):
                     return
         finally:
+            self.last_used = time.monotonic()
             if not sequence.done:  # the caller went away: free the slot at the next step
                 self.batcher.cancel(sequence)
 
@@ -110,6 +125,7 @@ class LLMEngine:
             "kind": self.kind,
             "dtype": self.loaded.dtype,
             "weights_bytes": self.loaded.nbytes,
+            "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,
             "running": self.batcher.running,
             "waiting": self.batcher.waiting,

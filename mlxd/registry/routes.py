@@ -8,9 +8,9 @@ from typing import Literal
 
 from mlxd.config import ModelConfig
 from mlxd.engines.base import Engine
-from mlxd.errors import NotFound, Unavailable
+from mlxd.errors import NotFound
 
-ModelState = Literal["loading", "loaded", "failed"]
+ModelState = Literal["loading", "loaded", "unloaded", "failed"]
 
 # Routing-level settings (aliases, defaults, keys) live on the entry, not in the engine, so
 # changing them never touches an engine.
@@ -46,10 +46,3 @@ class RouteTable:
                 param="model",
             )
         return self.models[name]
-
-    def engine(self, model_id: str) -> Engine:
-        entry = self.entry(model_id)
-        if entry.engine is None:
-            why = f"failed to load: {entry.error}" if entry.state == "failed" else entry.state
-            raise Unavailable(f"model '{entry.name}' is not available ({why})")
-        return entry.engine

@@ -129,7 +129,7 @@ class ContinuousBatcher:
             self._admit()
             if self._running:
                 self._step()
-        self._fail_all("engine closed", reason="cancelled")
+        self._fail_all(f"model '{self.name}' was unloaded before this request finished")
 
     def _new_generator(self) -> BatchGenerator:
         stop_tokens = [[t] for t in sorted(self._eos)]
@@ -177,8 +177,6 @@ class ContinuousBatcher:
         if count == 0:
             return
         admitted = [self._waiting.popleft() for _ in range(count)]
-        with self._lock:
-            self._queued -= len(admitted)
         uids = self._generator.insert(
             [s.prompt_ids for s in admitted],
             max_tokens=[s.request.max_tokens for s in admitted],
@@ -196,13 +194,16 @@ class ContinuousBatcher:
             self._running[uid] = sequence
             self._prefilling.add(uid)
             self.stats.prompt_tokens += len(sequence.prompt_ids)
+        # Only now: between the two counts a sequence must never look absent (drains read them).
+        with self._lock:
+            self._queued -= len(admitted)
 
     def _step(self) -> None:
         try:
             _, responses = self._generator.next()
         except Exception as exc:  # one bad step must not kill the engine: fail the batch, go on
             log.exception("model '%s': batch step failed", self.name)
-            self._fail_all(f"generation failed: {exc}", reason="error")
+            self._fail_all(f"generation failed: {exc}")
             self._generator = self._new_generator()
             return
         if not responses:
@@ -270,12 +271,12 @@ class ContinuousBatcher:
         else:
             outbox.append((sequence, event))
 
-    def _fail_all(self, message: str, reason: str) -> None:
+    def _fail_all(self, message: str) -> None:
         outbox: list[tuple[Sequence, Event]] = []
         for sequence in [*self._running.values(), *self._waiting]:
-            self.stats.failed += reason == "error"
+            self.stats.failed += 1
             event = Finished(
-                reason, len(sequence.prompt_ids), sequence.completion_tokens, error=message
+                "error", len(sequence.prompt_ids), sequence.completion_tokens, error=message
             )
             self._remove(sequence, event, outbox, still_in_generator=False)
         self._deliver(outbox)

@@ -1,0 +1,117 @@
+"""Estimate a model's memory from its safetensors headers, before (and without) loading it.
+
+Only the header of each file is read: an 8-byte little-endian length, then a JSON object giving
+every tensor's dtype, shape and byte range. That is exact for weights kept as stored, and enough to
+compute the size of the weights after loader.load_llm dequantizes and casts them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+from mlxd.errors import ModelLoadError
+from mlxd.models.loader import DTYPES, _target_dtype
+
+# Bytes per element of each target dtype of a cast (loader.FLOAT_DTYPES).
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The safetensors float dtypes: the only ones model.set_dtype casts.
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+# mlx-lm's default group size when the config names none.
+_DEFAULT_GROUP_SIZE = 64
+# The safetensors format caps the header at 100 MB; a larger length means a corrupt file.
+_MAX_HEADER = 100_000_000
+
+
+def _read_header(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensor entries of one safetensors file's header (without "__metadata__")."""
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _MAX_HEADER:
+                raise ValueError(f"header length {length} is implausible")
+            raw = f.read(length)
+            if len(raw) != length:
+                raise ValueError("file is shorter than its header length")
+        header = json.loads(raw)
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        for name, entry in tensors.items():
+            begin, end = entry["data_offsets"]
+            shape_ok = all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+            if not (isinstance(entry["dtype"], str) and shape_ok and 0 <= begin <= end):
+                raise ValueError(f"tensor {name!r} has a malformed entry")
+    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as exc:
+        # json.JSONDecodeError and UnicodeDecodeError are ValueErrors.
+        raise ModelLoadError(
+            f"cannot read safetensors header of {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return tensors
+
+
+def _quantization(model_dir: Path) -> dict[str, Any]:
+    """The mlx-lm quantization config of the model dir, or {} when the weights are not quantized."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        return {}  # load_llm reports the missing config; the weights still have a size
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    return quant if isinstance(quant, dict) else {}
+
+
+def estimate_weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of the model's parameters once loaded with `dtype` (see loader.load_llm).
+
+    Kept weights count as stored. A cast turns every float tensor into numel × itemsize of the
+    target, and each quantized group (`x.weight` packed uint32, `x.scales`, `x.biases`) into the
+    dense out × in weight it dequantizes to. Raises ModelLoadError for an unknown dtype, a missing
+    dir, no weight files, or an unreadable header.
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    # The same files mlx-lm's load_model reads.
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no model*.safetensors weight files in {model_dir}")
+    tensors: dict[str, dict[str, Any]] = {}
+    for file in files:
+        tensors.update(_read_header(file))
+
+    target = _target_dtype(dtype)
+    if target is None:
+        return sum(end - begin for begin, end in (t["data_offsets"] for t in tensors.values()))
+
+    itemsize = _ITEMSIZE[target]
+    quant = _quantization(model_dir)
+    total = 0
+    for name, entry in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        scales = tensors.get(f"{module}.scales")
+        if scales is not None and leaf in ("scales", "biases"):
+            continue  # counted with the packed weight, into which they dequantize
+        if scales is not None and leaf == "weight":
+            override = quant.get(module)
+            group_size = (override if isinstance(override, dict) else quant).get(
+                "group_size", _DEFAULT_GROUP_SIZE
+            )
+            # The packed weight has the dequantized shape except its last (input) dimension.
+            in_dims = scales["shape"][-1] * group_size
+            total += math.prod(entry["shape"][:-1]) * in_dims * itemsize
+        elif entry["dtype"] in _FLOAT_DTYPES:
+            total += math.prod(entry["shape"]) * itemsize
+        else:
+            begin, end = entry["data_offsets"]
+            total += end - begin
+    return total
+
+
+def estimate_model_bytes(model_dir: Path, dtype: str, kv_budget: int) -> int:
+    """Bytes the model needs resident: its weights loaded with `dtype` plus its KV cache budget."""
+    return estimate_weight_bytes(model_dir, dtype) + kv_budget

@@ -1,0 +1,177 @@
+"""Reconcile planning: the actions that turn the running models into the configured ones.
+
+Pure: it compares configs and states and returns a list of actions; executing them (loading
+engines, draining, flipping routes) is the caller's job, which keeps every decision testable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from mlxd.config import ModelConfig
+
+# Changing any of these needs a new engine; the rest only changes how requests reach it.
+ENGINE_FIELDS = ("kind", "source", "dtype", "batch", "cache", "context_length", "max_prompt_tokens")
+ROUTING_FIELDS = ("aliases", "api_keys", "defaults", "parsers", "load", "idle_ttl")
+# Secrets: a log line says that they changed, never what to.
+_SECRET_FIELDS = frozenset({"api_keys"})
+
+State = Literal["loaded", "loading", "unloaded", "failed"]
+"""A model's engine right now; "unloaded" is a lazy model with no engine."""
+
+
+@dataclass(frozen=True)
+class Actual:
+    """What runs under a name: the config its engine runs (or is loading) with, and its state."""
+
+    config: ModelConfig
+    state: State
+
+
+# `changes` on the actions below is for describe() only, so it takes no part in equality.
+
+
+@dataclass(frozen=True)
+class Load:
+    """Start an eager model or register a lazy one; also retries a failed one."""
+
+    name: str
+    config: ModelConfig
+
+
+@dataclass(frozen=True)
+class Unload:
+    """Drain, then close the engine; the route goes away."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Engine-level change: a new engine loads beside the old one; the route flips when ready."""
+
+    name: str
+    config: ModelConfig
+    changes: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class Retarget:
+    """Routing-level change only (or any change to a lazy model with no engine): no engine work."""
+
+    name: str
+    config: ModelConfig
+    changes: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class Rename:
+    """A loaded engine moves to a new name as is, instead of reloading the same weights."""
+
+    old: str
+    new: str
+    config: ModelConfig
+
+
+Action = Load | Unload | Swap | Retarget | Rename
+
+
+def engine_settings(config: ModelConfig) -> tuple[Any, ...]:
+    """The values of ENGINE_FIELDS: two configs with equal settings can share one engine."""
+    return tuple(getattr(config, name) for name in ENGINE_FIELDS)
+
+
+def _routing_settings(config: ModelConfig) -> tuple[Any, ...]:
+    return tuple(getattr(config, name) for name in ROUTING_FIELDS)
+
+
+def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> list[Action]:
+    """The actions that take `actual` to `desired`, in the order they should run.
+
+    Unloads come first so their memory is freed before anything loads, then renames,
+    retargets, swaps and loads. Within a kind, names follow `desired`'s order (removals
+    follow `actual`'s), so the same inputs always give the same plan.
+    """
+    removed = [name for name in actual if name not in desired]
+    # Only a loaded engine can move; a loading, failed or engine-less one is cheaper to redo.
+    movable = [name for name in removed if actual[name].state == "loaded"]
+
+    renames: list[Rename] = []
+    retargets: list[Retarget] = []
+    swaps: list[Swap] = []
+    loads: list[Load] = []
+    for name, config in desired.items():
+        current = actual.get(name)
+        if current is None:
+            settings = engine_settings(config)
+            old = next((o for o in movable if engine_settings(actual[o].config) == settings), None)
+            if old is None:
+                loads.append(Load(name, config))
+            else:
+                movable.remove(old)
+                renames.append(Rename(old, name, config))
+        elif current.state == "failed":
+            # Retried on every reconcile: the weights may have been fixed without a YAML change.
+            loads.append(Load(name, config))
+        elif current.state == "unloaded":
+            if config.load == "eager":
+                loads.append(Load(name, config))
+            elif config != current.config:
+                fields = ENGINE_FIELDS + ROUTING_FIELDS
+                retargets.append(Retarget(name, config, _diff(current.config, config, fields)))
+        else:
+            if engine_settings(config) != engine_settings(current.config):
+                swaps.append(Swap(name, config, _diff(current.config, config, ENGINE_FIELDS)))
+            # Also while a swap loads, so new aliases and defaults apply at once.
+            if _routing_settings(config) != _routing_settings(current.config):
+                changes = _diff(current.config, config, ROUTING_FIELDS)
+                retargets.append(Retarget(name, config, changes))
+
+    renamed = {rename.old for rename in renames}
+    unloads = [Unload(name) for name in removed if name not in renamed]
+    return [*unloads, *renames, *retargets, *swaps, *loads]
+
+
+def _diff(
+    old: BaseModel, new: BaseModel, fields: tuple[str, ...], prefix: str = ""
+) -> tuple[str, ...]:
+    """Readable `field old -> new` items, down to the changed keys of nested sections."""
+    changes: list[str] = []
+    for name in fields:
+        before, after = getattr(old, name), getattr(new, name)
+        if before == after:
+            continue
+        path = prefix + name
+        if name in _SECRET_FIELDS:
+            changes.append(f"{path} changed")
+        elif isinstance(before, BaseModel) and isinstance(after, BaseModel):
+            changes.extend(_diff(before, after, tuple(type(before).model_fields), f"{path}."))
+        else:
+            changes.append(f"{path} {_show(before)} -> {_show(after)}")
+    return tuple(changes)
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def describe(action: Action) -> str:
+    """One log line for an action, e.g. "swap 'smol': batch.max_batch_size 32 -> 16"."""
+    match action:
+        case Load(name, config):
+            return f"load {name!r} ({config.load})"
+        case Unload(name):
+            return f"unload {name!r}"
+        case Rename(old, new, _):
+            return f"rename {old!r} -> {new!r}"
+        case Swap(name, _, changes) | Retarget(name, _, changes):
+            verb = "swap" if isinstance(action, Swap) else "retarget"
+            return f"{verb} {name!r}: {'; '.join(changes)}" if changes else f"{verb} {name!r}"
