@@ -22,6 +22,7 @@ from mlxd.api.generation import (
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxd.engines.base import Delta, Event, Finished, GenerationRequest, TokenLogprob
 from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.registry.routes import ModelEntry
 
 blueprint = Blueprint("openai", __name__)
 
@@ -184,24 +185,26 @@ async def _guarded(events: AsyncIterator[Event]) -> AsyncIterator[Event | bytes]
 @blueprint.get("/v1/models")
 async def list_models() -> Any:
     routes = current_app.daemon.routes
-    created = int(current_app.daemon.started_at)
-    data = [
-        {"id": model_id, "object": "model", "created": created, "owned_by": "mlxd", "root": name}
-        for model_id, name in sorted(routes.ids.items())
-    ]
+    data = [_model_card(model_id, routes.models[name]) for model_id, name in routes.ids.items()]
     return {"object": "list", "data": data}
 
 
 @blueprint.get("/v1/models/<path:model_id>")
 async def get_model(model_id: str) -> Any:
-    entry = current_app.daemon.routes.entry(model_id)
-    created = int(current_app.daemon.started_at)
+    return _model_card(model_id, current_app.daemon.routes.entry(model_id))
+
+
+def _model_card(model_id: str, entry: ModelEntry) -> dict[str, Any]:
+    """OpenAI's model object, plus mlxd's own view: the model behind an alias and its state."""
     return {
         "id": model_id,
         "object": "model",
-        "created": created,
+        "created": int(current_app.daemon.started_at),
         "owned_by": "mlxd",
         "root": entry.name,
+        "kind": entry.config.kind,
+        "aliases": list(entry.config.aliases),
+        "state": entry.state,
     }
 
 

@@ -127,6 +127,7 @@ class LLMEngine:
             "weights_bytes": self.loaded.nbytes,
             "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,
+            "max_batch_size": self.config.batch.max_batch_size,
             "running": self.batcher.running,
             "waiting": self.batcher.waiting,
             "decode_steps": s.steps,

@@ -144,8 +144,8 @@ class Reconciler:
                 log.exception("model '%s': unexpected load failure", runtime.name)
             if runtime.loading is task:
                 runtime.loading, runtime.error = None, message
-                what = "keeps serving the previous engine" if runtime.engine else "is failed"
-                log.error("model '%s' failed to load (%s): %s", runtime.name, what, message)
+                kept = "; the previous engine keeps serving" if runtime.engine else ""
+                log.error("model '%s' failed to load%s: %s", runtime.name, kept, message)
                 self._publish()
             return
         if runtime.loading is not task or self.models.get(runtime.name) is not runtime:
@@ -198,9 +198,10 @@ class Reconciler:
         while in_use() + need > budget and idle:
             victim = idle.pop(0)
             log.info("memory budget: unloading idle model '%s' to make room", victim.name)
-            self._retire(victim, victim.engine)
+            drained = self._retire(victim, victim.engine)
             victim.engine = None
             self._publish()
+            await drained  # idle, so it closes at once; its memory counts until then
         if in_use() + need > budget:
             busy = ", ".join(rt.name for rt in self.models.values() if rt.engine) or "none"
             raise Unavailable(
@@ -240,11 +241,12 @@ class Reconciler:
 
     # -- draining ----------------------------------------------------------------------
 
-    def _retire(self, runtime: ModelRuntime, engine: Engine) -> None:
+    def _retire(self, runtime: ModelRuntime, engine: Engine) -> asyncio.Task:
         runtime.draining.append(engine)
         task = asyncio.create_task(self._drain(runtime, engine))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+        return task
 
     async def _drain(self, runtime: ModelRuntime, engine: Engine) -> None:
         deadline = time.monotonic() + self.server.drain_timeout

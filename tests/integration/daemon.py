@@ -30,6 +30,7 @@ class Daemon:
     process: subprocess.Popen
     config_path: Path
     log_path: Path
+    config: dict[str, Any]  # as first written, with the port filled in
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -62,7 +63,7 @@ def start_daemon(workdir: Path, config: dict[str, Any], *, timeout: float = 180)
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    daemon = Daemon(f"http://127.0.0.1:{port}", process, config_path, log_path)
+    daemon = Daemon(f"http://127.0.0.1:{port}", process, config_path, log_path, config)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
