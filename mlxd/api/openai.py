@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from quart import Blueprint, current_app
@@ -81,7 +81,20 @@ async def chat_completions() -> Any:
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await event_stream(_chat_chunks(events, head, include_usage))
+        opening = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        chunks = _stream(
+            events,
+            {**head, "object": "chat.completion.chunk"},
+            include_usage,
+            _chat_choice,
+            opening,
+        )
+        return await event_stream(chunks)
 
     result = await collect(events)
     choice = {
@@ -98,28 +111,16 @@ async def chat_completions() -> Any:
     }
 
 
-async def _chat_chunks(
-    events: AsyncIterator[Event], head: dict, include_usage: bool
-) -> AsyncIterator[bytes]:
-    head = {**head, "object": "chat.completion.chunk"}
-
-    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        extra = {"usage": None} if include_usage else {}
-        return _sse({**head, "choices": [choice], **extra})
-
-    yield chunk({"role": "assistant", "content": ""})
-    async for event in _guarded(events):
-        if isinstance(event, bytes):
-            yield event
-        elif isinstance(event, Delta):
-            logprobs = _chat_logprobs(event.logprobs) if event.logprobs else None
-            yield chunk({"content": event.text}, logprobs=logprobs)
-        else:
-            yield chunk({}, finish=event.reason)
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": usage(event)})
-    yield b"data: [DONE]\n\n"
+def _chat_choice(event: Event) -> dict[str, Any]:
+    if isinstance(event, Delta):
+        logprobs = _chat_logprobs(event.logprobs) if event.logprobs else None
+        return {
+            "index": 0,
+            "delta": {"content": event.text},
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
+    return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.reason}
 
 
 @blueprint.post("/v1/completions")
@@ -133,7 +134,10 @@ async def completions() -> Any:
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await event_stream(_completion_chunks(events, head, include_usage))
+        chunks = _stream(
+            events, {**head, "object": "text_completion"}, include_usage, _completion_choice
+        )
+        return await event_stream(chunks)
 
     result = await collect(events)
     choice = {
@@ -150,22 +154,30 @@ async def completions() -> Any:
     }
 
 
-async def _completion_chunks(
-    events: AsyncIterator[Event], head: dict, include_usage: bool
+def _completion_choice(event: Event) -> dict[str, Any]:
+    if isinstance(event, Delta):
+        logprobs = _completion_logprobs(event.logprobs) if event.logprobs else None
+        return {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+    return {"index": 0, "text": "", "logprobs": None, "finish_reason": event.reason}
+
+
+async def _stream(
+    events: AsyncIterator[Event],
+    head: dict,
+    include_usage: bool,
+    choice: Callable[[Event], dict],
+    opening: dict | None = None,
 ) -> AsyncIterator[bytes]:
-    head = {**head, "object": "text_completion"}
+    """OpenAI's SSE framing, shared by chat and text completions: one chunk per event, the
+    usage chunk when asked for, then `[DONE]`."""
+    extra = {"usage": None} if include_usage else {}
+    if opening is not None:
+        yield _sse({**head, "choices": [opening], **extra})
     async for event in _guarded(events):
         if isinstance(event, bytes):
             yield event
             continue
-        text, finish, logprobs = "", None, None
-        if isinstance(event, Delta):
-            text = event.text
-            logprobs = _completion_logprobs(event.logprobs) if event.logprobs else None
-        else:
-            finish = event.reason
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        yield _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+        yield _sse({**head, "choices": [choice(event)], **extra})
         if isinstance(event, Finished) and include_usage:
             yield _sse({**head, "choices": [], "usage": usage(event)})
     yield b"data: [DONE]\n\n"
