@@ -12,8 +12,8 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, openai
-from mlxd.api.errors import openai_error
+from mlxd.api import admin, anthropic, openai
+from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
 from mlxd.registry.watcher import reload_on_sighup, watch_config
@@ -34,6 +34,7 @@ def create_app(daemon: Daemon) -> Quart:
         MAX_CONTENT_LENGTH=server.max_request_bytes,
     )
     app.register_blueprint(openai.blueprint)
+    app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(admin.blueprint)
 
     @app.errorhandler(MlxdError)
@@ -77,7 +78,9 @@ def create_app(daemon: Daemon) -> Quart:
 
 
 def _render(error: MlxdError) -> Response:
-    return openai_error(error), error.status, error.headers
+    # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
+    render = anthropic_error if request.path.startswith("/v1/messages") else openai_error
+    return render(error), error.status, error.headers
 
 
 async def serve(app: Quart, host: str, port: int) -> None:

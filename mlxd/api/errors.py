@@ -32,6 +32,28 @@ def openai_error(error: MlxdError) -> dict[str, Any]:
     }
 
 
+ANTHROPIC_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "not_found": "not_found_error",
+    "request_too_large": "request_too_large",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "overloaded_error",
+    "server_error": "api_error",
+}
+
+
+def anthropic_error(error: MlxdError) -> dict[str, Any]:
+    """Anthropic's error body. The HTTP status stays the dialect-neutral one: "overloaded"
+    (a model still loading or failed to load) is 503 rather than Anthropic's fleet-wide 529;
+    the SDK retries both."""
+    return {
+        "type": "error",
+        "error": {"type": ANTHROPIC_TYPES.get(error.kind, "api_error"), "message": error.message},
+    }
+
+
 def from_validation_error(exc: ValidationError) -> InvalidRequest:
     """One readable message naming every bad field; `param` is the first of them."""
     problems, params = [], []

@@ -13,8 +13,27 @@ from quart import request
 
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
-from mlxd.engines.base import Delta, Event, Finished, SamplingParams, TokenLogprob
+from mlxd.engines.base import (
+    Delta,
+    Engine,
+    Event,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
+from mlxd.engines.prompt import template_supports_tools
 from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.parsers.base import (
+    OutputPart,
+    ReasoningPart,
+    StreamParser,
+    TextPart,
+    ToolCallArgs,
+    ToolCallStart,
+)
+from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
+from mlxd.registry.routes import ModelEntry
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -76,11 +95,66 @@ def sampling_params(
     )
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """Token log-probabilities riding alongside the parsed parts."""
+
+    items: list[TokenLogprob]
+
+
+Part = OutputPart | Logprobs | Finished
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
 @dataclass
 class Completion:
     text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: Finished | None = None
+
+    @property
+    def called_tools(self) -> bool:
+        return bool(self.tool_calls)
+
+
+def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest) -> StreamParser:
+    """How this response's text is read: tool calls (when the request offers tools) and
+    reasoning, per the model's `parsers` settings (routing-level: they apply without reload)."""
+    tool = None
+    if request.tools:
+        template = getattr(engine, "chat_template", None)
+        forced = request.tool_choice not in (None, "auto")
+        # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
+        # template that cannot render tools (mlxd prompts those in Hermes style).
+        if forced or not template_supports_tools(template):
+            name = "hermes"
+        else:
+            name = entry.config.parsers.tool_calls or "auto"
+        tool = make_tool_parser(name, template)
+    return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning))
+
+
+async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> AsyncIterator[Part]:
+    """The engine's text events read by `parser`; failures raise (see `raise_if_failed`)."""
+    async for event in events:
+        if isinstance(event, Delta):
+            for part in parser.feed(event.text):
+                yield part
+            if event.logprobs:
+                yield Logprobs(event.logprobs)
+        else:
+            for part in parser.finish():
+                yield part
+            raise_if_failed(event)
+            yield event
 
 
 def raise_if_failed(finished: Finished) -> None:
@@ -88,18 +162,24 @@ def raise_if_failed(finished: Finished) -> None:
         raise GenerationFailed(finished.error or "generation failed")
 
 
-async def collect(events: AsyncIterator[Event]) -> Completion:
-    """Drain an event stream into one result (the non-streaming responses)."""
+async def collect(parts: AsyncIterator[Part]) -> Completion:
+    """Drain parsed parts into one result (the non-streaming responses)."""
     result = Completion()
-    parts = []
-    async for event in events:
-        if isinstance(event, Delta):
-            parts.append(event.text)
-            result.logprobs.extend(event.logprobs or [])
-        else:
-            raise_if_failed(event)
-            result.finished = event
-    result.text = "".join(parts)
+    text, reasoning = [], []
+    async for part in parts:
+        if isinstance(part, TextPart):
+            text.append(part.text)
+        elif isinstance(part, ReasoningPart):
+            reasoning.append(part.text)
+        elif isinstance(part, ToolCallStart):
+            result.tool_calls.append(ToolCall(part.id, part.name))
+        elif isinstance(part, ToolCallArgs):
+            result.tool_calls[-1].arguments += part.fragment
+        elif isinstance(part, Logprobs):
+            result.logprobs.extend(part.items)
+        elif isinstance(part, Finished):
+            result.finished = part
+    result.text, result.reasoning = "".join(text), "".join(reasoning)
     return result
 
 

@@ -11,17 +11,22 @@ from quart import Blueprint, current_app
 
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
+    Logprobs,
+    Part,
     collect,
     event_stream,
     new_id,
+    output_parser,
     parse_body,
-    raise_if_failed,
+    parsed_events,
     sampling_params,
     usage,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxd.engines.base import Delta, Event, Finished, GenerationRequest, TokenLogprob
+from mlxd.engines.base import Finished, GenerationRequest, TokenLogprob
 from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallStart
+from mlxd.parsers.registry import compose
 from mlxd.registry.routes import ModelEntry
 
 blueprint = Blueprint("openai", __name__)
@@ -57,9 +62,45 @@ def _generation_request(
     return body.model, generation
 
 
-async def _submit(model_id: str, generation: GenerationRequest) -> AsyncIterator[Event]:
+async def _start(
+    model_id: str, generation: GenerationRequest, *, parse: bool = True
+) -> AsyncIterator[Part]:
+    """Submit to the model's engine; the events come back read by the model's parsers."""
+    entry = current_app.daemon.routes.entry(model_id)
     engine = await current_app.daemon.engine(model_id)
-    return await engine.submit(generation)
+    events = await engine.submit(generation)
+    parser = output_parser(entry, engine, generation) if parse else compose(None, None)
+    return parsed_events(parser, events)
+
+
+def _tool_choice(body: ChatCompletionRequest) -> str | dict[str, Any] | None:
+    """OpenAI's tool_choice in the internal form; a named tool must be one of `tools`."""
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        names = {t.get("function", {}).get("name") for t in body.tools or []}
+        if name not in names:
+            raise InvalidRequest(
+                f"tool_choice names '{name}', which is not in tools", param="tool_choice"
+            )
+        return {"name": name}
+    if choice == "required" and not body.tools:
+        raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
+    return choice
+
+
+def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"type": "json_object"}
+    spec = response_format.json_schema or {}
+    if not isinstance(spec.get("schema"), dict):
+        raise InvalidRequest(
+            "response_format json_schema needs json_schema.schema", param="response_format"
+        )
+    return {"type": "json_schema", "schema": spec["schema"]}
 
 
 @blueprint.post("/v1/chat/completions")
@@ -67,17 +108,21 @@ async def chat_completions() -> Any:
     body = await parse_body(ChatCompletionRequest)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format '{body.response_format.type}' is not supported yet",
-            param="response_format",
-        )
     top = (body.top_logprobs or 0) if body.logprobs else None
+    tool_choice = _tool_choice(body)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    model_id, generation = _generation_request(body, top, messages=messages, tools=body.tools)
-    events = await _submit(model_id, generation)
-    response_id, created = new_id("chatcmpl-"), int(time.time())
-    head = {"id": response_id, "created": created, "model": model_id}
+    model_id, generation = _generation_request(
+        body,
+        top,
+        messages=messages,
+        # "none" keeps tools out of the prompt altogether, so none can be called.
+        tools=None if tool_choice == "none" else body.tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_response_format(body),
+    )
+    parts = await _start(model_id, generation)
+    head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": model_id}
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -87,21 +132,26 @@ async def chat_completions() -> Any:
             "logprobs": None,
             "finish_reason": None,
         }
-        chunks = _stream(
-            events,
-            {**head, "object": "chat.completion.chunk"},
-            include_usage,
-            _chat_choice,
-            opening,
-        )
+        head = {**head, "object": "chat.completion.chunk"}
+        chunks = _stream(parts, head, include_usage, _chat_choices(), opening)
         return await event_stream(chunks)
 
-    result = await collect(events)
+    result = await collect(parts)
+    message: dict[str, Any] = {"role": "assistant", "content": result.text or None}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in result.tool_calls
+        ]
+    elif message["content"] is None:
+        message["content"] = ""
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": result.text},
+        "message": message,
         "logprobs": _chat_logprobs(result.logprobs) if top is not None else None,
-        "finish_reason": result.finished.reason,
+        "finish_reason": _finish_reason(result.finished, bool(result.tool_calls)),
     }
     return {
         **head,
@@ -111,16 +161,47 @@ async def chat_completions() -> Any:
     }
 
 
-def _chat_choice(event: Event) -> dict[str, Any]:
-    if isinstance(event, Delta):
-        logprobs = _chat_logprobs(event.logprobs) if event.logprobs else None
-        return {
-            "index": 0,
-            "delta": {"content": event.text},
-            "logprobs": logprobs,
-            "finish_reason": None,
-        }
-    return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.reason}
+def _finish_reason(finished: Finished, called_tools: bool) -> str:
+    return "tool_calls" if called_tools and finished.reason == "stop" else finished.reason
+
+
+def _chat_choices() -> Callable[[Part], dict[str, Any] | None]:
+    """Maps one response's parts to chunk choices (remembering whether a tool was called)."""
+    called = False
+
+    def choice(part: Part) -> dict[str, Any] | None:
+        nonlocal called
+        delta: dict[str, Any] = {}
+        logprobs = finish = None
+        if isinstance(part, TextPart):
+            delta = {"content": part.text}
+        elif isinstance(part, ReasoningPart):
+            delta = {"reasoning_content": part.text}
+        elif isinstance(part, ToolCallStart):
+            called = True
+            delta = {
+                "tool_calls": [
+                    {
+                        "index": part.index,
+                        "id": part.id,
+                        "type": "function",
+                        "function": {"name": part.name, "arguments": ""},
+                    }
+                ]
+            }
+        elif isinstance(part, ToolCallArgs):
+            delta = {
+                "tool_calls": [{"index": part.index, "function": {"arguments": part.fragment}}]
+            }
+        elif isinstance(part, Logprobs):
+            logprobs = _chat_logprobs(part.items)
+        elif isinstance(part, Finished):
+            finish = _finish_reason(part, called)
+        else:
+            return None  # ToolCallEnd: OpenAI has no chunk for it
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    return choice
 
 
 @blueprint.post("/v1/completions")
@@ -129,17 +210,17 @@ async def completions() -> Any:
     if body.echo or body.suffix:
         raise InvalidRequest("echo and suffix are not supported", param="echo")
     model_id, generation = _generation_request(body, body.logprobs, prompt=body.prompt)
-    events = await _submit(model_id, generation)
+    parts = await _start(model_id, generation, parse=False)
     head = {"id": new_id("cmpl-"), "created": int(time.time()), "model": model_id}
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(
-            events, {**head, "object": "text_completion"}, include_usage, _completion_choice
+            parts, {**head, "object": "text_completion"}, include_usage, _completion_choice
         )
         return await event_stream(chunks)
 
-    result = await collect(events)
+    result = await collect(parts)
     choice = {
         "index": 0,
         "text": result.text,
@@ -154,44 +235,40 @@ async def completions() -> Any:
     }
 
 
-def _completion_choice(event: Event) -> dict[str, Any]:
-    if isinstance(event, Delta):
-        logprobs = _completion_logprobs(event.logprobs) if event.logprobs else None
-        return {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}
-    return {"index": 0, "text": "", "logprobs": None, "finish_reason": event.reason}
+def _completion_choice(part: Part) -> dict[str, Any] | None:
+    if isinstance(part, TextPart):
+        return {"index": 0, "text": part.text, "logprobs": None, "finish_reason": None}
+    if isinstance(part, Logprobs):
+        logprobs = _completion_logprobs(part.items)
+        return {"index": 0, "text": "", "logprobs": logprobs, "finish_reason": None}
+    if isinstance(part, Finished):
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": part.reason}
+    return None
 
 
 async def _stream(
-    events: AsyncIterator[Event],
+    parts: AsyncIterator[Part],
     head: dict,
     include_usage: bool,
-    choice: Callable[[Event], dict],
+    choice: Callable[[Part], dict | None],
     opening: dict | None = None,
 ) -> AsyncIterator[bytes]:
-    """OpenAI's SSE framing, shared by chat and text completions: one chunk per event, the
-    usage chunk when asked for, then `[DONE]`."""
+    """OpenAI's SSE framing, shared by chat and text completions: one chunk per part, the
+    usage chunk when asked for, then `[DONE]`. A failure after the headers went out becomes
+    an error event."""
     extra = {"usage": None} if include_usage else {}
     if opening is not None:
         yield _sse({**head, "choices": [opening], **extra})
-    async for event in _guarded(events):
-        if isinstance(event, bytes):
-            yield event
-            continue
-        yield _sse({**head, "choices": [choice(event)], **extra})
-        if isinstance(event, Finished) and include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(event)})
-    yield b"data: [DONE]\n\n"
-
-
-async def _guarded(events: AsyncIterator[Event]) -> AsyncIterator[Event | bytes]:
-    """Events, with a failure after the headers went out turned into an OpenAI error event."""
     try:
-        async for event in events:
-            if isinstance(event, Finished):
-                raise_if_failed(event)
-            yield event
+        async for part in parts:
+            rendered = choice(part)
+            if rendered is not None:
+                yield _sse({**head, "choices": [rendered], **extra})
+            if isinstance(part, Finished) and include_usage:
+                yield _sse({**head, "choices": [], "usage": usage(part)})
     except MlxdError as exc:
         yield _sse(openai_error(exc))
+    yield b"data: [DONE]\n\n"
 
 
 @blueprint.get("/v1/models")

@@ -39,7 +39,15 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     stop: list[str] = field(default_factory=list)
+    # OpenAI-shaped tools: {"type": "function", "function": {name, description, parameters}}.
     tools: list[dict[str, Any]] | None = None
+    # None/"auto", "none", "required" (any tool) or {"name": ...} (that tool).
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}}.
+    response_format: dict[str, Any] | None = None
+    # Lower runs after higher: interactive requests 0, message batches -1.
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import ModelConfig
+from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
 from mlxd.engines.base import Event, Finished, GenerationRequest
+from mlxd.engines.prompt import render_chat
 from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.scheduler.batcher import ContinuousBatcher, Sequence
@@ -36,6 +39,9 @@ class LLMEngine:
         self.memory_bytes = loaded.nbytes + config.cache.ram
         self.last_used = time.monotonic()
         self._submitting = 0
+        self.chat_template: str | None = getattr(loaded.tokenizer, "chat_template", None)
+        self._constrainer_instance: Constrainer | None = None
+        self._constrainer_lock = threading.Lock()
 
     @classmethod
     async def load(cls, name: str, config: ModelConfig, path: Path) -> LLMEngine:
@@ -54,10 +60,11 @@ class LLMEngine:
         self._submitting += 1
         self.last_used = time.monotonic()
         try:
-            prompt_ids = await asyncio.to_thread(self.encode, request)
+            prompt_ids, processors = await asyncio.to_thread(self._prepare, request)
             max_tokens = self._admissible_max_tokens(request, prompt_ids)
             request = replace(request, max_tokens=max_tokens)
             sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
+            sequence.processors = processors
             self.batcher.submit(sequence)
         finally:
             self._submitting -= 1
@@ -75,10 +82,50 @@ class LLMEngine:
             if not sequence.done:  # the caller went away: free the slot at the next step
                 self.batcher.cancel(sequence)
 
+    def _prepare(self, request: GenerationRequest) -> tuple[list[int], list[GrammarProcessor]]:
+        """Prompt ids and the sequence's grammar processor; both can take a while."""
+        grammar = self._grammar(request)
+        if grammar is None:
+            return self.encode(request), []
+        try:
+            processor = make_processor(self._constrainer(), grammar, self.tokenizer.eos_token_ids)
+        except ValueError as exc:
+            raise InvalidRequest(f"cannot constrain the output: {exc}") from exc
+        return self.encode(request), [processor]
+
+    def _grammar(self, request: GenerationRequest) -> str | None:
+        """One mechanism for structured output: forced tool calls and response_format."""
+        choice = request.tool_choice
+        try:
+            if request.tools and (choice == "required" or isinstance(choice, dict)):
+                name = choice.get("name") if isinstance(choice, dict) else None
+                # Exactly one call: "required" is met by one, and small models given the
+                # option tend to repeat calls until max_tokens.
+                return self._constrainer().tool_call(request.tools, name)
+            response_format = request.response_format or {}
+            if response_format.get("type") == "json_object":
+                return self._constrainer().json_object()
+            if response_format.get("type") == "json_schema":
+                return self._constrainer().json_schema(response_format["schema"])
+        except ValueError as exc:
+            param = "tool_choice" if request.tools else "response_format"
+            raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
+        return None
+
+    def _constrainer(self) -> Constrainer:
+        # Built on first use (≈0.4 s): most models never see a structured-output request.
+        with self._constrainer_lock:
+            if self._constrainer_instance is None:
+                self._constrainer_instance = Constrainer(self.tokenizer)
+            return self._constrainer_instance
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(self.encode(request))
+
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
         if request.messages is not None:
-            ids = self._render_chat(request.messages, request.tools)
+            ids = render_chat(self.tokenizer, request.messages, request.tools, self.name)
         elif isinstance(request.prompt, str):
             ids = self.tokenizer.encode(request.prompt)
         else:
@@ -89,18 +136,6 @@ class LLMEngine:
         if not ids:
             raise InvalidRequest("prompt is empty", param="prompt")
         return ids
-
-    def _render_chat(self, messages: list[dict[str, Any]], tools: list | None) -> list[int]:
-        messages = [_text_only(m, self.name) for m in messages]
-        if not self.tokenizer.has_chat_template:
-            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
-            return self.tokenizer.encode(text + "assistant:")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True
-            )
-        except Exception as exc:  # jinja raises for shapes the template rejects
-            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
 
     def _admissible_max_tokens(self, request: GenerationRequest, prompt_ids: list[int]) -> int:
         limit = self.config.max_prompt_tokens
@@ -142,21 +177,3 @@ class LLMEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.batcher.close)
-
-
-def _text_only(message: dict[str, Any], model: str) -> dict[str, Any]:
-    """Flatten list content to a string: text models' templates expect plain strings."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    parts = []
-    for part in content:
-        kind = part.get("type")
-        if kind == "text":
-            parts.append(part.get("text", ""))
-        else:
-            raise InvalidRequest(
-                f"model '{model}' is a text model and does not take '{kind}' content",
-                param="messages",
-            )
-    return {**message, "content": "".join(parts)}

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -49,6 +49,8 @@ class Sequence:
     done: bool = False
     stops: StopMatcher | None = None
     detokenizer: Any = None
+    # Extra per-sequence logits processors (constrained decoding), built off the model thread.
+    processors: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -156,13 +158,22 @@ class ContinuousBatcher:
             if command == "close":
                 return False
             if command == "add":
-                self._waiting.append(sequence)
+                self._enqueue(sequence)
             elif command == "cancel" and not sequence.done:
                 self.stats.cancelled += 1
                 cancelled = Finished(
                     "cancelled", len(sequence.prompt_ids), sequence.completion_tokens
                 )
                 self._remove(sequence, cancelled)
+
+    def _enqueue(self, sequence: Sequence) -> None:
+        """FIFO within a priority; higher priorities (interactive) ahead of lower (batches)."""
+        priority = sequence.request.priority
+        for index, waiting in enumerate(self._waiting):
+            if waiting.request.priority < priority:
+                self._waiting.insert(index, sequence)
+                return
+        self._waiting.append(sequence)
 
     def _admit(self) -> None:
         # One prefill group at a time: the next starts once this one has its first tokens.
@@ -184,7 +195,8 @@ class ContinuousBatcher:
                 make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted
             ],
             logits_processors=[
-                make_sequence_processors(s.request.sampling, s.request.max_tokens) for s in admitted
+                make_sequence_processors(s.request.sampling, s.request.max_tokens) + s.processors
+                for s in admitted
             ],
         )
         for uid, sequence in zip(uids, admitted, strict=True):

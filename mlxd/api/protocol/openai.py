@@ -32,6 +32,7 @@ class StreamOptions(_Lenient):
 
 class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
 
 
 class SamplingFields(_Lenient):
@@ -76,7 +77,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
 
 

@@ -1,0 +1,240 @@
+"""Anthropic dialect: /v1/messages and /v1/messages/count_tokens.
+
+Requests become the same `GenerationRequest` as the OpenAI routes' and answers are rendered
+from the same parsed parts. Both responses are built from one sequence of Anthropic stream
+events, so a streamed and a non-streamed answer agree by construction. The `x-api-key` and
+`anthropic-version` headers Anthropic clients send are accepted and change nothing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from quart import Blueprint, current_app
+
+from mlxd.api.errors import anthropic_error
+from mlxd.api.generation import (
+    Part,
+    event_stream,
+    new_id,
+    output_parser,
+    parse_body,
+    parsed_events,
+    sampling_params,
+)
+from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest, prompt_fields
+from mlxd.engines.base import Engine, Finished, GenerationRequest
+from mlxd.errors import MlxdError
+from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
+from mlxd.registry.routes import ModelEntry
+
+blueprint = Blueprint("anthropic", __name__)
+
+# Proxies and clients drop connections that stay silent; prefilling a long prompt can.
+PING_INTERVAL_S = 10.0
+PING = {"type": "ping"}
+
+
+@blueprint.post("/v1/messages")
+async def messages() -> Any:
+    body = await parse_body(MessagesRequest)
+    entry = current_app.daemon.routes.entry(body.model)
+    generation = GenerationRequest(
+        request_id=new_id(""),
+        model=entry.name,
+        max_tokens=body.max_tokens,
+        sampling=sampling_params(
+            entry.config.defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k
+        ),
+        stop=body.stop_sequences or [],
+        **prompt_fields(body),
+    )
+    engine = await current_app.daemon.engine(body.model)
+    head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.model}
+    if body.stream:
+        # message_start reports the prompt's size before the first token exists.
+        input_tokens = await _count_prompt_tokens(engine, generation)
+        parts = await _start(entry, engine, generation)
+        return await event_stream(_keep_alive(_stream(parts, head, input_tokens), PING_INTERVAL_S))
+    parts = await _start(entry, engine, generation)
+    events = [event async for event in message_events(parts)]
+    *block_events, end = events
+    return {**head, "content": fold(block_events), **end["delta"], "usage": end["usage"]}
+
+
+@blueprint.post("/v1/messages/count_tokens")
+async def count_tokens() -> Any:
+    body = await parse_body(CountTokensRequest)
+    entry = current_app.daemon.routes.entry(body.model)
+    generation = GenerationRequest(
+        request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
+    )
+    engine = await current_app.daemon.engine(body.model)
+    return {"input_tokens": await _count_prompt_tokens(engine, generation)}
+
+
+async def _count_prompt_tokens(engine: Engine, request: GenerationRequest) -> int:
+    # TODO(lead): engine.count_prompt_tokens(request) once engines have it.
+    return len(await asyncio.to_thread(engine.encode, request))
+
+
+async def _start(
+    entry: ModelEntry, engine: Engine, request: GenerationRequest
+) -> AsyncIterator[Part]:
+    events = await engine.submit(request)
+    return parsed_events(output_parser(entry, engine, request), events)
+
+
+async def message_events(parts: AsyncIterator[Part]) -> AsyncIterator[dict[str, Any]]:
+    """The content-block events of one answer, then its `message_delta` (stop reason, usage).
+    Failures raise `MlxdError`."""
+    blocks = ContentBlocks()
+    async for part in parts:
+        if isinstance(part, Finished):
+            for event in blocks.close():
+                yield event
+            yield message_delta(part, blocks.called_tools)
+        else:
+            for event in blocks.feed(part):
+                yield event
+
+
+class ContentBlocks:
+    """Parsed output parts as Anthropic content-block events. A block opens with its first
+    part and closes when a part of another kind arrives; tool calls arrive one after another
+    (model output is linear text), so only one block is ever open."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open: tuple[str, int | None] | None = None  # (block type, tool call index)
+        self.called_tools = False
+
+    def feed(self, part: Part) -> list[dict[str, Any]]:
+        if isinstance(part, TextPart) and part.text:
+            return self._append(("text", None), {"type": "text_delta", "text": part.text})
+        if isinstance(part, ReasoningPart) and part.text:
+            delta = {"type": "thinking_delta", "thinking": part.text}
+            return self._append(("thinking", None), delta)
+        if isinstance(part, ToolCallStart):
+            self.called_tools = True
+            block = {"type": "tool_use", "id": part.id, "name": part.name, "input": {}}
+            return [*self.close(), *self._begin(("tool_use", part.index), block)]
+        if isinstance(part, ToolCallArgs):
+            delta = {"type": "input_json_delta", "partial_json": part.fragment}
+            return self._append(("tool_use", part.index), delta)
+        if isinstance(part, ToolCallEnd):
+            return self.close()
+        return []  # empty text, logprobs: nothing to say in this dialect
+
+    def close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.count - 1}]
+
+    def _append(self, key: tuple[str, int | None], delta: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        if self.open != key:
+            empty = {"text": {"text": ""}, "thinking": {"thinking": "", "signature": ""}}[key[0]]
+            events = [*self.close(), *self._begin(key, {"type": key[0], **empty})]
+        return [*events, {"type": "content_block_delta", "index": self.count - 1, "delta": delta}]
+
+    def _begin(self, key: tuple[str, int | None], block: dict[str, Any]) -> list[dict[str, Any]]:
+        self.open = key
+        self.count += 1
+        return [{"type": "content_block_start", "index": self.count - 1, "content_block": block}]
+
+
+def message_delta(finished: Finished, called_tools: bool) -> dict[str, Any]:
+    if finished.reason == "length":
+        reason = "max_tokens"
+    elif called_tools:
+        reason = "tool_use"
+    elif finished.stop_string is not None:
+        reason = "stop_sequence"
+    else:
+        reason = "end_turn"
+    return {
+        "type": "message_delta",
+        "delta": {
+            "stop_reason": reason,
+            "stop_sequence": finished.stop_string if reason == "stop_sequence" else None,
+        },
+        "usage": {
+            "input_tokens": finished.prompt_tokens,
+            "output_tokens": finished.completion_tokens,
+        },
+    }
+
+
+def fold(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content blocks from their stream events, accumulated as an SDK client does."""
+    blocks: list[dict[str, Any]] = []
+    arguments: dict[int, str] = {}
+    for event in events:
+        if event["type"] == "content_block_start":
+            blocks.append(dict(event["content_block"]))
+        elif event["type"] == "content_block_delta":
+            index, delta = event["index"], event["delta"]
+            if delta["type"] == "input_json_delta":
+                arguments[index] = arguments.get(index, "") + delta["partial_json"]
+            else:
+                field = "text" if delta["type"] == "text_delta" else "thinking"
+                blocks[index][field] += delta[field]
+        elif event["type"] == "content_block_stop" and event["index"] in arguments:
+            blocks[event["index"]]["input"] = json.loads(arguments[event["index"]])
+    return blocks
+
+
+async def _stream(
+    parts: AsyncIterator[Part], head: dict[str, Any], input_tokens: int
+) -> AsyncIterator[bytes]:
+    """Anthropic's SSE sequence; a failure after the headers went out becomes an error event."""
+    message = {
+        **head,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+    }
+    yield _sse({"type": "message_start", "message": message})
+    yield _sse(PING)  # as the real API does: the client knows it is live before prefill ends
+    try:
+        async for event in message_events(parts):
+            yield _sse(event)
+    except MlxdError as exc:
+        yield _sse(anthropic_error(exc))
+        return
+    yield _sse({"type": "message_stop"})
+
+
+async def _keep_alive(chunks: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
+    """`chunks`, with a ping whenever none was sent for `interval` seconds. The next chunk is
+    awaited in a task so that a ping never cancels (and so ends) the generation."""
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(chunks))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield _sse(PING)
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield chunk
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()  # the client went away: cancelling reaches the engine's sequence
+            await asyncio.wait({pending})
+        await chunks.aclose()
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {payload['type']}\ndata: {data}\n\n".encode()

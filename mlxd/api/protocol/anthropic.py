@@ -1,0 +1,231 @@
+"""Anthropic Messages request bodies, and their translation to mlxd's internal (OpenAI-shaped)
+messages and tools. Unknown fields (cache_control, citations, service_tier, ...) are ignored;
+known fields are checked strictly."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mlxd.errors import InvalidRequest
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class Base64Source(_Lenient):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(_Lenient):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Lenient):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(_Lenient):
+    """Earlier turns' reasoning, as clients send it back; not replayed to the model (chat
+    templates drop past reasoning too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _tool_needs_name(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs a name")
+        return self
+
+
+class CountTokensRequest(_Lenient):
+    """`POST /v1/messages/count_tokens`: everything that shapes the prompt."""
+
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    # Accepted for compatibility; whether a model reasons is its YAML `parsers.reasoning`.
+    thinking: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """`POST /v1/messages`."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] | None = None
+    stream: bool = False
+
+
+def prompt_fields(body: CountTokensRequest) -> dict[str, Any]:
+    """The `GenerationRequest` fields that make the prompt: messages, tools, tool choice."""
+    choice = tool_choice(body.tool_choice, body.tools)
+    return {
+        "messages": internal_messages(body.system, body.messages),
+        # "none" keeps the tools out of the prompt, as the OpenAI route does.
+        "tools": None if choice == "none" else internal_tools(body.tools),
+        "tool_choice": choice,
+        "parallel_tool_calls": not (
+            body.tool_choice and body.tool_choice.disable_parallel_tool_use
+        ),
+    }
+
+
+def internal_messages(
+    system: str | list[TextBlock] | None, messages: list[Message]
+) -> list[dict[str, Any]]:
+    """Anthropic turns as OpenAI-style messages: `system` leads; an assistant's tool_use
+    blocks become its `tool_calls`; each tool_result becomes a `tool` message, placed where it
+    stood among the user's blocks."""
+    result: list[dict[str, Any]] = []
+    system_text = system if isinstance(system, str) else "\n".join(b.text for b in system or [])
+    if system_text:
+        result.append({"role": "system", "content": system_text})
+    for message in messages:
+        if isinstance(message.content, str):
+            result.append({"role": message.role, "content": message.content})
+        elif message.role == "assistant":
+            result.append(_assistant(message.content))
+        else:
+            result.extend(_user(message.content))
+    return result
+
+
+def _assistant(blocks: list[ContentBlock]) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ToolUseBlock):
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": arguments},
+                }
+            )
+        elif not isinstance(block, ThinkingBlock):
+            raise InvalidRequest(
+                f"assistant messages cannot hold '{block.type}' blocks", param="messages"
+            )
+    message: dict[str, Any] = {"role": "assistant", "content": parts}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user(blocks: list[ContentBlock]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append({"type": "image", "source": block.source.model_dump()})
+        elif isinstance(block, ToolResultBlock):
+            if parts:
+                result.append({"role": "user", "content": parts})
+                parts = []
+            result.append(
+                {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
+            )
+        elif not isinstance(block, ThinkingBlock):
+            raise InvalidRequest(
+                f"user messages cannot hold '{block.type}' blocks", param="messages"
+            )
+    if parts:
+        result.append({"role": "user", "content": parts})
+    return result
+
+
+def _result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    text = content if isinstance(content, str) else "\n".join(b.text for b in content)
+    # Tool messages have no error flag; say it in the text so the model can react to it.
+    return f"Error: {text}" if block.is_error else text
+
+
+def internal_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    result = []
+    for tool in tools:
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        result.append({"type": "function", "function": function})
+    return result
+
+
+def tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> str | dict[str, Any] | None:
+    """Anthropic's tool_choice in the internal form: any → "required", tool → {"name"}."""
+    if choice is None:
+        return None
+    names = {tool.name for tool in tools or []}
+    if choice.type == "tool":
+        if choice.name not in names:
+            raise InvalidRequest(
+                f"tool_choice names '{choice.name}', which is not in tools", param="tool_choice"
+            )
+        return {"name": choice.name}
+    if choice.type == "any":
+        if not names:
+            raise InvalidRequest("tool_choice 'any' needs tools", param="tool_choice")
+        return "required"
+    return choice.type

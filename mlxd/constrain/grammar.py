@@ -1,0 +1,128 @@
+"""Grammars for constrained decoding, written for llguidance against one model's tokenizer.
+
+The methods return llguidance grammar strings; `make_processor` compiles one into a matcher per
+sequence (that is where an invalid schema surfaces, as ValueError).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.hf
+from llguidance import LLMatcher
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from transformers import PreTrainedTokenizerFast
+
+# JSON as `json.dumps` writes it, on one line. With llguidance's default (any whitespace between
+# tokens) small models can emit newlines or spaces until max_tokens instead of closing the object.
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+# Client tool schemas are documentation first: enforce what llguidance can, ignore the rest
+# (e.g. an unsupported `format`) rather than refusing a forced tool call.
+TOOL_ARGUMENT_OPTIONS: dict[str, Any] = {**JSON_OPTIONS, "lenient": True}
+
+TOOL_CALL_FORMATS = ("hermes",)
+
+
+class Constrainer:
+    """Per-engine grammar factory; holds the llguidance tokenizer (≈0.4 s to build, so once)."""
+
+    def __init__(self, tokenizer: TokenizerWrapper | PreTrainedTokenizerFast):
+        if isinstance(tokenizer, TokenizerWrapper):
+            hf_tokenizer, eos = tokenizer._tokenizer, sorted(tokenizer.eos_token_ids)
+        else:
+            hf_tokenizer, eos = tokenizer, [tokenizer.eos_token_id]
+        self.tokenizer: llguidance.LLTokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, eos_token=eos
+        )
+
+    def json_object(self) -> str:
+        """Any JSON object."""
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+
+    def json_schema(self, schema: dict[str, Any]) -> str:
+        """JSON valid under `schema`; keywords llguidance cannot enforce are an error."""
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        return LLMatcher.grammar_from_json_schema(
+            schema, overrides={**JSON_OPTIONS, "lenient": False}
+        )
+
+    def tool_call(
+        self,
+        tools: list[dict[str, Any]],
+        name: str | None = None,
+        format: str = "hermes",
+        parallel: bool = False,
+    ) -> str:
+        """A call of one of `tools` (or of the tool `name`) in the model's tool-call syntax.
+
+        `tools` are OpenAI-style {"type": "function", "function": {"name", "parameters"}}.
+        `parallel` allows further calls after the first, as the format separates them.
+        """
+        if format not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"tool-call format {format!r} cannot be constrained "
+                f"(supported: {', '.join(TOOL_CALL_FORMATS)})"
+            )
+        functions = _functions(tools)
+        if name is not None:
+            if name not in functions:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+            functions = {name: functions[name]}
+        call = {
+            "x-guidance": TOOL_ARGUMENT_OPTIONS,
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn_name}, "arguments": parameters},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for fn_name, parameters in functions.items()
+            ],
+        }
+        open_tag = self._literal("<tool_call>")
+        close_tag = self._literal("</tool_call>")
+        lark = "\n".join(
+            [
+                "%llguidance {}",
+                'start: call ("\\n" call)*' if parallel else "start: call",
+                f'call: {open_tag} "\\n" body "\\n" {close_tag}',
+                f"body: %json {json.dumps(call)}",
+            ]
+        )
+        return LLMatcher.grammar_from_lark(lark)
+
+    def _literal(self, text: str) -> str:
+        """`text` as a Lark grammar element: a special token where the tokenizer has one.
+
+        Special tokens never match quoted text in llguidance, so a model whose tokenizer has
+        `<tool_call>` as a special token could not emit it as a string literal.
+        """
+        ids = self.tokenizer.tokenize_str(text, parse_special=True)
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Tool name → parameters schema (any object when a tool declares none)."""
+    functions: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError("every tool needs a function with a name")
+        parameters = function.get("parameters") or {"type": "object"}
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tool {name!r}: parameters must be a JSON schema object")
+        functions[name] = parameters
+    if not functions:
+        raise ValueError("a constrained tool call needs at least one tool")
+    return functions

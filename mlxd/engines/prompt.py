@@ -1,0 +1,120 @@
+"""Chat messages (+ tools) → prompt token ids, with the model's own chat template.
+
+Tools go through the template's `tools=` when it knows about tools. A template without tool
+support (SmolLM2's, for one) gets the Hermes convention instead, the most widely trained
+one: tool signatures in the system prompt, calls as `<tool_call>{json}</tool_call>` and
+results as `<tool_response>` turns; the output is then parsed with the hermes parser.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxd.errors import InvalidRequest
+
+HERMES_SYSTEM = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, model: str
+) -> list[int]:
+    messages = [_flatten(m, model) for m in messages]
+    if not tokenizer.has_chat_template:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return tokenizer.encode(text + "assistant:")
+    uses_tools = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if uses_tools and template_supports_tools(tokenizer.chat_template):
+        messages = [_structured_calls(m) for m in messages]
+    elif uses_tools:
+        messages, tools = _hermes_messages(messages, tools or []), None
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+        )
+    except Exception as exc:  # jinja raises for shapes the template rejects
+        raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+
+
+def _flatten(message: dict[str, Any], model: str) -> dict[str, Any]:
+    """String content: text models' templates concatenate it."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind != "text":
+                raise InvalidRequest(
+                    f"model '{model}' is a text model and does not take '{kind}' content "
+                    "(images need a vlm model)",
+                    param="messages",
+                )
+            parts.append(part.get("text", ""))
+        content = "".join(parts)
+    return {**message, "content": content or ""}
+
+
+def _structured_calls(message: dict[str, Any]) -> dict[str, Any]:
+    # HF templates expect `arguments` as a mapping (they `tojson` it themselves).
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    decoded = []
+    for call in calls:
+        function = dict(call.get("function", {}))
+        function["arguments"] = _arguments(function.get("arguments"))
+        decoded.append({**call, "function": function})
+    return {**message, "tool_calls": decoded}
+
+
+def _hermes_messages(messages: list[dict[str, Any]], tools: list) -> list[dict[str, Any]]:
+    rendered = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {
+                        "name": call["function"]["name"],
+                        "arguments": _arguments(call["function"].get("arguments")),
+                    }
+                )
+                + "\n</tool_call>"
+                for call in message["tool_calls"]
+            )
+            text = f"{message['content']}\n{calls}" if message["content"] else calls
+            rendered.append({"role": "assistant", "content": text})
+        elif message["role"] == "tool":
+            result = f"<tool_response>\n{message['content']}\n</tool_response>"
+            rendered.append({"role": "user", "content": result})
+        else:
+            rendered.append({"role": message["role"], "content": message["content"]})
+    if tools:
+        signatures = "\n".join(json.dumps(tool) for tool in tools)
+        instructions = HERMES_SYSTEM.format(tools=signatures)
+        if rendered and rendered[0]["role"] == "system":
+            first = rendered[0]
+            rendered[0] = {**first, "content": f"{first['content']}\n\n{instructions}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": instructions})
+    return rendered
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments if arguments is not None else {}

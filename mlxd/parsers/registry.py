@@ -1,0 +1,101 @@
+"""Parser names (the YAML `parsers:` section) → parser instances, and chaining the two.
+
+Parsers keep per-response state: make new ones for every response (and every choice).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from mlxd.parsers.base import OutputPart, StreamParser, TextPart
+from mlxd.parsers.hermes import HermesParser
+from mlxd.parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
+from mlxd.parsers.mistral import MARKER as MISTRAL_MARKER
+from mlxd.parsers.mistral import MistralParser
+from mlxd.parsers.qwen3_coder import FUNCTION, Qwen3CoderParser
+from mlxd.parsers.qwen3_coder import OPEN as TOOL_CALL
+from mlxd.parsers.reasoning import ThinkParser
+
+TOOL_PARSERS: dict[str, Callable[[], StreamParser]] = {
+    "hermes": HermesParser,
+    "qwen": HermesParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
+REASONING_PARSERS: dict[str, Callable[[bool], StreamParser]] = {"think": ThinkParser}
+
+# Llama 3.1-3.3 templates describe calls as `{"name": function name, "parameters": dictionary …}`.
+_LLAMA3_INSTRUCTIONS = re.compile(r'"parameters":\s*dictionary')
+
+
+def detect_tool_format(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model, if any."""
+    template = chat_template or ""
+    if TOOL_CALL in template:
+        return "qwen3_coder" if FUNCTION in template else "hermes"
+    if MISTRAL_MARKER in template:
+        return "mistral"
+    if PYTHON_TAG in template or _LLAMA3_INSTRUCTIONS.search(template):
+        return "llama3_json"
+    return None
+
+
+def make_tool_parser(name: str | None, chat_template: str | None = None) -> StreamParser | None:
+    """A fresh tool-call parser; "auto" picks it from the chat template (None if it shows no
+    known format). Raises ValueError for an unknown name."""
+    if name == "auto":
+        name = detect_tool_format(chat_template)
+    if name is None:
+        return None
+    if name not in TOOL_PARSERS:
+        valid = ", ".join(["auto", *TOOL_PARSERS])
+        raise ValueError(f"unknown tool-call parser {name!r}; valid: {valid}")
+    return TOOL_PARSERS[name]()
+
+
+def make_reasoning_parser(name: str | None, starts_inside: bool = False) -> StreamParser | None:
+    """A fresh reasoning parser. `starts_inside`: the prompt already opened the think block
+    (see `reasoning.prompt_opens_reasoning`). Raises ValueError for an unknown name."""
+    if name is None:
+        return None
+    if name not in REASONING_PARSERS:
+        valid = ", ".join(REASONING_PARSERS)
+        raise ValueError(f"unknown reasoning parser {name!r}; valid: {valid}")
+    return REASONING_PARSERS[name](starts_inside)
+
+
+class _PassThrough:
+    def feed(self, text: str) -> list[OutputPart]:
+        return [TextPart(text)] if text else []
+
+    def finish(self) -> list[OutputPart]:
+        return []
+
+
+class _Chain:
+    """Reasoning first; the tool parser sees only the text outside the reasoning."""
+
+    def __init__(self, tool: StreamParser, reasoning: StreamParser) -> None:
+        self._tool = tool
+        self._reasoning = reasoning
+
+    def feed(self, text: str) -> list[OutputPart]:
+        return self._route(self._reasoning.feed(text))
+
+    def finish(self) -> list[OutputPart]:
+        return self._route(self._reasoning.finish()) + self._tool.finish()
+
+    def _route(self, parts: list[OutputPart]) -> list[OutputPart]:
+        out: list[OutputPart] = []
+        for part in parts:
+            out += self._tool.feed(part.text) if isinstance(part, TextPart) else [part]
+        return out
+
+
+def compose(tool: StreamParser | None, reasoning: StreamParser | None) -> StreamParser:
+    """One parser for a response: reasoning split off first, then tool calls in the text."""
+    if tool is not None and reasoning is not None:
+        return _Chain(tool, reasoning)
+    return tool or reasoning or _PassThrough()
