@@ -20,13 +20,12 @@ from mlxd.api.generation import (
     Part,
     event_stream,
     new_id,
-    output_parser,
     parse_body,
-    parsed_events,
     sampling_params,
+    start,
 )
 from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest, prompt_fields
-from mlxd.engines.base import Engine, Finished, GenerationRequest
+from mlxd.engines.base import Finished, GenerationRequest
 from mlxd.errors import MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.registry.routes import ModelEntry
@@ -38,11 +37,8 @@ PING_INTERVAL_S = 10.0
 PING = {"type": "ping"}
 
 
-@blueprint.post("/v1/messages")
-async def messages() -> Any:
-    body = await parse_body(MessagesRequest)
-    entry = current_app.daemon.routes.entry(body.model)
-    generation = GenerationRequest(
+def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> GenerationRequest:
+    return GenerationRequest(
         request_id=new_id(""),
         model=entry.name,
         max_tokens=body.max_tokens,
@@ -50,19 +46,37 @@ async def messages() -> Any:
             entry.config.defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k
         ),
         stop=body.stop_sequences or [],
+        priority=priority,
         **prompt_fields(body),
     )
+
+
+def _head(body: MessagesRequest) -> dict[str, Any]:
+    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.model}
+
+
+async def create_message(body: MessagesRequest, *, priority: int = 0) -> dict[str, Any]:
+    """One non-streamed Message for `body` (also how message batches run their requests)."""
+    entry = current_app.daemon.routes.entry(body.model)
     engine = await current_app.daemon.engine(body.model)
-    head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body.model}
-    if body.stream:
-        # message_start reports the prompt's size before the first token exists.
-        input_tokens = await _count_prompt_tokens(engine, generation)
-        parts = await _start(entry, engine, generation)
-        return await event_stream(_keep_alive(_stream(parts, head, input_tokens), PING_INTERVAL_S))
-    parts = await _start(entry, engine, generation)
-    events = [event async for event in message_events(parts)]
-    *block_events, end = events
-    return {**head, "content": fold(block_events), **end["delta"], "usage": end["usage"]}
+    parts = await start(entry, engine, _generation(body, entry, priority))
+    *block_events, end = [event async for event in message_events(parts)]
+    return {**_head(body), "content": fold(block_events), **end["delta"], "usage": end["usage"]}
+
+
+@blueprint.post("/v1/messages")
+async def messages() -> Any:
+    body = await parse_body(MessagesRequest)
+    if not body.stream:
+        return await create_message(body)
+    entry = current_app.daemon.routes.entry(body.model)
+    engine = await current_app.daemon.engine(body.model)
+    generation = _generation(body, entry)
+    # message_start reports the prompt's size before the first token exists.
+    input_tokens = await asyncio.to_thread(engine.count_prompt_tokens, generation)
+    parts = await start(entry, engine, generation)
+    chunks = _stream(parts, _head(body), input_tokens)
+    return await event_stream(_keep_alive(chunks, PING_INTERVAL_S))
 
 
 @blueprint.post("/v1/messages/count_tokens")
@@ -73,19 +87,7 @@ async def count_tokens() -> Any:
         request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
     )
     engine = await current_app.daemon.engine(body.model)
-    return {"input_tokens": await _count_prompt_tokens(engine, generation)}
-
-
-async def _count_prompt_tokens(engine: Engine, request: GenerationRequest) -> int:
-    # TODO(lead): engine.count_prompt_tokens(request) once engines have it.
-    return len(await asyncio.to_thread(engine.encode, request))
-
-
-async def _start(
-    entry: ModelEntry, engine: Engine, request: GenerationRequest
-) -> AsyncIterator[Part]:
-    events = await engine.submit(request)
-    return parsed_events(output_parser(entry, engine, request), events)
+    return {"input_tokens": await asyncio.to_thread(engine.count_prompt_tokens, generation)}
 
 
 async def message_events(parts: AsyncIterator[Part]) -> AsyncIterator[dict[str, Any]]:

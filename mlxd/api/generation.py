@@ -157,6 +157,16 @@ async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> A
             yield event
 
 
+async def start(
+    entry: ModelEntry, engine: Engine, request: GenerationRequest, *, parse: bool = True
+) -> AsyncIterator[Part]:
+    """Submit to `engine`; its events come back read by the model's parsers (or as plain
+    text when `parse` is False: raw completions)."""
+    events = await engine.submit(request)
+    parser = output_parser(entry, engine, request) if parse else compose(None, None)
+    return parsed_events(parser, events)
+
+
 def raise_if_failed(finished: Finished) -> None:
     if finished.reason == "error":
         raise GenerationFailed(finished.error or "generation failed")

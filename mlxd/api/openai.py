@@ -16,17 +16,15 @@ from mlxd.api.generation import (
     collect,
     event_stream,
     new_id,
-    output_parser,
     parse_body,
-    parsed_events,
     sampling_params,
+    start,
     usage,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxd.engines.base import Finished, GenerationRequest, TokenLogprob
 from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallStart
-from mlxd.parsers.registry import compose
 from mlxd.registry.routes import ModelEntry
 
 blueprint = Blueprint("openai", __name__)
@@ -65,12 +63,9 @@ def _generation_request(
 async def _start(
     model_id: str, generation: GenerationRequest, *, parse: bool = True
 ) -> AsyncIterator[Part]:
-    """Submit to the model's engine; the events come back read by the model's parsers."""
     entry = current_app.daemon.routes.entry(model_id)
     engine = await current_app.daemon.engine(model_id)
-    events = await engine.submit(generation)
-    parser = output_parser(entry, engine, generation) if parse else compose(None, None)
-    return parsed_events(parser, events)
+    return await start(entry, engine, generation, parse=parse)
 
 
 def _tool_choice(body: ChatCompletionRequest) -> str | dict[str, Any] | None:

@@ -336,3 +336,70 @@ def test_openai_routes_keep_their_error_shape(daemon: Daemon):
     response = httpx.post(f"{daemon.url}/v1/chat/completions", content=b"{not json", timeout=30)
     assert response.status_code == 400
     assert "type" not in response.json() and response.json()["error"]["type"]
+
+
+def test_message_batch_of_three_runs_to_completion(client: anthropic.Anthropic):
+    questions = ["What is the capital of France?", "Name a colour.", "Say hi."]
+    batch = client.messages.batches.create(
+        requests=[
+            {
+                "custom_id": f"q{i}",
+                "params": {
+                    "model": "smol",
+                    "max_tokens": 16,
+                    "messages": [{"role": "user", "content": q}],
+                },
+            }
+            for i, q in enumerate(questions)
+        ]
+    )
+    assert batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
+    deadline = time.monotonic() + 120
+    while batch.processing_status != "ended" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        batch = client.messages.batches.retrieve(batch.id)
+    assert batch.processing_status == "ended"
+    assert batch.request_counts.succeeded == 3
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert set(results) == {"q0", "q1", "q2"}
+    assert all(r.type == "succeeded" for r in results.values())
+    assert "Paris" in results["q0"].message.content[0].text
+    assert batch.id in [b.id for b in client.messages.batches.list()]
+
+
+def test_message_batch_cancel_and_errors(client: anthropic.Anthropic):
+    batch = client.messages.batches.create(
+        requests=[
+            {
+                "custom_id": "bad-model",
+                "params": {"model": "nope", "max_tokens": 8, "messages": FRANCE},
+            },
+            *(
+                {
+                    "custom_id": f"long{i}",
+                    "params": {"model": "smol", "max_tokens": 200, "messages": FRANCE},
+                }
+                for i in range(6)
+            ),
+        ]
+    )
+    canceled = client.messages.batches.cancel(batch.id)
+    assert canceled.processing_status in ("canceling", "ended")
+    deadline = time.monotonic() + 60
+    while batch.processing_status != "ended" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        batch = client.messages.batches.retrieve(batch.id)
+    counts = batch.request_counts
+    assert counts.processing == 0
+    assert counts.canceled + counts.errored + counts.succeeded == 7
+    assert counts.canceled >= 1
+
+
+def test_message_batch_validation(client: anthropic.Anthropic):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.batches.create(
+            requests=[{"custom_id": "a", "params": {"model": "smol", "messages": FRANCE}}]
+        )
+    assert "requests.0.params" in caught.value.message and "max_tokens" in caught.value.message
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.batches.retrieve("msgbatch_missing")
