@@ -75,29 +75,29 @@ class Constrainer:
             if name not in functions:
                 raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
             functions = {name: functions[name]}
-        call = {
-            "x-guidance": TOOL_ARGUMENT_OPTIONS,
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": fn_name}, "arguments": parameters},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for fn_name, parameters in functions.items()
-            ],
-        }
-        open_tag = self._literal("<tool_call>")
-        close_tag = self._literal("</tool_call>")
+        # The envelope is literal text; each tool's arguments are a grammar of their own, so
+        # that "$ref"s in its parameters resolve against the parameters schema.
+        alternatives = []
+        for i, fn_name in enumerate(functions):
+            prefix = json.dumps(fn_name, ensure_ascii=False) + ', "arguments": '
+            alternatives.append(f"{_lark_string(prefix)} @args_{i}")
+        head = _lark_string('\n{"name": ')
+        tail = _lark_string("}\n")
+        open_tag, close_tag = self._literal("<tool_call>"), self._literal("</tool_call>")
         lark = "\n".join(
             [
-                "%llguidance {}",
                 'start: call ("\\n" call)*' if parallel else "start: call",
-                f'call: {open_tag} "\\n" body "\\n" {close_tag}',
-                f"body: %json {json.dumps(call)}",
+                f"call: {open_tag} {head} ({' | '.join(alternatives)}) {tail} {close_tag}",
             ]
         )
-        return LLMatcher.grammar_from_lark(lark)
+        arguments = [
+            {
+                "name": f"args_{i}",
+                "json_schema": {**parameters, "x-guidance": TOOL_ARGUMENT_OPTIONS},
+            }
+            for i, parameters in enumerate(functions.values())
+        ]
+        return json.dumps({"grammars": [{"lark_grammar": lark}, *arguments]})
 
     def _literal(self, text: str) -> str:
         """`text` as a Lark grammar element: a special token where the tokenizer has one.
@@ -108,7 +108,11 @@ class Constrainer:
         ids = self.tokenizer.tokenize_str(text, parse_special=True)
         if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
-        return json.dumps(text)
+        return _lark_string(text)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -8,12 +8,14 @@ from collections.abc import Iterable
 import llguidance
 import mlx.core as mx
 import numpy as np
+from llguidance.mlx import apply_token_bitmask
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from mlxd.constrain.grammar import Constrainer
 
 log = logging.getLogger("mlxd.constrain")
 
+# llguidance's masking kernel is Metal-only; elsewhere the mask is unpacked with numpy.
 _METAL = mx.metal.is_available()
 
 
@@ -42,7 +44,8 @@ class GrammarProcessor:
         self._ended = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        # Start the forward pass now so that it overlaps the mask computation below.
+        # Where evaluation is asynchronous (GPUs) the forward pass now runs while the mask is
+        # computed below; on the CPU backend this evaluates it here instead of a moment later.
         mx.async_eval(logits)
         # mlx-lm passes the whole context, prompt included; the first call comes before any
         # generated token, and each later one brings the token(s) sampled since.
@@ -56,8 +59,6 @@ class GrammarProcessor:
         self._seen = tokens.shape[0]
         self._fill()
         if _METAL:
-            from llguidance.mlx import apply_token_bitmask
-
             return apply_token_bitmask(logits, self._bitmask)
         allowed = np.zeros(logits.shape[-1], dtype=np.bool_)
         n = min(logits.shape[-1], self._vocab_size)

@@ -70,7 +70,9 @@ def chat(loaded: LoadedModel, text: str) -> list[int]:
     return loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def generate(loaded: LoadedModel, items: list[tuple[list[int], Any]], max_tokens=60) -> list[str]:
+def generate(
+    loaded: LoadedModel, items: list[tuple[list[int], Any]], max_tokens: int = 60
+) -> list[str]:
     """Greedy texts for (prompt, processor or None), all in one BatchGenerator."""
     tokenizer = loaded.tokenizer
     generator = BatchGenerator(loaded.model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
@@ -218,6 +220,26 @@ def test_parallel_tool_calls(constrainer):
     assert matcher_accepts(constrainer, constrainer.tool_call([WEATHER, TIME]), one)
     assert not matcher_accepts(constrainer, constrainer.tool_call([WEATHER, TIME]), two)
     assert matcher_accepts(constrainer, constrainer.tool_call([WEATHER, TIME], parallel=True), two)
+
+
+def test_tool_parameters_with_refs(constrainer):
+    # Pydantic-made schemas point into their own "$defs": they must resolve within `parameters`.
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "$defs": {"City": {"enum": ["Oslo", "Paris"]}},
+                "type": "object",
+                "properties": {"city": {"$ref": "#/$defs/City"}},
+                "required": ["city"],
+            },
+        },
+    }
+    grammar = constrainer.tool_call([tool, TIME])
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    assert matcher_accepts(constrainer, grammar, call % "Oslo")
+    assert not matcher_accepts(constrainer, grammar, call % "Rome")
 
 
 def test_tool_call_tag_that_is_a_special_token():
