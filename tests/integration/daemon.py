@@ -38,6 +38,16 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/v1/status", timeout=10).json()
 
+    def wait_for_cancel(self, model: str, cancelled_before: int, timeout: float = 15) -> dict:
+        """Poll until `model` has freed every slot after one more cancellation; its stats."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.status()["models"][model]
+            if stats["running"] == 0 and stats["cancelled"] > cancelled_before:
+                break
+            time.sleep(0.2)
+        return stats
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -168,12 +168,7 @@ def test_aborted_stream_frees_its_slot(daemon: Daemon):
     with httpx.stream("POST", f"{daemon.url}/v1/messages", json=body, timeout=30) as response:
         deltas = (line for line in response.iter_lines() if "content_block_delta" in line)
         next(deltas), next(deltas)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        stats = daemon.status()["models"]["smol"]
-        if stats["running"] == 0 and stats["cancelled"] > cancelled_before:
-            break
-        time.sleep(0.2)
+    stats = daemon.wait_for_cancel("smol", cancelled_before)
     assert stats["running"] == 0 and stats["cancelled"] == cancelled_before + 1
 
 

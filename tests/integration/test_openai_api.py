@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -123,12 +122,7 @@ def test_aborted_stream_frees_its_slot(daemon: Daemon):
     ):
         lines = response.iter_lines()
         assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) >= 3
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        stats = daemon.status()["models"]["smol"]
-        if stats["running"] == 0 and stats["cancelled"] > cancelled_before:
-            break
-        time.sleep(0.2)
+    stats = daemon.wait_for_cancel("smol", cancelled_before)
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["cancelled"] == cancelled_before + 1
     assert stats["generated_tokens"] > 0
