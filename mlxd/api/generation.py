@@ -120,10 +120,6 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: Finished | None = None
 
-    @property
-    def called_tools(self) -> bool:
-        return bool(self.tool_calls)
-
 
 def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest) -> StreamParser:
     """How this response's text is read: tool calls (when the request offers tools) and

@@ -84,32 +84,31 @@ class LLMEngine:
 
     def _prepare(self, request: GenerationRequest) -> tuple[list[int], list[GrammarProcessor]]:
         """Prompt ids and the sequence's grammar processor; both can take a while."""
-        grammar = self._grammar(request)
-        if grammar is None:
-            return self.encode(request), []
         try:
-            processor = make_processor(self._constrainer(), grammar, self.tokenizer.eos_token_ids)
-        except ValueError as exc:
-            raise InvalidRequest(f"cannot constrain the output: {exc}") from exc
-        return self.encode(request), [processor]
+            grammar = self._grammar(request)
+            processors = (
+                []
+                if grammar is None
+                else [make_processor(self._constrainer(), grammar, self.tokenizer.eos_token_ids)]
+            )
+        except ValueError as exc:  # llguidance's message for a bad schema or grammar
+            param = "tool_choice" if request.tools else "response_format"
+            raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
+        return self.encode(request), processors
 
     def _grammar(self, request: GenerationRequest) -> str | None:
         """One mechanism for structured output: forced tool calls and response_format."""
         choice = request.tool_choice
-        try:
-            if request.tools and (choice == "required" or isinstance(choice, dict)):
-                name = choice.get("name") if isinstance(choice, dict) else None
-                # Exactly one call: "required" is met by one, and small models given the
-                # option tend to repeat calls until max_tokens.
-                return self._constrainer().tool_call(request.tools, name)
-            response_format = request.response_format or {}
-            if response_format.get("type") == "json_object":
-                return self._constrainer().json_object()
-            if response_format.get("type") == "json_schema":
-                return self._constrainer().json_schema(response_format["schema"])
-        except ValueError as exc:
-            param = "tool_choice" if request.tools else "response_format"
-            raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
+        if request.tools and (choice == "required" or isinstance(choice, dict)):
+            name = choice.get("name") if isinstance(choice, dict) else None
+            # Exactly one call: "required" is met by one, and small models given the
+            # option tend to repeat calls until max_tokens.
+            return self._constrainer().tool_call(request.tools, name)
+        response_format = request.response_format or {}
+        if response_format.get("type") == "json_object":
+            return self._constrainer().json_object()
+        if response_format.get("type") == "json_schema":
+            return self._constrainer().json_schema(response_format["schema"])
         return None
 
     def _constrainer(self) -> Constrainer:
