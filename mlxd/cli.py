@@ -75,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     log = logging.getLogger("mlxd")
     from mlxd.api.app import create_app, serve
+    from mlxd.api.auth import log_access
     from mlxd.config import load_config
     from mlxd.daemon import Daemon
 
@@ -88,5 +89,6 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port or settings.port or registry.server.port
     log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(registry.models))
     log.info("listening on http://%s:%d", host, port)
+    log_access(registry, host)
     asyncio.run(serve(create_app(Daemon(registry, Path(path))), host, port))
     return 0

@@ -35,6 +35,7 @@ class Daemon:
         self.routes = RouteTable()
         self.started_at = time.time()
         self.ready = False
+        self.draining = False  # shutting down: new requests get 503
         self.reconciler = Reconciler(registry.server, self._set_routes)
         self._reload_lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None

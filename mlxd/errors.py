@@ -36,6 +36,11 @@ class NotFound(MlxdError):
     kind = "not_found"
 
 
+class RequestTimedOut(MlxdError):
+    status = 408
+    kind = "timeout"
+
+
 class RequestTooLarge(MlxdError):
     status = 413
     kind = "request_too_large"

@@ -26,7 +26,9 @@ def _config_status() -> dict[str, Any]:
 async def health() -> Any:
     daemon = current_app.daemon
     states = {name: entry.state for name, entry in daemon.routes.models.items()}
-    if not daemon.ready:
+    if daemon.draining:
+        status, code = "draining", 503
+    elif not daemon.ready:
         status, code = "starting", 503
     elif any(state == "failed" for state in states.values()) or daemon.config.last_error:
         status, code = "degraded", 200

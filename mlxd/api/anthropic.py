@@ -2,8 +2,8 @@
 
 Requests become the same `GenerationRequest` as the OpenAI routes' and answers are rendered
 from the same parsed parts. Both responses are built from one sequence of Anthropic stream
-events, so a streamed and a non-streamed answer agree by construction. The `x-api-key` and
-`anthropic-version` headers Anthropic clients send are accepted and change nothing here.
+events, so a streamed and a non-streamed answer agree by construction. The `x-api-key` header
+Anthropic clients send is checked by `auth`; `anthropic-version` changes nothing.
 """
 
 from __future__ import annotations

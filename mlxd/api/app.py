@@ -12,7 +12,7 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, batches, openai
+from mlxd.api import admin, anthropic, auth, batches, openai, shutdown
 from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
@@ -33,6 +33,8 @@ def create_app(daemon: Daemon) -> Quart:
         BODY_TIMEOUT=60,
         MAX_CONTENT_LENGTH=server.max_request_bytes,
     )
+    app.inflight = shutdown.install(app)
+    auth.install(app)
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
@@ -85,14 +87,16 @@ def _render(error: MlxdError) -> Response:
 
 
 async def serve(app: Quart, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM."""
+    """Serve until SIGINT/SIGTERM, then drain (see `shutdown`)."""
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = LISTEN_BACKLOG
     config.accesslog = None
-    config.graceful_timeout = 5
-    stop = asyncio.Event()
+    # Requests have drained by the time the server stops; this only lets idle keep-alive
+    # connections and the last bytes of finished responses go.
+    config.graceful_timeout = 3
+    stopping = shutdown.Shutdown(app.daemon, app.inflight)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+        loop.add_signal_handler(sig, stopping.on_signal, sig)
+    await hypercorn_serve(app, config, shutdown_trigger=stopping.stop.wait)

@@ -15,6 +15,7 @@ OPENAI_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "rate_limit": "rate_limit_error",
+    "timeout": "timeout_error",
     "overloaded": "server_error",
     "server_error": "server_error",
 }
@@ -39,6 +40,7 @@ ANTHROPIC_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "rate_limit": "rate_limit_error",
+    "timeout": "timeout_error",
     "overloaded": "overloaded_error",
     "server_error": "api_error",
 }

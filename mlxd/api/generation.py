@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from quart import request
+from quart import current_app, request
 
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
@@ -23,7 +24,7 @@ from mlxd.engines.base import (
     TokenLogprob,
 )
 from mlxd.engines.prompt import template_supports_tools
-from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut
 from mlxd.parsers.base import (
     OutputPart,
     ReasoningPart,
@@ -157,10 +158,39 @@ async def start(
     entry: ModelEntry, engine: Engine, request: GenerationRequest, *, parse: bool = True
 ) -> AsyncIterator[Part]:
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
-    text when `parse` is False: raw completions)."""
+    text when `parse` is False: raw completions). Interactive requests are bounded by
+    `server.request_timeout`, queueing included; batch work (priority < 0) waits behind them
+    by design and is not."""
+    timeout = current_app.daemon.registry.server.request_timeout
+    deadline = asyncio.get_running_loop().time() + timeout
     events = await engine.submit(request)
+    if request.priority >= 0:
+        events = _until(deadline, timeout, events)
     parser = output_parser(entry, engine, request) if parse else compose(None, None)
     return parsed_events(parser, events)
+
+
+async def _until(
+    deadline: float, timeout: float, events: AsyncIterator[Event]
+) -> AsyncIterator[Event]:
+    """`events` until `deadline`; then the sequence is cancelled (its slot freed) and the
+    request fails with 408 (an error event once a stream has started)."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                # Timing out cancels the wait inside the engine's iterator, which cancels
+                # the sequence in the batcher.
+                event = await asyncio.wait_for(anext(events), max(deadline - loop.time(), 0))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestTimedOut(
+                    f"request did not finish within server.request_timeout ({timeout:g}s)"
+                ) from None
+            yield event
+    finally:
+        await events.aclose()
 
 
 def raise_if_failed(finished: Finished) -> None:

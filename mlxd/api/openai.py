@@ -9,6 +9,7 @@ from typing import Any
 
 from quart import Blueprint, current_app
 
+from mlxd.api import auth
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
     Logprobs,
@@ -268,8 +269,12 @@ async def _stream(
 
 @blueprint.get("/v1/models")
 async def list_models() -> Any:
-    routes = current_app.daemon.routes
-    data = [_model_card(model_id, routes.models[name]) for model_id, name in routes.ids.items()]
+    routes, caller = current_app.daemon.routes, auth.caller()
+    data = [
+        _model_card(model_id, routes.models[name])
+        for model_id, name in routes.ids.items()
+        if caller.may_use(name)
+    ]
     return {"object": "list", "data": data}
 
 
