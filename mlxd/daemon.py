@@ -89,6 +89,7 @@ class Daemon:
         while True:
             await asyncio.sleep(IDLE_SWEEP_S)
             self.reconciler.unload_idle(time.monotonic())
+            self.reconciler.restart_dead()
 
     async def close(self) -> None:
         if self._sweeper is not None:

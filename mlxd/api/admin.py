@@ -30,7 +30,7 @@ async def health() -> Any:
         status, code = "draining", 503
     elif not daemon.ready:
         status, code = "starting", 503
-    elif any(state == "failed" for state in states.values()) or daemon.config.last_error:
+    elif any(s in ("failed", "restarting") for s in states.values()) or daemon.config.last_error:
         status, code = "degraded", 200
     else:
         status, code = "ok", 200

@@ -18,6 +18,7 @@ from mlxd.engines.prompt import render_chat
 from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.scheduler.batcher import ContinuousBatcher, Sequence
+from mlxd.scheduler.faults import fault_processors, faults_from_env
 
 log = logging.getLogger("mlxd.engine")
 
@@ -42,6 +43,7 @@ class LLMEngine:
         self.chat_template: str | None = getattr(loaded.tokenizer, "chat_template", None)
         self._constrainer_instance: Constrainer | None = None
         self._constrainer_lock = threading.Lock()
+        self._faults = faults_from_env()  # tests only; empty unless MLXD_FAULT_INJECT is set
 
     @classmethod
     async def load(cls, name: str, config: ModelConfig, path: Path) -> LLMEngine:
@@ -94,7 +96,7 @@ class LLMEngine:
         except ValueError as exc:  # llguidance's message for a bad schema or grammar
             param = "tool_choice" if request.tools else "response_format"
             raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
-        return self.encode(request), processors
+        return self.encode(request), processors + fault_processors(self._faults, request)
 
     def _grammar(self, request: GenerationRequest) -> str | None:
         """One mechanism for structured output: forced tool calls and response_format."""
@@ -117,6 +119,11 @@ class LLMEngine:
             if self._constrainer_instance is None:
                 self._constrainer_instance = Constrainer(self.tokenizer)
             return self._constrainer_instance
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model thread died, if it did (the reconciler then restarts the engine)."""
+        return self.batcher.failure
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self.encode(request))

@@ -52,6 +52,8 @@ class ModelRuntime:
     error: str | None = None
     loading: asyncio.Task | None = None
     draining: list[Engine] = field(default_factory=list)
+    restarts: int = 0  # engines replaced after their model thread died
+    restarting: bool = False
 
     def observed(self) -> Actual:
         if self.loading is not None:
@@ -67,10 +69,15 @@ class ModelRuntime:
     @property
     def state(self) -> str:
         if self.engine is not None:
-            return "loaded"
+            return "restarting" if _dead(self.engine) else "loaded"
         if self.loading is not None:
-            return "loading"
+            return "restarting" if self.restarting else "loading"
         return "failed" if self.error is not None else "unloaded"
+
+
+def _dead(engine: Engine) -> bool:
+    # Only engines with a model thread have a `failure`.
+    return getattr(engine, "failure", None) is not None
 
 
 class Reconciler:
@@ -143,7 +150,7 @@ class Reconciler:
             if not isinstance(exc, MlxdError):
                 log.exception("model '%s': unexpected load failure", runtime.name)
             if runtime.loading is task:
-                runtime.loading, runtime.error = None, message
+                runtime.loading, runtime.error, runtime.restarting = None, message, False
                 kept = "; the previous engine keeps serving" if runtime.engine else ""
                 log.error("model '%s' failed to load%s: %s", runtime.name, kept, message)
                 self._publish()
@@ -153,6 +160,7 @@ class Reconciler:
             return
         previous = runtime.engine
         runtime.engine, runtime.built, runtime.error, runtime.loading = engine, config, None, None
+        runtime.restarting = False
         self._publish()
         log.info(
             "model '%s' %s in %.1fs (%s, %.0f MB)",
@@ -270,6 +278,20 @@ class Reconciler:
                 self._retire(runtime, engine)
                 self._publish()
 
+    def restart_dead(self) -> None:
+        """Replace engines whose model thread died (their requests have already failed)."""
+        for runtime in self.models.values():
+            if runtime.engine is None or not _dead(runtime.engine):
+                continue
+            log.error("model '%s': %s; restarting it", runtime.name, runtime.engine.failure)
+            runtime.error = runtime.engine.failure
+            runtime.restarts += 1
+            runtime.restarting = True
+            self._retire(runtime, runtime.engine)
+            runtime.engine = None
+            self._start_load(runtime)
+            self._publish()
+
     async def close(self) -> None:
         for runtime in self.models.values():
             self._cancel_load(runtime)
@@ -302,6 +324,7 @@ class Reconciler:
                 "aliases": [] if removed else list(runtime.config.aliases),
                 "error": runtime.error,
                 "draining": len(runtime.draining),
+                "restarts": runtime.restarts,
                 **(runtime.engine.stats() if runtime.engine is not None else {}),
             }
         return rows

@@ -10,7 +10,7 @@ from mlxd.config import ModelConfig
 from mlxd.engines.base import Engine
 from mlxd.errors import NotFound
 
-ModelState = Literal["loading", "loaded", "unloaded", "failed"]
+ModelState = Literal["loading", "loaded", "unloaded", "failed", "restarting"]
 
 # Routing-level settings (aliases, defaults, keys) live on the entry, not in the engine, so
 # changing them never touches an engine.

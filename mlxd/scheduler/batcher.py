@@ -22,7 +22,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxd.config import BatchConfig
 from mlxd.engines.base import Delta, Event, Finished, GenerationRequest
-from mlxd.errors import Overloaded
+from mlxd.errors import Overloaded, Unavailable
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
     make_sequence_processors,
@@ -51,6 +51,9 @@ class Sequence:
     detokenizer: Any = None
     # Extra per-sequence logits processors (constrained decoding), built off the model thread.
     processors: list[Any] = field(default_factory=list)
+    # Set when this sequence's own work (logits processors, detokenizer, stops) raised: it
+    # alone fails, after the step.
+    fault: str | None = None
 
 
 @dataclass
@@ -88,6 +91,8 @@ class ContinuousBatcher:
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
         self._generator: BatchGenerator | None = None
+        # Why the model thread died, if it did; the reconciler restarts the engine.
+        self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
         self._thread.start()
 
@@ -95,6 +100,11 @@ class ContinuousBatcher:
 
     def submit(self, sequence: Sequence) -> None:
         with self._lock:
+            if self.failure is not None:
+                raise Unavailable(
+                    f"model '{self.name}' is restarting after a failure: {self.failure}",
+                    headers={"Retry-After": "5"},
+                )
             if self._queued >= self.config.max_queue:
                 raise Overloaded(
                     f"model '{self.name}' has {self._queued} requests waiting "
@@ -102,7 +112,7 @@ class ContinuousBatcher:
                     headers={"Retry-After": "1"},
                 )
             self._queued += 1
-        self._inbox.put(("add", sequence))
+            self._inbox.put(("add", sequence))  # under the lock: never after a death's sweep
 
     def cancel(self, sequence: Sequence) -> None:
         self._inbox.put(("cancel", sequence))
@@ -122,15 +132,30 @@ class ContinuousBatcher:
     # -- model thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        # Streams belong to the thread that made them, so the generator is built here.
-        self._generator = self._new_generator()
-        while True:
-            idle = not self._running and not self._waiting
-            if not self._drain_inbox(block=idle):
-                break
-            self._admit()
-            if self._running:
-                self._step()
+        try:
+            # Streams belong to the thread that made them, so the generator is built here.
+            self._generator = self._new_generator()
+            while True:
+                idle = not self._running and not self._waiting
+                if not self._drain_inbox(block=idle):
+                    break
+                self._admit()
+                if self._running:
+                    self._step()
+        except BaseException as exc:
+            log.critical("model '%s': engine thread died", self.name, exc_info=True)
+            with self._lock:
+                self.failure = f"engine thread died: {type(exc).__name__}: {exc}"
+            # What was submitted before the death fails too (cancels no longer matter).
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    command, sequence = self._inbox.get_nowait()
+                    if command == "add":
+                        self._waiting.append(sequence)
+            self._fail_all(f"model '{self.name}' failed ({self.failure}); it is being restarted")
+            with self._lock:
+                self._queued = 0  # every queued sequence was just failed
+            return
         self._fail_all(f"model '{self.name}' was unloaded before this request finished")
 
     def _new_generator(self) -> BatchGenerator:
@@ -195,7 +220,11 @@ class ContinuousBatcher:
                 make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted
             ],
             logits_processors=[
-                make_sequence_processors(s.request.sampling, s.request.max_tokens) + s.processors
+                _guarded(
+                    s,
+                    make_sequence_processors(s.request.sampling, s.request.max_tokens)
+                    + s.processors,
+                )
                 for s in admitted
             ],
         )
@@ -227,9 +256,26 @@ class ContinuousBatcher:
         outbox: list[tuple[Sequence, Event]] = []
         for response in responses:
             sequence = self._running.get(response.uid)
-            if sequence is not None:
-                self._advance(sequence, response, outbox)
+            if sequence is None:
+                continue
+            if sequence.fault is None:
+                try:
+                    self._advance(sequence, response, outbox)
+                except Exception as exc:
+                    log.exception("model '%s': a sequence failed", self.name)
+                    sequence.fault = f"{type(exc).__name__}: {exc}"
+            if sequence.fault is not None and response.finish_reason is not None:
+                self._fail(sequence, outbox, still_in_generator=False)
+        for sequence in [s for s in self._running.values() if s.fault is not None]:
+            self._fail(sequence, outbox)
         self._deliver(outbox)
+
+    def _fail(self, sequence: Sequence, outbox: list, still_in_generator: bool = True) -> None:
+        """Fail one sequence whose own work raised; the rest of the batch goes on."""
+        self.stats.failed += 1
+        error = f"generation failed: {sequence.fault}"
+        event = Finished("error", len(sequence.prompt_ids), sequence.completion_tokens, error=error)
+        self._remove(sequence, event, outbox, still_in_generator)
 
     def _advance(self, sequence: Sequence, response: Any, outbox: list) -> None:
         token, finish = response.token, response.finish_reason
@@ -323,6 +369,26 @@ def prefill_group_size(
             break
         count, tokens = count + 1, tokens + length
     return count
+
+
+def _guarded(sequence: Sequence, processors: list[Any]) -> list[Any]:
+    """The sequence's logits processors as one that records an exception on the sequence
+    instead of raising it out of the batched step (which would fail every sequence)."""
+    if not processors:
+        return []  # no processors keeps mlx-lm's fast path
+
+    def process(tokens: Any, logits: Any) -> Any:
+        if sequence.fault is not None:
+            return logits
+        try:
+            for processor in processors:
+                logits = processor(tokens, logits)
+        except Exception as exc:
+            log.exception("logits processor of a sequence failed")
+            sequence.fault = f"{type(exc).__name__}: {exc}"
+        return logits
+
+    return [process]
 
 
 def _put_all(items: list[tuple[Sequence, Event]]) -> None:
