@@ -75,7 +75,9 @@ class ServerConfig(_Section):
         "unloaded least recently used first. Unset means no limit.",
     )
     request_timeout: Duration = Field(
-        600.0, description="Longest a single request may run before it is cancelled."
+        600.0,
+        description="Longest an interactive request may queue and run; beyond it the "
+        "sequence is cancelled and the caller gets 408 (an error event when streaming).",
     )
     drain_timeout: Duration = Field(
         30.0, description="On shutdown or model swap, how long in-flight requests may finish."
