@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,10 @@ class Sequence:
     detokenizer: Any = None
     # Extra per-sequence logits processors (constrained decoding), built off the model thread.
     processors: list[Any] = field(default_factory=list)
+    # Prefills the prompt itself on the model thread (a VLM's image prompt, whose input
+    # embeddings the token-only generator cannot take): returns the filled KV cache and the
+    # prompt ids still to feed (the last one), so the sequence then decodes in the shared batch.
+    prefill: Callable[[], tuple[list[Any], list[int]]] | None = None
 
 
 @dataclass
@@ -187,19 +192,22 @@ class ContinuousBatcher:
         )
         if count == 0:
             return
-        admitted = [self._waiting.popleft() for _ in range(count)]
+        admitted = self._prefilled([self._waiting.popleft() for _ in range(count)])
+        if not admitted:
+            return
         uids = self._generator.insert(
-            [s.prompt_ids for s in admitted],
-            max_tokens=[s.request.max_tokens for s in admitted],
+            [rest for _, rest, _ in admitted],
+            caches=[cache for _, _, cache in admitted],
+            max_tokens=[s.request.max_tokens for s, _, _ in admitted],
             samplers=[
-                make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted
+                make_sequence_sampler(s.request.sampling, self._vocab_size) for s, _, _ in admitted
             ],
             logits_processors=[
                 make_sequence_processors(s.request.sampling, s.request.max_tokens) + s.processors
-                for s in admitted
+                for s, _, _ in admitted
             ],
         )
-        for uid, sequence in zip(uids, admitted, strict=True):
+        for uid, (sequence, _, _) in zip(uids, admitted, strict=True):
             sequence.uid = uid
             sequence.stops = StopMatcher(sequence.request.stop)
             sequence.detokenizer = self.tokenizer.detokenizer
@@ -209,6 +217,28 @@ class ContinuousBatcher:
         # Only now: between the two counts a sequence must never look absent (drains read them).
         with self._lock:
             self._queued -= len(admitted)
+
+    def _prefilled(self, admitted: list[Sequence]) -> list[tuple[Sequence, list[int], Any]]:
+        """(sequence, prompt ids left to feed, KV cache or None) for each admitted sequence that
+        needs no prefill or whose own prefill worked; one that fails gets an error event."""
+        ready = []
+        for sequence in admitted:
+            if sequence.prefill is None:
+                ready.append((sequence, sequence.prompt_ids, None))
+                continue
+            try:
+                cache, rest = sequence.prefill()
+            except Exception as exc:
+                log.exception("model '%s': prompt prefill failed", self.name)
+                self.stats.failed += 1
+                with self._lock:
+                    self._queued -= 1
+                sequence.done = True
+                failed = Finished("error", len(sequence.prompt_ids), 0, error=f"prefill: {exc}")
+                self._deliver([(sequence, failed)])
+                continue
+            ready.append((sequence, rest, cache))
+        return ready
 
     def _step(self) -> None:
         try:
