@@ -225,3 +225,31 @@ def test_images_are_refused_by_a_text_only_model(oai, claude: anthropic.Anthropi
             messages=[{"role": "user", "content": [{"type": "image", "source": source}]}],
         )
     assert "does not accept images" in caught.value.body["error"]["message"]
+
+
+def test_anthropic_stream_equals_non_streaming(claude: anthropic.Anthropic):
+    source = {"type": "base64", "media_type": "image/png", "data": data_url(3).split(",")[1]}
+    request = {
+        "model": "vlm",
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}],
+        "extra_body": {"temperature": 0},
+    }
+    with claude.messages.stream(**request) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    reply = claude.messages.create(**request)
+    assert streamed == reply.content[0].text
+    assert final.usage.input_tokens == reply.usage.input_tokens
+
+
+def test_aborted_image_stream_frees_its_slot(daemon: Daemon, oai: openai.OpenAI):
+    cancelled_before = daemon.status()["models"]["vlm"]["cancelled"]
+    stream = oai.chat.completions.create(
+        model="vlm", max_tokens=1500, messages=openai_image(data_url(4)), stream=True
+    )
+    assert sum(1 for _, _ in zip(stream, range(4), strict=False)) == 4
+    stream.close()
+    stats = daemon.wait_for_cancel("vlm", cancelled_before)
+    assert stats["running"] == 0
+    assert stats["cancelled"] == cancelled_before + 1
