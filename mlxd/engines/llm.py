@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -62,11 +62,12 @@ class LLMEngine:
         self._submitting += 1
         self.last_used = time.monotonic()
         try:
-            prompt_ids, processors = await asyncio.to_thread(self._prepare, request)
+            prompt_ids, processors, prefill = await asyncio.to_thread(self._prepare, request)
             max_tokens = self._admissible_max_tokens(request, prompt_ids)
             request = replace(request, max_tokens=max_tokens)
             sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
             sequence.processors = processors
+            sequence.prefill = prefill
             self.batcher.submit(sequence)
         finally:
             self._submitting -= 1
@@ -84,8 +85,14 @@ class LLMEngine:
             if not sequence.done:  # the caller went away: free the slot at the next step
                 self.batcher.cancel(sequence)
 
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], list[GrammarProcessor]]:
-        """Prompt ids and the sequence's grammar processor; both can take a while."""
+    def _prepare(
+        self, request: GenerationRequest
+    ) -> tuple[list[int], list[GrammarProcessor], Callable[[], Any] | None]:
+        """Prompt ids, the sequence's grammar processor and its own prefill (None: the batcher
+        prefills the ids); all can take a while."""
+        return self.encode(request), self._processors(request), None
+
+    def _processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
         try:
             grammar = self._grammar(request)
             processors = (
@@ -96,7 +103,7 @@ class LLMEngine:
         except ValueError as exc:  # llguidance's message for a bad schema or grammar
             param = "tool_choice" if request.tools else "response_format"
             raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
-        return self.encode(request), processors + fault_processors(self._faults, request)
+        return processors + fault_processors(self._faults, request)
 
     def _grammar(self, request: GenerationRequest) -> str | None:
         """One mechanism for structured output: forced tool calls and response_format."""

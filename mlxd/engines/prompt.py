@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from mlxd.errors import InvalidRequest
+from mlxd.media import IMAGE_TYPES
 
 HERMES_SYSTEM = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -28,9 +29,17 @@ def template_supports_tools(chat_template: str | None) -> bool:
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, model: str
-) -> list[int]:
-    messages = [_flatten(m, model) for m in messages]
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list | None,
+    model: str,
+    *,
+    images: bool = False,
+    tokenize: bool = True,
+) -> Any:
+    """Prompt token ids (or text, `tokenize=False`). With `images` (vision models), image parts
+    stay in the content as `{"type": "image"}` for the template to mark their place."""
+    messages = [_with_images(m) if images else _flatten(m, model) for m in messages]
     if not tokenizer.has_chat_template:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return tokenizer.encode(text + "assistant:")
@@ -41,7 +50,7 @@ def render_chat(
         messages, tools = _hermes_messages(messages, tools or []), None
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=tokenize
         )
     except Exception as exc:  # jinja raises for shapes the template rejects
         raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
@@ -56,13 +65,30 @@ def _flatten(message: dict[str, Any], model: str) -> dict[str, Any]:
             kind = part.get("type")
             if kind != "text":
                 raise InvalidRequest(
-                    f"model '{model}' is a text model and does not take '{kind}' content "
-                    "(images need a vlm model)",
+                    f"model '{model}' is a text-only model and does not accept images or other "
+                    f"'{kind}' content (images need a `kind: vlm` model)",
                     param="messages",
                 )
             parts.append(part.get("text", ""))
         content = "".join(parts)
     return {**message, "content": content or ""}
+
+
+def _with_images(message: dict[str, Any]) -> dict[str, Any]:
+    """List content with images kept in place; text-only content flattened as for text models."""
+    content = message.get("content")
+    if not isinstance(content, list) or all(p.get("type") == "text" for p in content):
+        return _flatten(message, "")
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind in IMAGE_TYPES:
+            parts.append({"type": "image"})
+        else:
+            raise InvalidRequest(f"'{kind}' content is not supported", param="messages")
+    return {**message, "content": parts}
 
 
 def _structured_calls(message: dict[str, Any]) -> dict[str, Any]:

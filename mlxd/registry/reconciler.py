@@ -17,6 +17,7 @@ from pathlib import Path
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.engines.llm import LLMEngine
+from mlxd.engines.vlm import VLMEngine
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
 from mlxd.models.estimate import estimate_model_bytes
 from mlxd.models.sources import resolve_source
@@ -36,7 +37,7 @@ from mlxd.registry.routes import ModelEntry, RouteTable
 
 log = logging.getLogger("mlxd.reconcile")
 
-ENGINES: Mapping[str, type] = {"llm": LLMEngine}
+ENGINES: Mapping[str, type] = {"llm": LLMEngine, "vlm": VLMEngine}
 DRAIN_POLL_S = 0.05
 
 
@@ -183,6 +184,8 @@ class Reconciler:
         )
         need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, config.cache.ram)
         await self._make_room(need, runtime)
+        if config.kind == "vlm":  # images come from where the current server settings allow
+            return await engine_cls.load(runtime.name, config, path, server=lambda: self.server)
         return await engine_cls.load(runtime.name, config, path)
 
     async def _make_room(self, need: int, loading: ModelRuntime) -> None:

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,10 @@ class Sequence:
     # Set when this sequence's own work (logits processors, detokenizer, stops) raised: it
     # alone fails, after the step.
     fault: str | None = None
+    # Prefills the prompt itself on the model thread (a VLM's image prompt, whose input
+    # embeddings the token-only generator cannot take): returns the filled KV cache and the
+    # prompt ids still to feed (the last one), so the sequence then decodes in the shared batch.
+    prefill: Callable[[], tuple[list[Any], list[int]]] | None = None
 
 
 @dataclass
@@ -212,12 +217,15 @@ class ContinuousBatcher:
         )
         if count == 0:
             return
-        admitted = [self._waiting.popleft() for _ in range(count)]
+        admitted = self._prefilled([self._waiting.popleft() for _ in range(count)])
+        if not admitted:
+            return
         uids = self._generator.insert(
-            [s.prompt_ids for s in admitted],
-            max_tokens=[s.request.max_tokens for s in admitted],
+            [rest for _, rest, _ in admitted],
+            caches=[cache for _, _, cache in admitted],
+            max_tokens=[s.request.max_tokens for s, _, _ in admitted],
             samplers=[
-                make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted
+                make_sequence_sampler(s.request.sampling, self._vocab_size) for s, _, _ in admitted
             ],
             logits_processors=[
                 _guarded(
@@ -225,10 +233,10 @@ class ContinuousBatcher:
                     make_sequence_processors(s.request.sampling, s.request.max_tokens)
                     + s.processors,
                 )
-                for s in admitted
+                for s, _, _ in admitted
             ],
         )
-        for uid, sequence in zip(uids, admitted, strict=True):
+        for uid, (sequence, _, _) in zip(uids, admitted, strict=True):
             sequence.uid = uid
             sequence.stops = StopMatcher(sequence.request.stop)
             sequence.detokenizer = self.tokenizer.detokenizer
@@ -238,6 +246,28 @@ class ContinuousBatcher:
         # Only now: between the two counts a sequence must never look absent (drains read them).
         with self._lock:
             self._queued -= len(admitted)
+
+    def _prefilled(self, admitted: list[Sequence]) -> list[tuple[Sequence, list[int], Any]]:
+        """(sequence, prompt ids left to feed, KV cache or None) for each admitted sequence that
+        needs no prefill or whose own prefill worked; one that fails gets an error event."""
+        ready = []
+        for sequence in admitted:
+            if sequence.prefill is None:
+                ready.append((sequence, sequence.prompt_ids, None))
+                continue
+            try:
+                cache, rest = sequence.prefill()
+            except Exception as exc:
+                log.exception("model '%s': prompt prefill failed", self.name)
+                self.stats.failed += 1
+                with self._lock:
+                    self._queued -= 1
+                sequence.done = True
+                failed = Finished("error", len(sequence.prompt_ids), 0, error=f"prefill: {exc}")
+                self._deliver([(sequence, failed)])
+                continue
+            ready.append((sequence, rest, cache))
+        return ready
 
     def _step(self) -> None:
         try:

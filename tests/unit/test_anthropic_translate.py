@@ -75,7 +75,7 @@ def test_string_turns_pass_through():
     assert translate(turns) == turns
 
 
-def test_text_and_image_blocks_become_parts():
+def test_text_and_image_blocks_become_openai_image_parts():
     png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
     url = {"type": "url", "url": "https://example.com/cat.jpg"}
     blocks = [
@@ -88,8 +88,16 @@ def test_text_and_image_blocks_become_parts():
             "role": "user",
             "content": [
                 {"type": "text", "text": "Compare"},
-                {"type": "image", "source": png},
-                {"type": "image", "source": url},
+                {
+                    "type": "image_url",
+                    "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+                    "param": "messages[0].content[1]",
+                },
+                {
+                    "type": "image_url",
+                    "image_url": {"url": "https://example.com/cat.jpg"},
+                    "param": "messages[0].content[2]",
+                },
             ],
         }
     ]

@@ -135,13 +135,13 @@ def internal_messages(
     system_text = system if isinstance(system, str) else "\n".join(b.text for b in system or [])
     if system_text:
         result.append({"role": "system", "content": system_text})
-    for message in messages:
+    for index, message in enumerate(messages):
         if isinstance(message.content, str):
             result.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
             result.append(_assistant(message.content))
         else:
-            result.extend(_user(message.content))
+            result.extend(_user(message.content, index))
     return result
 
 
@@ -170,14 +170,14 @@ def _assistant(blocks: list[ContentBlock]) -> dict[str, Any]:
     return message
 
 
-def _user(blocks: list[ContentBlock]) -> list[dict[str, Any]]:
+def _user(blocks: list[ContentBlock], index: int) -> list[dict[str, Any]]:
     result: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    for block in blocks:
+    for position, block in enumerate(blocks):
         if isinstance(block, TextBlock):
             parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ImageBlock):
-            parts.append({"type": "image", "source": block.source.model_dump()})
+            parts.append(_image_part(block, f"messages[{index}].content[{position}]"))
         elif isinstance(block, ToolResultBlock):
             if parts:
                 result.append({"role": "user", "content": parts})
@@ -192,6 +192,17 @@ def _user(blocks: list[ContentBlock]) -> list[dict[str, Any]]:
     if parts:
         result.append({"role": "user", "content": parts})
     return result
+
+
+def _image_part(block: ImageBlock, param: str) -> dict[str, Any]:
+    """The internal (OpenAI-shaped) image part; `param` keeps the caller's place for errors."""
+    source = block.source
+    url = (
+        f"data:{source.media_type};base64,{source.data}"
+        if isinstance(source, Base64Source)
+        else source.url
+    )
+    return {"type": "image_url", "image_url": {"url": url}, "param": param}
 
 
 def _result_text(block: ToolResultBlock) -> str:

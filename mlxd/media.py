@@ -1,0 +1,170 @@
+"""Images named in chat messages: where they may come from, fetching, decoding, limits.
+
+One internal image part for both dialects: OpenAI's `{"type": "image_url", "image_url":
+{"url": ...}}` (Anthropic image blocks are translated into it). A part may carry `param`, the
+place the caller wrote it (e.g. `messages[0].content[1]`); error messages name that place.
+Sources: `data:` URLs; `http(s)` URLs only with `server.allow_remote_media`; local files
+(`file://` URLs or absolute paths) only under `server.media_dirs`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+from mlxd.config import ServerConfig
+from mlxd.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+IMAGE_TYPES = ("image_url", "image")
+# Decoded size cap: a small PNG can expand to gigabytes of pixels (decompression bombs).
+MAX_PIXELS = 64 * 1024 * 1024
+FETCH_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    allow_remote: bool
+    dirs: tuple[Path, ...]
+    max_bytes: int
+    timeout: float
+
+    @classmethod
+    def from_server(cls, server: ServerConfig) -> MediaPolicy:
+        return cls(
+            allow_remote=server.allow_remote_media,
+            dirs=tuple(d.resolve() for d in server.media_dirs),
+            max_bytes=int(server.max_image_bytes),
+            timeout=float(server.media_fetch_timeout),
+        )
+
+
+def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each image part of `messages` in prompt order, with the place it is named by."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if part.get("type") in IMAGE_TYPES:
+                yield part, part.get("param") or f"messages[{i}].content[{j}]"
+
+
+def has_images(messages: list[dict[str, Any]] | None) -> bool:
+    return any(True for _ in image_parts(messages or []))
+
+
+def load_images(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[Image]:
+    """The decoded (RGB) images of `messages`; any problem is a 400 naming the part."""
+    return [load_image(_url(part, param), policy, param) for part, param in image_parts(messages)]
+
+
+def _url(part: dict[str, Any], param: str) -> str:
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(f"{param}: image_url.url is missing", param=param)
+    return url
+
+
+def load_image(url: str, policy: MediaPolicy, param: str) -> Image:
+    scheme = urlparse(url).scheme.lower()
+    if scheme == "data":
+        data = _data_url(url, policy, param)
+    elif scheme in ("http", "https"):
+        data = _fetch(url, policy, param)
+    elif scheme == "file" or (not scheme and url.startswith("/")):
+        data = _local_file(url, policy, param)
+    else:
+        raise InvalidRequest(
+            f"{param}: images must be data:, http(s):, file:// URLs or absolute paths",
+            param=param,
+        )
+    return decode_image(data, param)
+
+
+def decode_image(data: bytes, param: str) -> Image:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.width * image.height > MAX_PIXELS:
+                raise InvalidRequest(
+                    f"{param}: image is {image.width}x{image.height} pixels; at most "
+                    f"{MAX_PIXELS} pixels are accepted",
+                    param=param,
+                )
+            return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequest(f"{param}: cannot decode the image: {exc}", param=param) from exc
+
+
+def _too_large(param: str, policy: MediaPolicy) -> InvalidRequest:
+    return InvalidRequest(
+        f"{param}: image is larger than {policy.max_bytes} bytes (server.max_image_bytes)",
+        param=param,
+    )
+
+
+def _data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise InvalidRequest(
+            f"{param}: data URLs must be base64 (data:<type>;base64,...)", param=param
+        )
+    if len(payload) * 3 // 4 > policy.max_bytes:
+        raise _too_large(param, policy)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest(f"{param}: invalid base64 image data: {exc}", param=param) from exc
+
+
+def _fetch(url: str, policy: MediaPolicy, param: str) -> bytes:
+    import httpx
+
+    if not policy.allow_remote:
+        raise InvalidRequest(
+            f"{param}: remote images are disabled (server.allow_remote_media)", param=param
+        )
+    deadline = time.monotonic() + policy.timeout
+    chunks, size = [], 0
+    try:
+        with (
+            httpx.Client(timeout=policy.timeout, follow_redirects=True) as client,
+            client.stream("GET", url) as response,
+        ):
+            response.raise_for_status()
+            for chunk in response.iter_bytes(FETCH_CHUNK):
+                size += len(chunk)
+                if size > policy.max_bytes:
+                    raise _too_large(param, policy)
+                if time.monotonic() > deadline:
+                    raise httpx.TimeoutException("total time exceeded")
+                chunks.append(chunk)
+    except httpx.HTTPError as exc:
+        raise InvalidRequest(f"{param}: cannot fetch {url}: {exc}", param=param) from exc
+    return b"".join(chunks)
+
+
+def _local_file(url: str, policy: MediaPolicy, param: str) -> bytes:
+    path = Path(unquote(urlparse(url).path) if url.startswith("file:") else url).resolve()
+    if not any(path.is_relative_to(d) for d in policy.dirs):
+        raise InvalidRequest(
+            f"{param}: {path} is not under a directory listed in server.media_dirs", param=param
+        )
+    try:
+        if path.stat().st_size > policy.max_bytes:
+            raise _too_large(param, policy)
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidRequest(f"{param}: cannot read {path}: {exc.strerror}", param=param) from exc
