@@ -25,7 +25,9 @@ def _config_status() -> dict[str, Any]:
 @blueprint.get("/health")
 async def health() -> Any:
     daemon = current_app.daemon
-    states = {name: entry.state for name, entry in daemon.routes.models.items()}
+    # Live runtime states: an engine whose thread just died is "restarting" before the route
+    # table is next published.
+    states = {name: runtime.state for name, runtime in daemon.reconciler.models.items()}
     if daemon.draining:
         status, code = "draining", 503
     elif not daemon.ready:

@@ -296,10 +296,13 @@ def test_a_dead_engine_thread_is_reported_and_restarted(fault_daemon: Daemon):
         )
     assert "engine thread died" in caught.value.message
     health = httpx.get(f"{daemon.url}/health").json()
-    assert health["models"]["smol"] == "restarting"
-    assert health["status"] == "degraded"
+    # The restart may already be done (a cached model reloads in about a second).
+    if health["models"]["smol"] != "loaded":
+        assert health["models"]["smol"] == "restarting"
+        assert health["status"] == "degraded"
     wait_for(lambda: httpx.get(f"{daemon.url}/health").json()["models"]["smol"] == "loaded")
     reply = oai(daemon).chat.completions.create(model="smol", messages=COUNT)
     assert reply.choices[0].message.content
     assert smol_stats(daemon)["restarts"] == 1
     assert "engine thread died" in daemon.log()
+    assert "restarting it" in daemon.log()
