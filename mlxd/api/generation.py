@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from quart import request
+from quart import current_app, request
 
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
@@ -56,6 +56,19 @@ async def parse_body(model: type[Body]) -> Body:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
+
+
+async def generation_engine(model_id: str) -> tuple[ModelEntry, Engine]:
+    """The route entry and engine for a generation request (chat, completion, message),
+    loading the model if needed. An embedding model cannot generate: 400 before any load."""
+    entry = current_app.daemon.routes.entry(model_id)
+    if entry.config.kind == "embedding":
+        raise InvalidRequest(
+            f"model '{model_id}' is of kind 'embedding': it serves /v1/embeddings, not text "
+            "generation",
+            param="model",
+        )
+    return entry, await current_app.daemon.engine(model_id)
 
 
 def new_id(prefix: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
+from mlxd.engines.embedding import EmbeddingEngine
 from mlxd.engines.llm import LLMEngine
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
 from mlxd.models.estimate import estimate_model_bytes
@@ -36,7 +37,7 @@ from mlxd.registry.routes import ModelEntry, RouteTable
 
 log = logging.getLogger("mlxd.reconcile")
 
-ENGINES: Mapping[str, type] = {"llm": LLMEngine}
+ENGINES: Mapping[str, type] = {"llm": LLMEngine, "embedding": EmbeddingEngine}
 DRAIN_POLL_S = 0.05
 
 
@@ -173,7 +174,8 @@ class Reconciler:
         path: Path = await asyncio.to_thread(
             resolve_source, config.source, model_name=runtime.name, cache_dir=cache_dir
         )
-        need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, config.cache.ram)
+        kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
+        need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
         await self._make_room(need, runtime)
         return await engine_cls.load(runtime.name, config, path)
 
