@@ -22,7 +22,9 @@ from mlx_embeddings.utils import load
 from mlx_lm.utils import dequantize_model
 from tokenizers import Tokenizer
 
+from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
+from mlxd.models.activations import use_rational_gelu
 from mlxd.models.loader import DTYPES, FLOAT_DTYPES, _stored_dtype, _target_dtype
 
 log = logging.getLogger("mlxd.models")
@@ -159,6 +161,8 @@ def load_embedding(path: Path, *, dtype: str = "auto", model_name: str) -> Loade
             model = dequantize_model(model)
             model.set_dtype(FLOAT_DTYPES[target])
         mx.eval(model.parameters())
+        if backend_name() == "cpu":
+            use_rational_gelu(model)  # the CPU's erf is the encoder's bottleneck
         hf = getattr(wrapper, "_tokenizer", wrapper)
         # A copy: tokenizer.json may pin padding/truncation (MiniLM pads everything to 128).
         tokenizer = Tokenizer.from_str(hf.backend_tokenizer.to_str())

@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from mlxd.api.protocol.openai import EmbeddingRequest
+from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
 from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
 from mlxd.scheduler.embedding_batcher import plan_batches
 
@@ -137,3 +139,14 @@ def test_encoding_format_and_dimensions_are_checked():
     with pytest.raises(ValidationError):
         EmbeddingRequest(model="m", input="x", dimensions=0)
     assert EmbeddingRequest(model="m", input="x", dimensions=8).dimensions == 8
+
+
+def test_rational_gelu_matches_the_exact_gelu():
+    x = mx.linspace(-12, 12, 100_001)
+    assert mx.abs(gelu_rational(x) - nn.gelu(x)).max().item() < 2e-6
+
+
+def test_only_exact_gelu_modules_are_swapped():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.GELU(approx="tanh"))
+    assert use_rational_gelu(model) == 1
+    assert [type(layer) for layer in model.layers] == [nn.Linear, RationalGELU, nn.GELU]
