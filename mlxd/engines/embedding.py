@@ -120,7 +120,7 @@ class EmbeddingEngine:
             "pooling": "+".join(self.loaded.pooling.modes)
             + ("+normalize" if self.loaded.pooling.normalize else ""),
             "max_batch_size": self.config.batch.max_batch_size,
-            "waiting": self.batcher.open_requests,
+            "in_flight": self.batcher.open_requests,  # requests taken and not yet answered
             "requests": s.requests,
             "inputs": s.inputs,
             "forward_passes": s.forward_passes,

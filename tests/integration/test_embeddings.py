@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
+import time
 from pathlib import Path
 
 import anthropic
@@ -37,6 +38,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "batch": {"max_batch_size": 64, "prefill_step_size": 8192},
             },
             "minilm-strict": {"kind": "embedding", "source": MINILM, "truncate": False},
+            # One input per pass: a big request takes long enough to be abandoned midway.
+            "minilm-slow": {"kind": "embedding", "source": MINILM, "batch": {"max_batch_size": 1}},
             # Never loaded: every request to it here is refused by kind first.
             "smol": {"source": SMOL_GGUF, "load": "lazy"},
         },
@@ -149,7 +152,7 @@ def test_concurrent_requests_share_forward_passes(daemon: Daemon):
     assert after["inputs"] - before["inputs"] == requests
     assert after["forward_passes"] - before["forward_passes"] < requests
     assert after["multi_request_passes"] > before["multi_request_passes"]
-    assert after["waiting"] == 0
+    assert after["in_flight"] == 0
 
 
 def test_requests_split_across_passes_come_back_in_order(daemon: Daemon, client):
@@ -224,8 +227,24 @@ def test_messages_with_an_embedding_model_is_400_in_anthropic_shape(daemon: Daem
         client.messages.count_tokens(model="minilm", messages=[{"role": "user", "content": "x"}])
 
 
+def test_an_abandoned_request_stops_computing(daemon: Daemon):
+    before = daemon.status()["models"]["minilm-slow"]
+    body = {"model": "minilm-slow", "input": [f"sentence {i} " + "word " * 60 for i in range(500)]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{daemon.url}/v1/embeddings", json=body, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = daemon.status()["models"]["minilm-slow"]
+        if stats["in_flight"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["in_flight"] == 0
+    assert stats["cancelled"] == before["cancelled"] + 1, stats
+    assert 0 < stats["forward_passes"] - before["forward_passes"] < 500
+
+
 def test_daemon_still_serves_after_the_bad_requests(client: openai.OpenAI, daemon: Daemon):
     assert embed(client, ["still alive"]).shape == (1, 384)
     stats = daemon.status()["models"]["minilm"]
     assert stats["failed"] == 0
-    assert stats["waiting"] == 0
+    assert stats["in_flight"] == 0
