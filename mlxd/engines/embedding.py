@@ -34,7 +34,9 @@ class EmbeddingEngine:
         # context_length, when set, lowers (or raises) the model's own input limit.
         self.max_length = config.context_length or loaded.max_length
         self.dimensions = loaded.dimensions
-        self.batcher = EmbeddingBatcher(name, loaded.forward, config.batch)
+        self.batcher = EmbeddingBatcher(
+            name, loaded.forward, config.batch, arriving=lambda: self._submitting
+        )
         self.memory_bytes = loaded.nbytes
         self.last_used = time.monotonic()
         self._submitting = 0
@@ -124,6 +126,7 @@ class EmbeddingEngine:
             "requests": s.requests,
             "inputs": s.inputs,
             "forward_passes": s.forward_passes,
+            "forward_seconds": round(s.forward_seconds, 3),
             "multi_request_passes": s.multi_request_passes,
             "max_batch_seen": s.max_batch_seen,
             "prompt_tokens": s.tokens,

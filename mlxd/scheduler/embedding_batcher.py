@@ -1,13 +1,13 @@
 """Coalesce concurrent embedding requests into batched forward passes on one model thread.
 
-An encoder pass over 32 short inputs costs little more than over one, so inputs from every
-waiting request are pooled: when the thread is idle it waits a short window for more requests,
-then takes a round of waiting inputs, sorts them by length (less padding) and cuts the round
-into forward passes of at most `batch.max_batch_size` inputs and `batch.prefill_step_size`
-padded tokens. A request with many inputs is split across passes; it is answered once all its
-vectors are in. Like the LLM batcher, the event loop talks to the thread only through the inbox
-and `loop.call_soon_threadsafe`.
-"""
+A pass over one short input is mostly fixed overhead (dozens of small ops, matmuls too thin to
+use the BLAS well), so inputs from every waiting request are pooled: when the thread is idle it
+takes a request, waits a few milliseconds for those already being tokenized, then takes a round
+of waiting inputs, sorts them by length (less padding) and cuts the round into forward passes of
+at most `batch.max_batch_size` inputs and `batch.prefill_step_size` padded tokens. A request with
+many inputs is split across passes; it is answered once all its vectors are in. Like the LLM
+batcher, the event loop talks to the thread only through the inbox and
+`loop.call_soon_threadsafe`."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ from mlxd.errors import MlxdError, Overloaded
 log = logging.getLogger("mlxd.scheduler")
 
 IDLE_POLL_S = 0.5
-# How long an idle thread waits for company before the first pass: short against a pass
-# (≈10–50 ms), long enough for a burst of concurrent requests to arrive together.
+# How long an idle thread waits for requests that are on their way (being tokenized) before
+# the first pass: short against a pass (≈10–50 ms), long enough for a burst of concurrent
+# requests to arrive together. With none on the way a lone request runs at once.
 COLLECT_WINDOW_S = 0.005
+COLLECT_POLL_S = 0.0005
 # Inputs planned together (sorted by length) per round, in multiples of max_batch_size.
 ROUND_BATCHES = 4
 
@@ -64,6 +66,7 @@ class EmbeddingStats:
     requests: int = 0
     inputs: int = 0
     forward_passes: int = 0
+    forward_seconds: float = 0.0  # time the model thread spent in passes
     # Passes that carried inputs of more than one request: proof the coalescing coalesces.
     multi_request_passes: int = 0
     max_batch_seen: int = 0
@@ -95,9 +98,12 @@ def plan_batches(lengths: list[int], *, max_batch_size: int, token_budget: int) 
 
 
 class EmbeddingBatcher:
-    def __init__(self, name: str, forward: Forward, batch: BatchConfig):
+    def __init__(
+        self, name: str, forward: Forward, batch: BatchConfig, arriving: Callable[[], int]
+    ):
         self.name = name
         self.forward = forward
+        self._arriving = arriving  # requests about to be submitted (e.g. being tokenized)
         self.config = batch
         self.stats = EmbeddingStats()
         self._inbox: queue.SimpleQueue[EmbeddingJob | None] = queue.SimpleQueue()
@@ -143,19 +149,22 @@ class EmbeddingBatcher:
         self._fail(list(self._active), f"model '{self.name}' was unloaded")
 
     def _collect(self) -> None:
-        """Move new jobs into the pending inputs; when idle, wait for one, then a short window
-        for more (unless a full pass is already there)."""
+        """Move new jobs into the pending inputs; when idle, wait for one, then up to a short
+        window for the requests on their way (unless a full pass is already there)."""
         if not self._pending:
             try:
                 self._take(self._inbox.get(timeout=IDLE_POLL_S))
             except queue.Empty:
                 return
             deadline = time.monotonic() + COLLECT_WINDOW_S
-            while not self._closing and len(self._pending) < self.config.max_batch_size:
-                try:
-                    self._take(self._inbox.get(timeout=max(deadline - time.monotonic(), 0)))
-                except queue.Empty:
-                    break
+            while (
+                not self._closing
+                and len(self._pending) < self.config.max_batch_size
+                and self._arriving() > 0
+                and time.monotonic() < deadline
+            ):
+                with contextlib.suppress(queue.Empty):
+                    self._take(self._inbox.get(timeout=COLLECT_POLL_S))
         self._drain_inbox()
 
     def _drain_inbox(self) -> None:
@@ -197,6 +206,7 @@ class EmbeddingBatcher:
         if not live:
             return
         batch = [job.inputs[index] for job, index in live]
+        started = time.perf_counter()
         try:
             vectors = self.forward(batch)
         except Exception as exc:  # one bad pass must not kill the engine
@@ -205,6 +215,7 @@ class EmbeddingBatcher:
             return
         s = self.stats
         s.forward_passes += 1
+        s.forward_seconds += time.perf_counter() - started
         s.inputs += len(batch)
         s.max_batch_seen = max(s.max_batch_seen, len(batch))
         s.tokens += sum(map(len, batch))
