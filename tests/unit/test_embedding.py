@@ -3,7 +3,9 @@ config reading and request validation."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,9 +15,15 @@ import pytest
 from pydantic import ValidationError
 
 from mlxd.api.protocol.openai import EmbeddingRequest
+from mlxd.config import BatchConfig
 from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
 from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
-from mlxd.scheduler.embedding_batcher import plan_batches
+from mlxd.scheduler.embedding_batcher import (
+    EmbeddingBatcher,
+    EmbeddingFailed,
+    EmbeddingJob,
+    plan_batches,
+)
 
 
 def test_batches_are_sorted_by_length_and_capped_by_count():
@@ -150,3 +158,59 @@ def test_only_exact_gelu_modules_are_swapped():
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.GELU(approx="tanh"))
     assert use_rational_gelu(model) == 1
     assert [type(layer) for layer in model.layers] == [nn.Linear, RationalGELU, nn.GELU]
+
+
+def _first_token(batch: list[list[int]]) -> np.ndarray:
+    """A stand-in encoder whose vector is the input's first token and length."""
+    return np.array([[ids[0], len(ids)] for ids in batch], dtype=np.float32)
+
+
+def test_batcher_splits_a_request_across_passes_and_keeps_its_order():
+    passes: list[int] = []
+
+    def forward(batch: list[list[int]]) -> np.ndarray:
+        passes.append(len(batch))
+        return _first_token(batch)
+
+    config = BatchConfig(max_batch_size=4, prefill_step_size=1000)
+    batcher = EmbeddingBatcher("t", forward, config, arriving=lambda: 0)
+    inputs = [[i] * (10 - i) for i in range(10)]  # longest first: sorting reorders them
+
+    async def submit() -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        job = EmbeddingJob(inputs, loop, loop.create_future())
+        batcher.submit(job)
+        return await job.future
+
+    try:
+        vectors = asyncio.run(submit())
+    finally:
+        batcher.close()
+    assert vectors.tolist() == [[i, 10 - i] for i in range(10)]
+    assert passes == [4, 4, 2]
+    assert batcher.stats.forward_passes == 3 and batcher.stats.inputs == 10
+    assert batcher.open_requests == 0
+
+
+def test_batcher_close_fails_what_is_still_open():
+    release = threading.Event()
+
+    def forward(batch: list[list[int]]) -> np.ndarray:
+        release.wait(5)
+        return _first_token(batch)
+
+    batcher = EmbeddingBatcher("t", forward, BatchConfig(max_batch_size=1), arriving=lambda: 0)
+
+    async def submit_then_close() -> None:
+        loop = asyncio.get_running_loop()
+        job = EmbeddingJob([[1], [2], [3]], loop, loop.create_future())
+        batcher.submit(job)
+        closing = asyncio.create_task(asyncio.to_thread(batcher.close))
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(EmbeddingFailed, match="unloaded"):
+            await job.future
+        await closing
+
+    asyncio.run(submit_then_close())
+    assert batcher.stats.failed == 1 and batcher.open_requests == 0
