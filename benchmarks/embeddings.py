@@ -57,6 +57,7 @@ class CaseResult:
     sentences: int
     seconds: float
     passes: int
+    forward_seconds: float  # model-thread time in passes
     failures: int
 
     @property
@@ -73,7 +74,7 @@ async def run_case(url: str, model: str, clients: int, batch: int, seconds: floa
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     async with client:
         await client.embeddings.create(model=model, input=[next(texts) for _ in range(batch)])
-        before = model_stats(url, model)["forward_passes"]
+        before = model_stats(url, model)
         done = {"requests": 0, "sentences": 0, "failures": 0}
         deadline = time.monotonic() + seconds
 
@@ -93,21 +94,31 @@ async def run_case(url: str, model: str, clients: int, batch: int, seconds: floa
         started = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(clients)))
         elapsed = time.monotonic() - started
-    passes = model_stats(url, model)["forward_passes"] - before
-    return CaseResult(clients, batch, **done, seconds=elapsed, passes=passes)
+    after = model_stats(url, model)
+    return CaseResult(
+        clients,
+        batch,
+        **done,
+        seconds=elapsed,
+        passes=after["forward_passes"] - before["forward_passes"],
+        forward_seconds=after["forward_seconds"] - before["forward_seconds"],
+    )
 
 
 HEADER = (
     f"{'clients':>7} {'batch':>5} {'requests':>8} {'sentences':>9} {'seconds':>7} "
-    f"{'sent/s':>8} {'passes':>6} {'inputs/pass':>11} {'fail':>4}"
+    f"{'sent/s':>8} {'passes':>6} {'inputs/pass':>11} {'ms/pass':>7} {'busy':>5} {'fail':>4}"
 )
 
 
 def row(r: CaseResult) -> str:
     per_pass = r.sentences / r.passes if r.passes else 0.0
+    ms_per_pass = 1000 * r.forward_seconds / r.passes if r.passes else 0.0
+    busy = r.forward_seconds / r.seconds if r.seconds else 0.0
     return (
         f"{r.clients:>7} {r.batch:>5} {r.requests:>8} {r.sentences:>9} {r.seconds:>7.1f} "
-        f"{r.rate:>8.1f} {r.passes:>6} {per_pass:>11.1f} {r.failures:>4}"
+        f"{r.rate:>8.1f} {r.passes:>6} {per_pass:>11.1f} {ms_per_pass:>7.1f} {busy:>5.0%} "
+        f"{r.failures:>4}"
     )
 
 
