@@ -54,7 +54,8 @@ class EmbeddingJob:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[np.ndarray]
     vectors: np.ndarray | None = None  # filled on the model thread
-    remaining: int = 0
+    taken: int = 0  # inputs handed to a round so far (model thread)
+    remaining: int = 0  # inputs without a vector yet (model thread)
     cancelled: bool = False  # set by the event loop when the caller goes away: inputs skipped
 
     def __post_init__(self) -> None:
@@ -107,9 +108,9 @@ class EmbeddingBatcher:
         self.config = batch
         self.stats = EmbeddingStats()
         self._inbox: queue.SimpleQueue[EmbeddingJob | None] = queue.SimpleQueue()
-        self._pending: deque[tuple[EmbeddingJob, int]] = deque()  # (job, input index)
         self._open = 0  # jobs submitted and not yet answered; guarded by _lock
-        # Model thread only: jobs taken and not yet answered, and whether close was asked.
+        # Model thread only: jobs taken and not yet answered (in arrival order), and whether
+        # close was asked.
         self._active: dict[EmbeddingJob, None] = {}
         self._closing = False
         self._lock = threading.Lock()
@@ -144,14 +145,14 @@ class EmbeddingBatcher:
         with mx.stream(stream):
             while not self._closing:
                 self._collect()
-                if self._pending and not self._closing:
+                if self._untaken() and not self._closing:
                     self._round()
         self._fail(list(self._active), f"model '{self.name}' was unloaded")
 
     def _collect(self) -> None:
         """Move new jobs into the pending inputs; when idle, wait for one, then up to a short
         window for the requests on their way (unless a full pass is already there)."""
-        if not self._pending:
+        if not self._untaken():
             try:
                 self._take(self._inbox.get(timeout=IDLE_POLL_S))
             except queue.Empty:
@@ -159,7 +160,7 @@ class EmbeddingBatcher:
             deadline = time.monotonic() + COLLECT_WINDOW_S
             while (
                 not self._closing
-                and len(self._pending) < self.config.max_batch_size
+                and self._untaken() < self.config.max_batch_size
                 and self._arriving() > 0
                 and time.monotonic() < deadline
             ):
@@ -180,16 +181,29 @@ class EmbeddingBatcher:
             return
         self.stats.requests += 1
         self._active[job] = None
-        self._pending.extend((job, index) for index in range(len(job.inputs)))
+
+    def _untaken(self) -> int:
+        return sum(len(job.inputs) - job.taken for job in self._active)
 
     def _round(self) -> None:
-        """Plan the oldest waiting inputs together and run them; new jobs wait for the next."""
+        """Plan waiting inputs together and run them; new jobs wait for the next round.
+
+        Inputs are taken round-robin across requests, so a request with thousands of inputs
+        does not hold back the short ones that arrive while it runs.
+        """
         limit = self.config.max_batch_size * ROUND_BATCHES
         round_: list[tuple[EmbeddingJob, int]] = []
-        while self._pending and len(round_) < limit:
-            job, index = self._pending.popleft()
-            if job in self._active and not self._drop_if_cancelled(job):
-                round_.append((job, index))
+        jobs = deque(
+            job
+            for job in list(self._active)
+            if not self._drop_if_cancelled(job) and job.taken < len(job.inputs)
+        )
+        while jobs and len(round_) < limit:
+            job = jobs.popleft()
+            round_.append((job, job.taken))
+            job.taken += 1
+            if job.taken < len(job.inputs):
+                jobs.append(job)
         lengths = [len(job.inputs[index]) for job, index in round_]
         for batch in plan_batches(
             lengths,

@@ -214,3 +214,31 @@ def test_batcher_close_fails_what_is_still_open():
 
     asyncio.run(submit_then_close())
     assert batcher.stats.failed == 1 and batcher.open_requests == 0
+
+
+def test_a_short_request_is_not_held_back_by_a_long_one():
+    passes: list[list[int]] = []
+
+    def forward(batch: list[list[int]]) -> np.ndarray:
+        passes.append([ids[0] for ids in batch])
+        return _first_token(batch)
+
+    config = BatchConfig(max_batch_size=4, prefill_step_size=1000)
+    # "Always one on its way": the thread waits its window, so both jobs start together.
+    batcher = EmbeddingBatcher("t", forward, config, arriving=lambda: 1)
+
+    async def submit_both() -> None:
+        loop = asyncio.get_running_loop()
+        long = EmbeddingJob([[1]] * 100, loop, loop.create_future())
+        short = EmbeddingJob([[2]], loop, loop.create_future())
+        batcher.submit(long)
+        batcher.submit(short)
+        await asyncio.gather(long.future, short.future)
+
+    try:
+        asyncio.run(submit_both())
+    finally:
+        batcher.close()
+    # The short request's input is in the first round (4 passes of 4), not after 25 passes.
+    assert 2 in [token for batch in passes[:4] for token in batch]
+    assert sum(map(len, passes)) == 101
