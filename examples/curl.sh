@@ -23,3 +23,8 @@ curl -sN "$URL/v1/chat/completions" -H 'content-type: application/json' -d '{
 curl -s "$URL/v1/completions" -H 'content-type: application/json' -d '{
   "model": "smol", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0
 }'; echo
+
+# Embeddings (the shipped config's all-MiniLM-L6-v2): 384 floats per input.
+curl -s "$URL/v1/embeddings" -H 'content-type: application/json' -d '{
+  "model": "text-embedding-3-small", "input": ["a cat", "a dog"], "dimensions": 8
+}'; echo

@@ -13,12 +13,13 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from quart import Blueprint, current_app
+from quart import Blueprint
 
 from mlxd.api.errors import anthropic_error
 from mlxd.api.generation import (
     Part,
     event_stream,
+    generation_engine,
     new_id,
     parse_body,
     sampling_params,
@@ -57,8 +58,7 @@ def _head(body: MessagesRequest) -> dict[str, Any]:
 
 async def create_message(body: MessagesRequest, *, priority: int = 0) -> dict[str, Any]:
     """One non-streamed Message for `body` (also how message batches run their requests)."""
-    entry = current_app.daemon.routes.entry(body.model)
-    engine = await current_app.daemon.engine(body.model)
+    entry, engine = await generation_engine(body.model)
     parts = await start(entry, engine, _generation(body, entry, priority))
     *block_events, end = [event async for event in message_events(parts)]
     return {**_head(body), "content": fold(block_events), **end["delta"], "usage": end["usage"]}
@@ -69,8 +69,7 @@ async def messages() -> Any:
     body = await parse_body(MessagesRequest)
     if not body.stream:
         return await create_message(body)
-    entry = current_app.daemon.routes.entry(body.model)
-    engine = await current_app.daemon.engine(body.model)
+    entry, engine = await generation_engine(body.model)
     generation = _generation(body, entry)
     # message_start reports the prompt's size before the first token exists.
     input_tokens = await asyncio.to_thread(engine.count_prompt_tokens, generation)
@@ -82,11 +81,10 @@ async def messages() -> Any:
 @blueprint.post("/v1/messages/count_tokens")
 async def count_tokens() -> Any:
     body = await parse_body(CountTokensRequest)
-    entry = current_app.daemon.routes.entry(body.model)
+    entry, engine = await generation_engine(body.model)
     generation = GenerationRequest(
         request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
     )
-    engine = await current_app.daemon.engine(body.model)
     return {"input_tokens": await asyncio.to_thread(engine.count_prompt_tokens, generation)}
 
 

@@ -12,7 +12,7 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, auth, batches, openai, shutdown
+from mlxd.api import admin, anthropic, auth, batches, embeddings, openai, shutdown
 from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
@@ -38,6 +38,7 @@ def create_app(daemon: Daemon) -> Quart:
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
+    app.register_blueprint(embeddings.blueprint)
     app.register_blueprint(admin.blueprint)
 
     @app.errorhandler(MlxdError)

@@ -59,6 +59,19 @@ async def parse_body(model: type[Body]) -> Body:
         raise from_validation_error(exc) from exc
 
 
+async def generation_engine(model_id: str) -> tuple[ModelEntry, Engine]:
+    """The route entry and engine for a generation request (chat, completion, message),
+    loading the model if needed. An embedding model cannot generate: 400 before any load."""
+    entry = current_app.daemon.routes.entry(model_id)
+    if entry.config.kind == "embedding":
+        raise InvalidRequest(
+            f"model '{model_id}' is of kind 'embedding': it serves /v1/embeddings, not text "
+            "generation",
+            param="model",
+        )
+    return entry, await current_app.daemon.engine(model_id)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 

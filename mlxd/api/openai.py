@@ -16,6 +16,7 @@ from mlxd.api.generation import (
     Part,
     collect,
     event_stream,
+    generation_engine,
     new_id,
     parse_body,
     sampling_params,
@@ -64,8 +65,7 @@ def _generation_request(
 async def _start(
     model_id: str, generation: GenerationRequest, *, parse: bool = True
 ) -> AsyncIterator[Part]:
-    entry = current_app.daemon.routes.entry(model_id)
-    engine = await current_app.daemon.engine(model_id)
+    entry, engine = await generation_engine(model_id)
     return await start(entry, engine, generation, parse=parse)
 
 

@@ -121,7 +121,11 @@ class ServerConfig(_Section):
 class BatchConfig(_Section):
     """Continuous-batching limits for one model."""
 
-    max_batch_size: int = Field(32, ge=1, description="Most sequences decoded together.")
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        description="Most sequences decoded together (embedding models: inputs per forward pass).",
+    )
     prefill_batch_size: int = Field(
         32, ge=1, description="Most waiting prompts prefilled together in one forward pass."
     )
@@ -130,7 +134,8 @@ class BatchConfig(_Section):
         ge=1,
         description="Prompt tokens processed per prefill step, across the prompts prefilled "
         "together; a longer prompt is prefilled alone in chunks of this size. Bounds how long "
-        "a prefill step stalls the running decoders.",
+        "a prefill step stalls the running decoders. Embedding models: padded tokens per "
+        "forward pass.",
     )
     max_queue: int = Field(
         128, ge=1, description="Requests that may wait for a slot; beyond it callers get 429."
@@ -222,6 +227,17 @@ class ModelConfig(_Section):
     )
     context_length: int | None = Field(
         None, ge=1, description="Override the context length from the model's own config."
+    )
+    truncate: bool = Field(
+        True,
+        description="Embedding models: cut inputs longer than the model's maximum length "
+        "(true) or reject them with 400 (false).",
+    )
+    max_inputs: int = Field(
+        2048,
+        ge=1,
+        description="Embedding models: most inputs in one /v1/embeddings request (OpenAI's "
+        "limit is 2048); more is a 400.",
     )
 
     @field_validator("aliases")

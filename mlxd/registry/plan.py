@@ -16,7 +16,17 @@ from mlxd.config import ModelConfig
 
 # Changing any of these needs a new engine; the rest only changes how requests reach it.
 ENGINE_FIELDS = ("kind", "source", "dtype", "batch", "cache", "context_length", "max_prompt_tokens")
-ROUTING_FIELDS = ("aliases", "api_keys", "defaults", "parsers", "load", "idle_ttl")
+ROUTING_FIELDS = (
+    "aliases",
+    "api_keys",
+    "defaults",
+    "parsers",
+    "load",
+    "idle_ttl",
+    # Embedding requests read these from the route entry: no new engine needed.
+    "truncate",
+    "max_inputs",
+)
 # Secrets: a log line says that they changed, never what to.
 _SECRET_FIELDS = frozenset({"api_keys"})
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
+from mlxd.engines.embedding import EmbeddingEngine
 from mlxd.engines.llm import LLMEngine
 from mlxd.engines.vlm import VLMEngine
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
@@ -37,7 +38,7 @@ from mlxd.registry.routes import ModelEntry, RouteTable
 
 log = logging.getLogger("mlxd.reconcile")
 
-ENGINES: Mapping[str, type] = {"llm": LLMEngine, "vlm": VLMEngine}
+ENGINES: Mapping[str, type] = {"llm": LLMEngine, "vlm": VLMEngine, "embedding": EmbeddingEngine}
 DRAIN_POLL_S = 0.05
 
 
@@ -182,7 +183,8 @@ class Reconciler:
         path: Path = await asyncio.to_thread(
             resolve_source, config.source, model_name=runtime.name, cache_dir=cache_dir
         )
-        need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, config.cache.ram)
+        kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
+        need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
         await self._make_room(need, runtime)
         if config.kind == "vlm":  # images come from where the current server settings allow
             return await engine_cls.load(runtime.name, config, path, server=lambda: self.server)

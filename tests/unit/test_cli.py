@@ -14,7 +14,7 @@ def check(path: Path) -> subprocess.CompletedProcess:
 def test_check_accepts_the_shipped_config():
     result = check(Path(__file__).parents[2] / "config" / "models.yaml")
     assert result.returncode == 0, result.stderr
-    assert "ok (1 models: smol)" in result.stdout
+    assert "ok (2 models: smol, minilm)" in result.stdout
 
 
 def test_check_reports_line_and_suggestion(tmp_path: Path):

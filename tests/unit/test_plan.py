@@ -58,6 +58,8 @@ ROUTING_CHANGES: dict[str, Any] = {
     "parsers": ParsersConfig(tool_calls="hermes"),
     "load": "lazy",
     "idle_ttl": 60.0,
+    "truncate": False,
+    "max_inputs": 16,
 }
 
 

@@ -96,3 +96,30 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("one prompt per request is supported")
             value = value[0]
         return value
+
+
+class EmbeddingRequest(_Lenient):
+    model: str = Field(min_length=1)
+    # Token ids are the model's own, without special tokens (the model adds those).
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if not value:
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and isinstance(value[0], str | list):
+            empty = next((i for i, item in enumerate(value) if not item), None)
+            if empty is not None:
+                raise ValueError(f"input[{empty}] is empty")
+        return value
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a list: one string or one token list becomes a list of one."""
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]
+        return value

@@ -1,0 +1,139 @@
+"""An embedding model: mlx-embeddings weights behind a request-coalescing batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxd.config import ModelConfig
+from mlxd.errors import InvalidRequest
+from mlxd.models.embedding import LoadedEmbedding, load_embedding
+from mlxd.scheduler.embedding_batcher import EmbeddingBatcher, EmbeddingJob
+
+EmbeddingInput = list[str] | list[list[int]]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: np.ndarray  # (inputs, dimensions) float32
+    prompt_tokens: int  # every token the model read, special tokens included
+
+
+class EmbeddingEngine:
+    kind = "embedding"
+
+    def __init__(self, name: str, config: ModelConfig, loaded: LoadedEmbedding):
+        self.name = name
+        self.config = config
+        self.loaded = loaded
+        # context_length, when set, lowers (or raises) the model's own input limit.
+        self.max_length = config.context_length or loaded.max_length
+        self.dimensions = loaded.dimensions
+        self.batcher = EmbeddingBatcher(
+            name, loaded.forward, config.batch, arriving=lambda: self._submitting
+        )
+        self.memory_bytes = loaded.nbytes
+        self.last_used = time.monotonic()
+        self._submitting = 0
+
+    @classmethod
+    async def load(cls, name: str, config: ModelConfig, path: Path) -> EmbeddingEngine:
+        loaded = await asyncio.to_thread(load_embedding, path, dtype=config.dtype, model_name=name)
+        return cls(name, config, loaded)
+
+    @property
+    def idle(self) -> bool:
+        return self._submitting == 0 and self.batcher.open_requests == 0
+
+    async def embed(
+        self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
+    ) -> Embeddings:
+        """Vectors of `inputs` (texts, or token ids without special tokens), L2-normalised
+        again after cutting them to `dimensions` when the model normalises."""
+        if dimensions is not None and dimensions > self.dimensions:
+            raise InvalidRequest(
+                f"dimensions is {dimensions}; model '{self.name}' has {self.dimensions}",
+                param="dimensions",
+            )
+        # Counted from the first line: a drain must see a request that already holds the engine.
+        self._submitting += 1
+        self.last_used = time.monotonic()
+        try:
+            token_ids = await asyncio.to_thread(self.tokenize, inputs, truncate)
+            loop = asyncio.get_running_loop()
+            job = EmbeddingJob(token_ids, loop, loop.create_future())
+            self.batcher.submit(job)
+        finally:
+            self._submitting -= 1
+        try:
+            vectors = await job.future
+        finally:
+            # The caller went away: the batcher skips its inputs.
+            job.cancelled = job.future.cancelled() or not job.future.done()
+            self.last_used = time.monotonic()
+        if dimensions is not None and dimensions < vectors.shape[1]:
+            vectors = vectors[:, :dimensions]
+            if self.loaded.pooling.normalize:
+                norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+                vectors = vectors / np.maximum(norms, 1e-12)
+        return Embeddings(vectors, sum(map(len, token_ids)))
+
+    def tokenize(self, inputs: EmbeddingInput, truncate: bool) -> list[list[int]]:
+        """Model inputs with special tokens, each at most `max_length` tokens; blocking."""
+        loaded = self.loaded
+        if inputs and isinstance(inputs[0], str):
+            encodings = loaded.tokenizer.encode_batch(inputs, add_special_tokens=False)
+            contents = [e.ids for e in encodings]
+        else:
+            contents = inputs
+            vocab = loaded.tokenizer.get_vocab_size()
+            for position, ids in enumerate(contents):
+                if any(not 0 <= t < vocab for t in ids):
+                    raise InvalidRequest(
+                        f"input[{position}]: token ids must be in [0, {vocab})", param="input"
+                    )
+        specials = len(loaded.prefix) + len(loaded.suffix)
+        room = self.max_length - specials
+        if not truncate:
+            for position, ids in enumerate(contents):
+                if len(ids) > room:
+                    raise InvalidRequest(
+                        f"input[{position}] is {len(ids) + specials} tokens; "
+                        f"model '{self.name}' accepts at most {self.max_length} "
+                        "(truncate: false)",
+                        param="input",
+                    )
+        return [[*loaded.prefix, *ids[:room], *loaded.suffix] for ids in contents]
+
+    def stats(self) -> dict[str, Any]:
+        s = self.batcher.stats
+        return {
+            "kind": self.kind,
+            "dtype": self.loaded.dtype,
+            "weights_bytes": self.loaded.nbytes,
+            "memory_bytes": self.memory_bytes,
+            "dimensions": self.dimensions,
+            "max_length": self.max_length,
+            "pooling": "+".join(self.loaded.pooling.modes)
+            + ("+normalize" if self.loaded.pooling.normalize else ""),
+            "max_batch_size": self.config.batch.max_batch_size,
+            "in_flight": self.batcher.open_requests,  # requests taken and not yet answered
+            "requests": s.requests,
+            "inputs": s.inputs,
+            "forward_passes": s.forward_passes,
+            "forward_seconds": round(s.forward_seconds, 3),
+            "multi_request_passes": s.multi_request_passes,
+            "max_batch_seen": s.max_batch_seen,
+            "prompt_tokens": s.tokens,
+            "padded_tokens": s.padded_tokens,
+            "cancelled": s.cancelled,
+            "failed": s.failed,
+        }
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.batcher.close)
