@@ -26,6 +26,7 @@ from mlxd.registry.plan import (
     Actual,
     Load,
     Rename,
+    Resize,
     Retarget,
     Swap,
     Unload,
@@ -109,6 +110,11 @@ class Reconciler:
             self.models[action.new] = runtime
         elif isinstance(action, Retarget):
             self.models[action.name].config = action.config
+        elif isinstance(action, Resize):
+            runtime = self.models[action.name]
+            runtime.config = action.config
+            runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
+            runtime.engine.resize_cache(action.config.cache)
         elif isinstance(action, Swap):
             runtime = self.models[action.name]
             runtime.config = action.config
@@ -175,7 +181,7 @@ class Reconciler:
         )
         need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, config.cache.ram)
         await self._make_room(need, runtime)
-        return await engine_cls.load(runtime.name, config, path)
+        return await engine_cls.load(runtime.name, config, path, cache_dir=cache_dir)
 
     async def _make_room(self, need: int, loading: ModelRuntime) -> None:
         """Unload idle models, least recently used first, until `need` fits the budget."""

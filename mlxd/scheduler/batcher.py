@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from mlxd.cache import Match, PrefixCache
 from mlxd.config import BatchConfig
 from mlxd.engines.base import Delta, Event, Finished, GenerationRequest
 from mlxd.errors import Overloaded
@@ -51,6 +53,9 @@ class Sequence:
     detokenizer: Any = None
     # Extra per-sequence logits processors (constrained decoding), built off the model thread.
     processors: list[Any] = field(default_factory=list)
+    # Prefix cache: the prompt's block keys, and the cached blocks it holds while it runs.
+    cache_keys: list[str] = field(default_factory=list)
+    cached: Match = field(default_factory=Match)
 
 
 @dataclass
@@ -73,8 +78,10 @@ class ContinuousBatcher:
         model: Any,
         tokenizer: Any,
         batch: BatchConfig,
+        cache: PrefixCache | None = None,
     ):
         self.name = name
+        self._cache = cache
         self.model = model
         self.tokenizer = tokenizer
         self.config = batch
@@ -179,18 +186,26 @@ class ContinuousBatcher:
         # One prefill group at a time: the next starts once this one has its first tokens.
         if self._prefilling:
             return
+        slots = max(self.config.max_batch_size - len(self._running), 0)
+        window = min(slots, self.config.prefill_batch_size)
+        candidates = list(itertools.islice(self._waiting, window))
+        matches = [self._match(s) for s in candidates]
         count = prefill_group_size(
-            [len(s.prompt_ids) for s in self._waiting],
-            slots=self.config.max_batch_size - len(self._running),
+            # With a cache hit only the uncached suffix is prefilled.
+            [len(s.prompt_ids) - m.tokens for s, m in zip(candidates, matches, strict=True)],
+            slots=slots,
             max_prompts=self.config.prefill_batch_size,
             token_budget=self.config.prefill_step_size,
         )
         if count == 0:
             return
         admitted = [self._waiting.popleft() for _ in range(count)]
+        caches = [self._reuse(s, m) for s, m in zip(admitted, matches, strict=False)]
         uids = self._generator.insert(
-            [s.prompt_ids for s in admitted],
+            [s.prompt_ids[s.cached.tokens :] for s in admitted],
             max_tokens=[s.request.max_tokens for s in admitted],
+            caches=caches,
+            all_tokens=[s.prompt_ids[: s.cached.tokens] for s in admitted],
             samplers=[
                 make_sequence_sampler(s.request.sampling, self._vocab_size) for s in admitted
             ],
@@ -228,6 +243,8 @@ class ContinuousBatcher:
         for response in responses:
             sequence = self._running.get(response.uid)
             if sequence is not None:
+                if response.uid in self._prefilling:
+                    self._store_prefix(sequence, response)
                 self._advance(sequence, response, outbox)
         self._deliver(outbox)
 
@@ -266,6 +283,8 @@ class ContinuousBatcher:
         if sequence.done:
             return
         sequence.done = True
+        if self._cache is not None and sequence.cached.blocks:
+            self._cache.release(sequence.cached.blocks)
         if sequence.uid is None:
             try:
                 self._waiting.remove(sequence)
@@ -292,6 +311,33 @@ class ContinuousBatcher:
             )
             self._remove(sequence, event, outbox, still_in_generator=False)
         self._deliver(outbox)
+
+    # -- prefix cache (mlxd.cache) ---------------------------------------------------------
+
+    def _match(self, sequence: Sequence) -> Match:
+        if self._cache is None or not sequence.cache_keys:
+            return Match()
+        return self._cache.match(sequence.prompt_ids, sequence.cache_keys)
+
+    def _reuse(self, sequence: Sequence, match: Match) -> list[Any] | None:
+        """The KV cache to start the sequence's prefill from (None: from scratch)."""
+        if self._cache is None:
+            return None
+        sequence.cached = match
+        return self._cache.acquire(match) or None
+
+    def _store_prefix(self, sequence: Sequence, response: Any) -> None:
+        """On a sequence's first token its whole prompt is in its KV: keep the new blocks."""
+        keys = sequence.cache_keys
+        if self._cache is None or not self._cache.missing(keys):
+            return
+        try:
+            layers = response.prompt_cache  # set when the sequence has already finished
+            if layers is None:
+                layers, _ = self._generator.extract_cache([response.uid])[response.uid]
+            self._cache.store(sequence.prompt_ids, keys, layers)
+        except Exception:  # a cache failure costs future hits, never this request
+            log.exception("model '%s': storing prompt blocks failed", self.name)
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
