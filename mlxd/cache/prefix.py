@@ -44,13 +44,20 @@ class CacheCounters:
 
 
 class PrefixCache:
-    def __init__(self, fingerprint: str, config: CacheConfig, directory: Path | None):
-        self.fingerprint = fingerprint
+    def __init__(self, identity: dict[str, Any], config: CacheConfig, directory: Path | None):
+        """`identity` (source, weights, dtype, …) goes into the fingerprint with the block
+        layout, so blocks of another model, dtype or layout are never used."""
+        self.fingerprint = fingerprint(
+            **identity,
+            block_size=config.block_size,
+            kv_bits=config.kv_bits,
+            kv_group_size=config.kv_group_size,
+        )
         self.block_size = config.block_size
         self.codec = KVCodec(config.kv_bits, config.kv_group_size)
         self.counters = CacheCounters()
         self.ssd = (
-            SsdTier(directory / fingerprint, fingerprint, config.ssd, config.ssd_ttl)
+            SsdTier(directory / self.fingerprint, self.fingerprint, config.ssd, config.ssd_ttl)
             if directory is not None
             else None
         )
@@ -173,16 +180,8 @@ def open_prefix_cache(
     model: Any, identity: dict[str, Any], config: CacheConfig, cache_dir: Path | None
 ) -> PrefixCache | None:
     """The prefix cache for a loaded model, or None if its cache layout cannot be cut into
-    blocks. `identity` (source, weights, dtype, …) goes into the fingerprint with the block
-    settings, so blocks of another model, dtype or layout are never used."""
+    blocks; the SSD tier goes under `cache_dir`/kv."""
     if not supports_prefix_cache(make_prompt_cache(model)):
         log.info("kv cache: this architecture's cache cannot be split into blocks; disabled")
         return None
-    model_fingerprint = fingerprint(
-        **identity,
-        block_size=config.block_size,
-        kv_bits=config.kv_bits,
-        kv_group_size=config.kv_group_size,
-    )
-    directory = cache_dir / "kv" if cache_dir is not None else None
-    return PrefixCache(model_fingerprint, config, directory)
+    return PrefixCache(identity, config, cache_dir / "kv" if cache_dir is not None else None)
