@@ -287,7 +287,7 @@ def test_ttl_prunes_unused_blocks(tmp_path: Path) -> None:
 
 
 def test_ssd_budget_evicts_the_least_recently_used(tmp_path: Path) -> None:
-    cache, prompt = stored_ssd(tmp_path)
+    cache, _ = stored_ssd(tmp_path)
     sizes = [p.stat().st_size for p in files(cache)]
     cache.ssd.resize(sum(sizes) - 1, None)
     assert len(cache.ssd) == 2
