@@ -145,13 +145,22 @@ class BatchConfig(_Section):
 class CacheConfig(_Section):
     """Tiered KV (prompt) cache for one model."""
 
-    ram: ByteSize = Field(1024**3, description="RAM tier size for reusable prompt prefixes.")
+    ram: ByteSize = Field(
+        1024**3, description="RAM tier size for reusable prompt prefixes; 0 disables the cache."
+    )
     ssd: ByteSize = Field(0, description="SSD tier size under server.cache_dir; 0 disables it.")
     block_size: int = Field(16, ge=1, description="Tokens per cache block (the unit of reuse).")
     kv_bits: Literal[4, 8] | None = Field(
         None, description="Quantize cached keys/values to 4 or 8 bits; null keeps full precision."
     )
-    kv_group_size: int = Field(64, ge=1, description="Group size for KV quantization.")
+    kv_group_size: Literal[32, 64, 128] = Field(
+        64, description="Group size for KV quantization (must divide the model's head size)."
+    )
+    ssd_ttl: Duration | None = Field(
+        7 * 86400.0,
+        description="Drop SSD blocks unused for this long; null keeps them until the ssd "
+        "budget evicts them.",
+    )
 
 
 class ParsersConfig(_Section):

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from mlxd.config import CacheConfig
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -99,5 +101,9 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def resize_cache(self, cache: CacheConfig) -> None:
+        """Take new cache budgets in place (a reload that changed only those)."""
+        ...
 
     async def close(self) -> None: ...

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxd.config import ModelConfig
+from mlxd.config import CacheConfig, ModelConfig
 from mlxd.errors import InvalidRequest
 from mlxd.models.embedding import LoadedEmbedding, load_embedding
 from mlxd.scheduler.embedding_batcher import EmbeddingBatcher, EmbeddingJob
@@ -134,6 +134,10 @@ class EmbeddingEngine:
             "cancelled": s.cancelled,
             "failed": s.failed,
         }
+
+    def resize_cache(self, cache: CacheConfig) -> None:
+        """Encoders keep no KV: a cache-only reload just records the new settings."""
+        self.config = self.config.model_copy(update={"cache": cache})
 
     async def close(self) -> None:
         await asyncio.to_thread(self.batcher.close)

@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import ModelConfig
+from mlxd.cache import PrefixCache, open_prefix_cache
+from mlxd.config import CacheConfig, ModelConfig
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
 from mlxd.engines.base import Event, Finished, GenerationRequest
 from mlxd.engines.prompt import render_chat
@@ -28,7 +29,13 @@ DEFAULT_CONTEXT = 4096
 class LLMEngine:
     kind = "llm"
 
-    def __init__(self, name: str, config: ModelConfig, loaded: LoadedModel):
+    def __init__(
+        self,
+        name: str,
+        config: ModelConfig,
+        loaded: LoadedModel,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.name = name
         self.config = config
         self.loaded = loaded
@@ -36,7 +43,10 @@ class LLMEngine:
         self.context_length = config.context_length or int(
             loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
         )
-        self.batcher = ContinuousBatcher(name, loaded.model, loaded.tokenizer, config.batch)
+        self.prefix_cache = prefix_cache
+        self.batcher = ContinuousBatcher(
+            name, loaded.model, loaded.tokenizer, config.batch, prefix_cache
+        )
         self.memory_bytes = loaded.nbytes + config.cache.ram
         self.last_used = time.monotonic()
         self._submitting = 0
@@ -46,10 +56,16 @@ class LLMEngine:
         self._faults = faults_from_env()  # tests only; empty unless MLXD_FAULT_INJECT is set
 
     @classmethod
-    async def load(cls, name: str, config: ModelConfig, path: Path) -> LLMEngine:
-        """Load weights from a resolved model directory (see models.sources.resolve_source)."""
+    async def load(
+        cls, name: str, config: ModelConfig, path: Path, cache_dir: Path | None = None
+    ) -> LLMEngine:
+        """Load weights from a resolved model directory (see models.sources.resolve_source);
+        the SSD KV tier lives under `cache_dir`."""
         loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
-        return cls(name, config, loaded)
+        prefix_cache = await asyncio.to_thread(
+            open_prefix_cache, loaded.model, _identity(config, loaded), config.cache, cache_dir
+        )
+        return cls(name, config, loaded, prefix_cache)
 
     @property
     def idle(self) -> bool:
@@ -68,6 +84,8 @@ class LLMEngine:
             sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
             sequence.processors = processors
             sequence.prefill = prefill
+            if self.prefix_cache is not None and prefill is None:
+                sequence.cache_keys = await asyncio.to_thread(self._prefetch, prompt_ids)
             self.batcher.submit(sequence)
         finally:
             self._submitting -= 1
@@ -104,6 +122,20 @@ class LLMEngine:
             param = "tool_choice" if request.tools else "response_format"
             raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
         return processors + fault_processors(self._faults, request)
+
+    def _prefetch(self, prompt_ids: list[int]) -> list[str]:
+        """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
+        worker thread, so the model thread never waits for the disk."""
+        keys = self.prefix_cache.keys(prompt_ids)
+        self.prefix_cache.prefetch(prompt_ids, keys)
+        return keys
+
+    def resize_cache(self, cache: CacheConfig) -> None:
+        """New cache budgets without reloading the weights (see registry.plan.Resize)."""
+        self.config = self.config.model_copy(update={"cache": cache})
+        self.memory_bytes = self.loaded.nbytes + cache.ram
+        if self.prefix_cache is not None:
+            self.prefix_cache.resize(cache)
 
     def _grammar(self, request: GenerationRequest) -> str | None:
         """One mechanism for structured output: forced tool calls and response_format."""
@@ -186,7 +218,33 @@ class LLMEngine:
             "finished": s.finished,
             "cancelled": s.cancelled,
             "failed": s.failed,
+            "cache": self.prefix_cache.stats() if self.prefix_cache else _NO_CACHE,
         }
 
     async def close(self) -> None:
         await asyncio.to_thread(self.batcher.close)
+        if self.prefix_cache is not None:
+            await asyncio.to_thread(self.prefix_cache.close)  # finishes queued SSD writes
+
+
+_NO_CACHE: dict[str, Any] = {
+    "hits": {"ram": 0, "ssd": 0},
+    "misses": 0,
+    "cached_tokens": 0,
+    "bytes": {"ram": 0, "ssd": 0},
+    "evictions": {"ram": 0, "ssd": 0},
+}
+
+
+def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
+    """What makes this model's KV what it is: its source, weight files and compute dtype."""
+    weights = sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in loaded.path.glob("*.safetensors")
+    )
+    return {
+        "source": config.source,
+        "path": str(loaded.path),
+        "weights": weights,
+        "dtype": loaded.dtype,
+        "model": loaded.config,
+    }

@@ -27,6 +27,8 @@ ROUTING_FIELDS = (
     "truncate",
     "max_inputs",
 )
+# Cache settings a loaded engine can take in place; the others change what a block holds.
+CACHE_BUDGET_FIELDS = ("ram", "ssd", "ssd_ttl")
 # Secrets: a log line says that they changed, never what to.
 _SECRET_FIELDS = frozenset({"api_keys"})
 
@@ -79,6 +81,15 @@ class Retarget:
 
 
 @dataclass(frozen=True)
+class Resize:
+    """Only cache budgets changed on a loaded engine: resize its cache, keep its weights."""
+
+    name: str
+    config: ModelConfig
+    changes: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
 class Rename:
     """A loaded engine moves to a new name as is, instead of reloading the same weights."""
 
@@ -87,12 +98,18 @@ class Rename:
     config: ModelConfig
 
 
-Action = Load | Unload | Swap | Retarget | Rename
+Action = Load | Unload | Swap | Retarget | Resize | Rename
 
 
 def engine_settings(config: ModelConfig) -> tuple[Any, ...]:
     """The values of ENGINE_FIELDS: two configs with equal settings can share one engine."""
     return tuple(getattr(config, name) for name in ENGINE_FIELDS)
+
+
+def _only_cache_budgets_differ(new: ModelConfig, old: ModelConfig) -> bool:
+    budgets = {name: getattr(old.cache, name) for name in CACHE_BUDGET_FIELDS}
+    same_budgets = new.model_copy(update={"cache": new.cache.model_copy(update=budgets)})
+    return engine_settings(same_budgets) == engine_settings(old)
 
 
 def _routing_settings(config: ModelConfig) -> tuple[Any, ...]:
@@ -103,7 +120,7 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
     """The actions that take `actual` to `desired`, in the order they should run.
 
     Unloads come first so their memory is freed before anything loads, then renames,
-    retargets, swaps and loads. Within a kind, names follow `desired`'s order (removals
+    retargets, resizes, swaps and loads. Within a kind, names follow `desired`'s order (removals
     follow `actual`'s), so the same inputs always give the same plan.
     """
     removed = [name for name in actual if name not in desired]
@@ -112,6 +129,7 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
 
     renames: list[Rename] = []
     retargets: list[Retarget] = []
+    resizes: list[Resize] = []
     swaps: list[Swap] = []
     loads: list[Load] = []
     for name, config in desired.items():
@@ -135,7 +153,12 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
                 retargets.append(Retarget(name, config, _diff(current.config, config, fields)))
         else:
             if engine_settings(config) != engine_settings(current.config):
-                swaps.append(Swap(name, config, _diff(current.config, config, ENGINE_FIELDS)))
+                changes = _diff(current.config, config, ENGINE_FIELDS)
+                in_place = current.state == "loaded"
+                if in_place and _only_cache_budgets_differ(config, current.config):
+                    resizes.append(Resize(name, config, changes))
+                else:
+                    swaps.append(Swap(name, config, changes))
             # Also while a swap loads, so new aliases and defaults apply at once.
             if _routing_settings(config) != _routing_settings(current.config):
                 changes = _diff(current.config, config, ROUTING_FIELDS)
@@ -143,7 +166,7 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
 
     renamed = {rename.old for rename in renames}
     unloads = [Unload(name) for name in removed if name not in renamed]
-    return [*unloads, *renames, *retargets, *swaps, *loads]
+    return [*unloads, *renames, *retargets, *resizes, *swaps, *loads]
 
 
 def _diff(
@@ -182,6 +205,6 @@ def describe(action: Action) -> str:
             return f"unload {name!r}"
         case Rename(old, new, _):
             return f"rename {old!r} -> {new!r}"
-        case Swap(name, _, changes) | Retarget(name, _, changes):
-            verb = "swap" if isinstance(action, Swap) else "retarget"
+        case Swap(name, _, changes) | Retarget(name, _, changes) | Resize(name, _, changes):
+            verb = type(action).__name__.lower()
             return f"{verb} {name!r}: {'; '.join(changes)}" if changes else f"{verb} {name!r}"

@@ -28,6 +28,7 @@ from mlxd.registry.plan import (
     Actual,
     Load,
     Rename,
+    Resize,
     Retarget,
     Swap,
     Unload,
@@ -118,6 +119,11 @@ class Reconciler:
             self.models[action.new] = runtime
         elif isinstance(action, Retarget):
             self.models[action.name].config = action.config
+        elif isinstance(action, Resize):
+            runtime = self.models[action.name]
+            runtime.config = action.config
+            runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
+            runtime.engine.resize_cache(action.config.cache)
         elif isinstance(action, Swap):
             runtime = self.models[action.name]
             runtime.config = action.config
@@ -186,9 +192,9 @@ class Reconciler:
         kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
         need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
         await self._make_room(need, runtime)
-        if config.kind == "vlm":  # images come from where the current server settings allow
-            return await engine_cls.load(runtime.name, config, path, server=lambda: self.server)
-        return await engine_cls.load(runtime.name, config, path)
+        # What each kind needs beyond its weights: the SSD KV tier's root, the live media settings.
+        extra = {"llm": {"cache_dir": cache_dir}, "vlm": {"server": lambda: self.server}}
+        return await engine_cls.load(runtime.name, config, path, **extra.get(config.kind, {}))
 
     async def _make_room(self, need: int, loading: ModelRuntime) -> None:
         """Unload idle models, least recently used first, until `need` fits the budget."""

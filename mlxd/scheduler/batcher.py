@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from mlxd.cache import Match, PrefixCache
 from mlxd.config import BatchConfig
 from mlxd.engines.base import Delta, Event, Finished, GenerationRequest
 from mlxd.errors import Overloaded, Unavailable
@@ -58,7 +60,11 @@ class Sequence:
     # Prefills the prompt itself on the model thread (a VLM's image prompt, whose input
     # embeddings the token-only generator cannot take): returns the filled KV cache and the
     # prompt ids still to feed (the last one), so the sequence then decodes in the shared batch.
+    # Such prompts bypass the prefix cache: image placeholder ids are the same for every image.
     prefill: Callable[[], tuple[list[Any], list[int]]] | None = None
+    # Prefix cache: the prompt's block keys, and the cached blocks it holds while it runs.
+    cache_keys: list[str] = field(default_factory=list)
+    cached: Match = field(default_factory=Match)
 
 
 @dataclass
@@ -81,8 +87,10 @@ class ContinuousBatcher:
         model: Any,
         tokenizer: Any,
         batch: BatchConfig,
+        cache: PrefixCache | None = None,
     ):
         self.name = name
+        self._cache = cache
         self.model = model
         self.tokenizer = tokenizer
         self.config = batch
@@ -209,20 +217,26 @@ class ContinuousBatcher:
         # One prefill group at a time: the next starts once this one has its first tokens.
         if self._prefilling:
             return
+        slots = max(self.config.max_batch_size - len(self._running), 0)
+        window = min(slots, self.config.prefill_batch_size)
+        candidates = list(itertools.islice(self._waiting, window))
+        matches = [self._match(s) for s in candidates]
         count = prefill_group_size(
-            [len(s.prompt_ids) for s in self._waiting],
-            slots=self.config.max_batch_size - len(self._running),
+            # With a cache hit only the uncached suffix is prefilled.
+            [len(s.prompt_ids) - m.tokens for s, m in zip(candidates, matches, strict=True)],
+            slots=slots,
             max_prompts=self.config.prefill_batch_size,
             token_budget=self.config.prefill_step_size,
         )
         if count == 0:
             return
-        admitted = self._prefilled([self._waiting.popleft() for _ in range(count)])
+        admitted = self._started([self._waiting.popleft() for _ in range(count)], matches)
         if not admitted:
             return
         uids = self._generator.insert(
             [rest for _, rest, _ in admitted],
             caches=[cache for _, _, cache in admitted],
+            all_tokens=[s.prompt_ids[: s.cached.tokens] for s, _, _ in admitted],
             max_tokens=[s.request.max_tokens for s, _, _ in admitted],
             samplers=[
                 make_sequence_sampler(s.request.sampling, self._vocab_size) for s, _, _ in admitted
@@ -247,13 +261,16 @@ class ContinuousBatcher:
         with self._lock:
             self._queued -= len(admitted)
 
-    def _prefilled(self, admitted: list[Sequence]) -> list[tuple[Sequence, list[int], Any]]:
-        """(sequence, prompt ids left to feed, KV cache or None) for each admitted sequence that
-        needs no prefill or whose own prefill worked; one that fails gets an error event."""
+    def _started(
+        self, admitted: list[Sequence], matches: list[Match]
+    ) -> list[tuple[Sequence, list[int], Any]]:
+        """(sequence, prompt ids left to feed, KV cache or None) for each admitted sequence: from
+        its cached prefix, or its own prefill if that worked (a failure gets an error event)."""
         ready = []
-        for sequence in admitted:
+        for sequence, match in zip(admitted, matches, strict=False):
             if sequence.prefill is None:
-                ready.append((sequence, sequence.prompt_ids, None))
+                cache = self._reuse(sequence, match)
+                ready.append((sequence, sequence.prompt_ids[match.tokens :], cache))
                 continue
             try:
                 cache, rest = sequence.prefill()
@@ -289,6 +306,8 @@ class ContinuousBatcher:
             if sequence is None:
                 continue
             if sequence.fault is None:
+                if response.uid in self._prefilling:
+                    self._store_prefix(sequence, response)
                 try:
                     self._advance(sequence, response, outbox)
                 except Exception as exc:
@@ -342,6 +361,8 @@ class ContinuousBatcher:
         if sequence.done:
             return
         sequence.done = True
+        if self._cache is not None and sequence.cached.blocks:
+            self._cache.release(sequence.cached.blocks)
         if sequence.uid is None:
             try:
                 self._waiting.remove(sequence)
@@ -368,6 +389,33 @@ class ContinuousBatcher:
             )
             self._remove(sequence, event, outbox, still_in_generator=False)
         self._deliver(outbox)
+
+    # -- prefix cache (mlxd.cache) ---------------------------------------------------------
+
+    def _match(self, sequence: Sequence) -> Match:
+        if self._cache is None or not sequence.cache_keys:
+            return Match()
+        return self._cache.match(sequence.prompt_ids, sequence.cache_keys)
+
+    def _reuse(self, sequence: Sequence, match: Match) -> list[Any] | None:
+        """The KV cache to start the sequence's prefill from (None: from scratch)."""
+        if self._cache is None:
+            return None
+        sequence.cached = match
+        return self._cache.acquire(match) or None
+
+    def _store_prefix(self, sequence: Sequence, response: Any) -> None:
+        """On a sequence's first token its whole prompt is in its KV: keep the new blocks."""
+        keys = sequence.cache_keys
+        if self._cache is None or not self._cache.missing(keys):
+            return
+        try:
+            layers = response.prompt_cache  # set when the sequence has already finished
+            if layers is None:
+                layers, _ = self._generator.extract_cache([response.uid])[response.uid]
+            self._cache.store(sequence.prompt_ids, keys, layers)
+        except Exception:  # a cache failure costs future hits, never this request
+            log.exception("model '%s': storing prompt blocks failed", self.name)
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -33,7 +33,7 @@ models:
     load: eager
     idle_ttl: 30m
     batch: {max_batch_size: 16, prefill_batch_size: 4, prefill_step_size: 256, max_queue: 64}
-    cache: {ram: 1GiB, ssd: 4GiB, block_size: 32, kv_bits: 8, kv_group_size: 32}
+    cache: {ram: 1GiB, ssd: 4GiB, block_size: 32, kv_bits: 8, kv_group_size: 32, ssd_ttl: 2d}
     parsers: {tool_calls: hermes, reasoning: null}
     defaults:
       max_tokens: 256
@@ -92,6 +92,7 @@ def test_full_example_round_trips():
         "block_size": 32,
         "kv_bits": 8,
         "kv_group_size": 32,
+        "ssd_ttl": 2 * 86400.0,
     }
     assert (smol.parsers.tool_calls, smol.parsers.reasoning) == ("hermes", None)
     assert smol.defaults.model_dump() == {

@@ -23,6 +23,7 @@ from mlxd.registry.plan import (
     Actual,
     Load,
     Rename,
+    Resize,
     Retarget,
     State,
     Swap,
@@ -163,6 +164,39 @@ def test_engine_settings_ignore_routing_fields() -> None:
             id="loading-engine-change",
         ),
         pytest.param({"m": cfg()}, {"m": Actual(cfg(), "loading")}, [], id="loading-unchanged"),
+        pytest.param(
+            {"m": cfg(cache=CacheConfig(ram=2**20, ssd=2**30, ssd_ttl=60.0))},
+            {"m": loaded(cfg())},
+            [Resize("m", cfg(cache=CacheConfig(ram=2**20, ssd=2**30, ssd_ttl=60.0)))],
+            id="cache-budgets-resize-in-place",
+        ),
+        pytest.param(
+            {"m": cfg(cache=CacheConfig(ram=2**20), aliases=["x"])},
+            {"m": loaded(cfg())},
+            [
+                Retarget("m", cfg(cache=CacheConfig(ram=2**20), aliases=["x"])),
+                Resize("m", cfg(cache=CacheConfig(ram=2**20), aliases=["x"])),
+            ],
+            id="resize-and-alias",
+        ),
+        pytest.param(
+            {"m": cfg(cache=CacheConfig(ram=2**20, block_size=32))},
+            {"m": loaded(cfg())},
+            [Swap("m", cfg(cache=CacheConfig(ram=2**20, block_size=32)))],
+            id="cache-layout-swaps",
+        ),
+        pytest.param(
+            {"m": cfg(cache=CacheConfig(ram=2**20), dtype="float16")},
+            {"m": loaded(cfg())},
+            [Swap("m", cfg(cache=CacheConfig(ram=2**20), dtype="float16"))],
+            id="cache-and-weights-swap",
+        ),
+        pytest.param(
+            {"m": cfg(cache=CacheConfig(ram=2**20))},
+            {"m": Actual(cfg(), "loading")},
+            [Swap("m", cfg(cache=CacheConfig(ram=2**20)))],
+            id="loading-cache-change-reloads",
+        ),
     ],
 )
 def test_plan(
@@ -231,6 +265,7 @@ def test_plan_accepts_a_registry_s_models() -> None:
         Unload("m"),
         Swap("m", cfg()),
         Retarget("m", cfg()),
+        Resize("m", cfg()),
         Rename("old", "m", cfg()),
     ],
     ids=lambda action: type(action).__name__,
@@ -250,6 +285,9 @@ def test_describe_lines() -> None:
     assert describe(Load("m", cfg())) == "load 'm' (eager)"
     assert describe(Unload("m")) == "unload 'm'"
     assert describe(Rename("a", "b", cfg())) == "rename 'a' -> 'b'"
+    assert describe_one(cfg(cache=CacheConfig(ssd=2**30)), loaded(cfg())) == [
+        "resize 'm': cache.ssd 0 -> 1073741824"
+    ]
     assert describe_one(cfg(aliases=["a", "b"]), loaded(cfg(aliases=["a"]))) == [
         "retarget 'm': aliases [a] -> [a, b]"
     ]
@@ -272,7 +310,7 @@ def test_describe_hides_api_keys() -> None:
 
 # Property: carrying out a plan reaches the desired state, after which there is nothing to do.
 
-_RANK = {Unload: 0, Rename: 1, Retarget: 2, Swap: 3, Load: 4}
+_RANK = {Unload: 0, Rename: 1, Retarget: 2, Resize: 3, Swap: 4, Load: 5}
 
 
 def simulate(actions: list[Action], actual: Mapping[str, Actual]) -> dict[str, Actual]:
@@ -286,7 +324,7 @@ def simulate(actions: list[Action], actual: Mapping[str, Actual]) -> dict[str, A
                 assert new not in result
                 assert result.pop(old).state == "loaded"
                 result[new] = Actual(config, "loaded")
-            case Retarget(name, config):
+            case Retarget(name, config) | Resize(name, config):
                 result[name] = Actual(config, result[name].state)
             case Swap(name, config):
                 assert result[name].state in ("loaded", "loading")
@@ -301,6 +339,7 @@ def random_config(rng: random.Random) -> ModelConfig:
     return cfg(
         rng.choice("ab"),
         dtype=rng.choice(["auto", "float16"]),
+        cache=rng.choice([CacheConfig(), CacheConfig(ram=2**20), CacheConfig(kv_bits=8)]),
         aliases=rng.choice([[], ["x"], ["y"]]),
         load=rng.choice(["eager", "lazy"]),
     )

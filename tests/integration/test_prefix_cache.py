@@ -1,0 +1,150 @@
+"""The KV prefix cache end to end: real SmolLM2 weights at temperature 0, so a cache hit must
+give exactly the answer a full prefill gives."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You are a careful assistant for a small hardware shop. " + " ".join(
+    f"Rule {i}: answer questions about item {i} briefly and politely." for i in range(30)
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Name a primary colour.",
+    "What is the opposite of hot?",
+]
+
+
+def messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def smol(cache: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "source": SMOL_GGUF,
+        "cache": cache,
+        "batch": {"max_batch_size": 8, "prefill_batch_size": 8},
+        "defaults": {"max_tokens": 24, "temperature": 0.0},
+    }
+
+
+def ask(daemon: Daemon, model: str, question: str, max_tokens: int = 24) -> Any:
+    client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(
+        model=model, messages=messages(question), temperature=0, max_tokens=max_tokens
+    )
+
+
+def answer(daemon: Daemon, model: str, question: str) -> str:
+    return ask(daemon, model, question).choices[0].message.content
+
+
+def cache_stats(daemon: Daemon, model: str) -> dict[str, Any]:
+    return daemon.status()["models"][model]["cache"]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    workdir = tmp_path_factory.mktemp("prefix-cache")
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {
+            "cached": smol({"ram": "256MiB", "block_size": 16}),
+            "kv8": smol({"ram": "256MiB", "block_size": 16, "kv_bits": 8}),
+            "plain": smol({"ram": 0}),
+        },
+    }
+    running = start_daemon(workdir, config)
+    yield running
+    running.stop()
+
+
+def test_a_ram_hit_answers_exactly_like_a_full_prefill(daemon: Daemon) -> None:
+    first = answer(daemon, "cached", QUESTIONS[0])
+    before = cache_stats(daemon, "cached")
+    again = ask(daemon, "cached", QUESTIONS[0])
+    after = cache_stats(daemon, "cached")
+    assert again.choices[0].message.content == first == answer(daemon, "plain", QUESTIONS[0])
+    assert after["hits"]["ram"] == before["hits"]["ram"] + 1
+    assert after["cached_tokens"] > before["cached_tokens"] + 300
+    assert after["bytes"]["ram"] > 0
+    # usage counts every prompt token, cached or not
+    assert again.usage.prompt_tokens > after["cached_tokens"] - before["cached_tokens"]
+    assert cache_stats(daemon, "plain")["bytes"]["ram"] == 0
+
+
+def test_a_shared_system_prompt_hit_answers_like_a_full_prefill(daemon: Daemon) -> None:
+    answer(daemon, "cached", QUESTIONS[0])  # caches the system prompt
+    hits = cache_stats(daemon, "cached")["hits"]["ram"]
+    assert answer(daemon, "cached", QUESTIONS[1]) == answer(daemon, "plain", QUESTIONS[1])
+    assert cache_stats(daemon, "cached")["hits"]["ram"] == hits + 1
+
+
+def test_quantized_kv_hit_answers_like_its_own_uncached_run(daemon: Daemon) -> None:
+    first = answer(daemon, "kv8", QUESTIONS[2])
+    before = cache_stats(daemon, "kv8")
+    assert answer(daemon, "kv8", QUESTIONS[2]) == first
+    after = cache_stats(daemon, "kv8")
+    assert after["hits"]["ram"] == before["hits"]["ram"] + 1
+    assert after["kv_bits"] == 8
+    # 8-bit blocks take about a quarter of the float32 bytes of the same prefix
+    full = cache_stats(daemon, "cached")
+    per_token_8 = after["bytes"]["ram"] / (after["blocks"]["ram"] * 16)
+    per_token_32 = full["bytes"]["ram"] / (full["blocks"]["ram"] * 16)
+    assert per_token_8 < per_token_32 / 3
+
+
+def test_concurrent_shared_prefix_requests_while_others_decode(daemon: Daemon) -> None:
+    expected = {q: answer(daemon, "plain", q) for q in QUESTIONS}
+    answer(daemon, "cached", QUESTIONS[3])  # the system prompt is cached
+    with ThreadPoolExecutor(8) as pool:
+        # Long decodes without the shared prefix run alongside the cache hits.
+        long_runs = [
+            pool.submit(
+                lambda: openai.OpenAI(
+                    base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0
+                ).completions.create(model="cached", prompt="Once upon a time", max_tokens=96)
+            )
+            for _ in range(2)
+        ]
+        hits = [pool.submit(ask, daemon, "cached", q) for q in QUESTIONS * 2]
+        replies = [f.result() for f in hits]
+        longs = [f.result() for f in long_runs]
+    for question, reply in zip(QUESTIONS * 2, replies, strict=True):
+        assert reply.choices[0].message.content == expected[question]
+    assert all(r.usage.completion_tokens == 96 for r in longs)
+    assert daemon.status()["models"]["cached"]["running"] == 0
+
+
+def test_restart_reads_the_ssd_tier(tmp_path: Path, mlxd_cache_dir: Path) -> None:
+    # block_size 32: its own fingerprint, so no other test's blocks are in its directory.
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {"smol": smol({"ram": "256MiB", "ssd": "512MiB", "block_size": 32})},
+    }
+    first = start_daemon(tmp_path, config)
+    try:
+        before = answer(first, "smol", QUESTIONS[0])
+        assert cache_stats(first, "smol")["misses"] == 1
+    finally:
+        assert first.stop() == 0  # a clean stop finishes the queued SSD writes
+    second = start_daemon(tmp_path, config)
+    try:
+        stats = cache_stats(second, "smol")
+        assert stats["bytes"]["ssd"] > 0 and stats["bytes"]["ram"] == 0
+        assert answer(second, "smol", QUESTIONS[0]) == before
+        stats = cache_stats(second, "smol")
+        assert stats["hits"]["ssd"] == 1 and stats["misses"] == 0
+        assert stats["cached_tokens"] > 300
+    finally:
+        second.stop()

@@ -1,0 +1,320 @@
+"""The prefix cache without a model: block identity, the RAM and SSD tiers, quantized blocks."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxd.cache.blocks import ROOT, Block, block_key, block_keys, fingerprint
+from mlxd.cache.kv import KVCodec
+from mlxd.cache.prefix import PrefixCache
+from mlxd.cache.ram import RamTier
+from mlxd.cache.ssd import SsdTier
+from mlxd.config import CacheConfig
+
+LAYERS, HEADS, DIM, BS = 3, 2, 64, 4
+
+
+def layers_for(length: int, seed: int = 0) -> list[KVCache]:
+    """A single sequence's per-layer cache, as the generator hands it out."""
+    mx.random.seed(seed)
+    caches = []
+    for _ in range(LAYERS):
+        cache = KVCache()
+        cache.keys = mx.random.normal((1, HEADS, length, DIM))
+        cache.values = mx.random.normal((1, HEADS, length, DIM))
+        cache.offset = length
+        caches.append(cache)
+    return caches
+
+
+def block(key: str, nbytes: int = 100) -> Block:
+    return Block(key, ROOT, (1,), {"keys": mx.zeros((nbytes // 4,), dtype=mx.float32)})
+
+
+def prefix_cache(tmp_path: Path | None = None, **config) -> PrefixCache:
+    cache = CacheConfig(block_size=BS, **config)
+    return PrefixCache({"model": "m"}, cache, tmp_path)
+
+
+# -- block identity -----------------------------------------------------------------------
+
+
+def test_keys_chain_over_every_earlier_token() -> None:
+    tokens = list(range(10))
+    keys = block_keys("fp", tokens, BS)
+    assert len(keys) == 2  # the partial third block is not a block
+    assert keys == block_keys("fp", [*tokens[:8], 99, 98], BS)  # same full blocks
+    changed_first = block_keys("fp", [7, *tokens[1:]], BS)
+    assert changed_first[0] != keys[0] and changed_first[1] != keys[1]
+    assert block_keys("other model", tokens, BS) != keys
+    assert keys[1] == block_key("fp", keys[0], tokens[4:8])
+
+
+def test_fingerprint_covers_identity_and_layout() -> None:
+    base = fingerprint(source="a", dtype="float32", block_size=16, kv_bits=None)
+    assert base == fingerprint(source="a", dtype="float32", block_size=16, kv_bits=None)
+    assert base != fingerprint(source="b", dtype="float32", block_size=16, kv_bits=None)
+    assert base != fingerprint(source="a", dtype="float16", block_size=16, kv_bits=None)
+    assert base != fingerprint(source="a", dtype="float32", block_size=32, kv_bits=None)
+    assert base != fingerprint(source="a", dtype="float32", block_size=16, kv_bits=8)
+
+
+def test_the_last_prompt_token_is_never_cached() -> None:
+    cache = prefix_cache()
+    assert len(cache.keys(list(range(8)))) == 1  # 7 cacheable tokens: one full block
+    assert len(cache.keys(list(range(9)))) == 2
+
+
+# -- store and match ----------------------------------------------------------------------
+
+
+def test_store_then_match_rebuilds_the_same_kv() -> None:
+    cache = prefix_cache()
+    prompt = list(range(11))
+    layers = layers_for(len(prompt))
+    keys = cache.keys(prompt)
+    cache.store(prompt, keys, layers)
+    assert not cache.missing(keys)
+
+    longer = [*prompt[:8], 50, 51, 52, 53, 54]
+    match = cache.match(longer, cache.keys(longer))
+    assert match.tokens == 8
+    rebuilt = cache.acquire(match)
+    for original, cached in zip(layers, rebuilt, strict=True):
+        assert cached.offset == 8
+        assert mx.array_equal(cached.keys, original.keys[:, :, :8, :])
+        assert mx.array_equal(cached.values, original.values[:, :, :8, :])
+    assert all(b.refs == 1 for b in match.blocks)
+    cache.release(match.blocks)
+    assert all(b.refs == 0 for b in match.blocks)
+    assert cache.stats()["hits"] == {"ram": 1, "ssd": 0}
+    assert cache.stats()["cached_tokens"] == 8
+
+
+def test_other_prefix_misses() -> None:
+    cache = prefix_cache()
+    prompt = list(range(11))
+    cache.store(prompt, cache.keys(prompt), layers_for(11))
+    other = [100, *prompt[1:]]
+    match = cache.match(other, cache.keys(other))
+    assert match.blocks == []
+    assert cache.acquire(match) == []
+    assert cache.stats()["misses"] == 1
+
+
+def test_a_key_collision_is_a_miss() -> None:
+    cache = prefix_cache()
+    prompt = list(range(9))
+    keys = cache.keys(prompt)
+    cache.store(prompt, keys, layers_for(9))
+    # Another prompt whose first block hashes (by construction here) to the same key.
+    impostor = [9, 9, 9, 9, *prompt[4:]]
+    match = cache.match(impostor, keys)
+    assert match.blocks == []
+    assert cache.stats()["collisions"] == 1
+
+
+def test_stats_have_the_exported_shape() -> None:
+    stats = prefix_cache().stats()
+    assert set(stats["hits"]) == set(stats["bytes"]) == set(stats["evictions"]) == {"ram", "ssd"}
+    assert isinstance(stats["misses"], int) and isinstance(stats["cached_tokens"], int)
+
+
+# -- quantized blocks ---------------------------------------------------------------------
+
+
+def test_quantized_blocks_are_smaller_and_close() -> None:
+    layers = layers_for(8)
+    full = KVCodec(None, 64).encode(layers, 0, 8)
+    codec = KVCodec(8, 64)
+    quantized = codec.encode(layers, 0, 8)
+    mx.eval(full, quantized)
+    full_bytes = sum(a.nbytes for a in full.values())
+    quantized_bytes = sum(a.nbytes for a in quantized.values())
+    assert quantized_bytes < full_bytes / 3
+    [rebuilt, *_] = codec.decode([Block("k", ROOT, tuple(range(8)), quantized)])
+    assert mx.allclose(rebuilt.keys, layers[0].keys, atol=0.05).item()
+
+
+def test_block_bytes_are_measured_from_its_own_arrays() -> None:
+    cache = prefix_cache()
+    prompt = list(range(9))
+    cache.store(prompt, cache.keys(prompt), layers_for(9))
+    per_block = 2 * LAYERS * HEADS * BS * DIM * 4  # keys + values, float32
+    assert cache.stats()["bytes"]["ram"] == 2 * per_block
+
+
+# -- RAM tier -----------------------------------------------------------------------------
+
+
+def test_ram_evicts_least_recently_used_unreferenced_blocks() -> None:
+    evicted: list[str] = []
+    ram = RamTier(300, on_evict=lambda b: evicted.append(b.key))
+    a, b, c = block("a"), block("b"), block("c")
+    for item in (a, b, c):
+        ram.put(item)
+    assert ram.nbytes == 300
+    ram.get("a")  # a is now more recent than b
+    ram.acquire([b])
+    ram.put(block("d"))
+    assert evicted == ["c"]  # b is oldest but pinned; c is the oldest unpinned
+    ram.release([b])
+    assert ram.nbytes == 300
+    ram.resize(100)
+    assert evicted == ["c", "b", "a"] and ram.nbytes == 100 and "d" in ram
+    assert ram.evictions == 3
+
+
+def test_ram_may_exceed_its_budget_only_while_blocks_are_pinned() -> None:
+    ram = RamTier(100, on_evict=lambda b: None)
+    a = block("a")
+    ram.put(a)
+    ram.acquire([a])
+    ram.put(block("b"))  # a is pinned, so b (unpinned) goes at once
+    assert "b" not in ram and ram.nbytes == 100
+    ram.resize(0)
+    assert ram.nbytes == 100  # still pinned
+    ram.release([a])
+    assert ram.nbytes == 0
+
+
+# -- SSD tier -----------------------------------------------------------------------------
+
+
+def stored_ssd(tmp_path: Path, **config) -> tuple[PrefixCache, list[int]]:
+    cache = prefix_cache(tmp_path, ssd=10**8, **config)
+    prompt = list(range(13))
+    cache.store(prompt, cache.keys(prompt), layers_for(13))
+    cache.ssd.flush()
+    return cache, prompt
+
+
+def files(cache: PrefixCache) -> list[Path]:
+    return sorted(cache.ssd.directory.iterdir())
+
+
+def test_ssd_blocks_survive_a_restart(tmp_path: Path) -> None:
+    first, prompt = stored_ssd(tmp_path)
+    first.close()
+    assert len(files(first)) == 3
+    again = prefix_cache(tmp_path, ssd=10**8)  # a new process: index rebuilt from the directory
+    keys = again.keys(prompt)
+    assert again.match(prompt, keys).blocks == []  # RAM is empty after a restart
+    again.prefetch(prompt, keys)
+    match = again.match(prompt, keys)
+    assert match.tokens == 12
+    rebuilt = again.acquire(match)
+    assert mx.array_equal(rebuilt[0].keys, layers_for(13)[0].keys[:, :, :12, :])
+    assert again.stats()["hits"] == {"ram": 0, "ssd": 1}
+    again.close()
+
+
+def test_another_model_s_blocks_are_not_used(tmp_path: Path) -> None:
+    first, prompt = stored_ssd(tmp_path)
+    first.close()
+    other = prefix_cache(tmp_path, ssd=10**8, kv_bits=8)  # another fingerprint, another folder
+    other.prefetch(prompt, other.keys(prompt))
+    assert other.match(prompt, other.keys(prompt)).blocks == []
+    other.close()
+
+
+def reopen(cache: PrefixCache) -> SsdTier:
+    ssd = cache.ssd
+    return SsdTier(ssd.directory, ssd.fingerprint, ssd.budget, ssd.ttl)
+
+
+def test_partial_temp_file_and_truncated_file_are_deleted(tmp_path: Path) -> None:
+    cache, _ = stored_ssd(tmp_path)
+    cache.close()
+    victim = files(cache)[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])  # killed mid-write without the temp+rename
+    temp = cache.ssd.directory / "abc.1234.tmp.safetensors"
+    temp.write_bytes(data[:100])  # a writer killed before its rename
+    ssd = reopen(cache)
+    assert not victim.exists() and not temp.exists()
+    assert len(ssd) == 2
+    ssd.close()
+
+
+def test_foreign_files_are_deleted(tmp_path: Path) -> None:
+    cache, _ = stored_ssd(tmp_path)
+    cache.close()
+    directory = cache.ssd.directory
+    (directory / "notes.txt").write_text("hello")
+    (directory / "0123.safetensors").write_bytes(b"not a safetensors file")
+    mx.save_safetensors(str(directory / "feed.safetensors"), {"x": mx.zeros((2,))})
+    ssd = reopen(cache)
+    assert len(ssd) == 3
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        p.name for p in files(cache) if p.name not in ("notes.txt", "0123.safetensors")
+    )
+    assert not (directory / "feed.safetensors").exists()
+    ssd.close()
+
+
+def test_corrupt_data_is_detected_on_load_and_deleted(tmp_path: Path) -> None:
+    cache, prompt = stored_ssd(tmp_path)
+    cache.close()
+    first_key = cache.keys(prompt)[0]
+    path = cache.ssd.directory / f"{first_key}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # same size, valid header: only the checksum can tell
+    path.write_bytes(bytes(data))
+    again = prefix_cache(tmp_path, ssd=10**8)
+    again.prefetch(prompt, again.keys(prompt))
+    assert again.match(prompt, again.keys(prompt)).blocks == []
+    assert not path.exists()
+    again.close()
+
+
+def test_ttl_prunes_unused_blocks(tmp_path: Path) -> None:
+    cache, prompt = stored_ssd(tmp_path, ssd_ttl=3600.0)
+    stale = cache.ssd.directory / f"{cache.keys(prompt)[2]}.safetensors"
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    cache.close()
+    ssd = reopen(cache)
+    assert len(ssd) == 2 and not stale.exists()
+    assert ssd.evictions == 1
+    ssd.close()
+
+
+def test_ssd_budget_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    cache, _ = stored_ssd(tmp_path)
+    sizes = [p.stat().st_size for p in files(cache)]
+    cache.ssd.resize(sum(sizes) - 1, None)
+    assert len(cache.ssd) == 2
+    assert cache.stats()["evictions"]["ssd"] == 1
+    assert cache.stats()["bytes"]["ssd"] == sum(p.stat().st_size for p in files(cache))
+    cache.close()
+
+
+def test_ram_evictions_spill_to_ssd(tmp_path: Path) -> None:
+    cache = prefix_cache(tmp_path, ssd=10**8, ram=1)
+    prompt = list(range(9))
+    cache.store(prompt, cache.keys(prompt), layers_for(9))
+    cache.ssd.flush()
+    stats = cache.stats()
+    assert stats["bytes"]["ram"] == 0 and stats["evictions"]["ram"] == 2
+    assert stats["blocks"]["ssd"] == 2
+    cache.close()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_blocks_round_trip_through_ssd(tmp_path: Path, bits: int) -> None:
+    cache, prompt = stored_ssd(tmp_path, kv_bits=bits)
+    ram_match = cache.match(prompt, cache.keys(prompt))
+    expected = cache.codec.decode(ram_match.blocks)
+    cache.close()
+    again = prefix_cache(tmp_path, ssd=10**8, kv_bits=bits)
+    again.prefetch(prompt, again.keys(prompt))
+    rebuilt = again.acquire(again.match(prompt, again.keys(prompt)))
+    assert mx.array_equal(rebuilt[1].values, expected[1].values)
+    again.close()
