@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from quart import request
+from quart import current_app, g, request
 
 from mlxd.api.errors import from_validation_error
+from mlxd.api.observe import observed
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import (
     Delta,
@@ -52,6 +53,9 @@ async def parse_body(model: type[Body]) -> Body:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if g.get("record") is not None and isinstance(data.get("model"), str):
+        g.record.requested_model = data["model"][:200]
+        g.record.model = current_app.daemon.routes.ids.get(data["model"])  # bounded labels
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -158,7 +162,10 @@ async def start(
 ) -> AsyncIterator[Part]:
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
     text when `parse` is False: raw completions)."""
-    events = await engine.submit(request)
+    record = g.get("record")
+    if record is not None:
+        record.model = entry.name
+    events = observed(record, await engine.submit(request))
     parser = output_parser(entry, engine, request) if parse else compose(None, None)
     return parsed_events(parser, events)
 
