@@ -27,7 +27,10 @@ log = logging.getLogger("mlxd.access")
 
 # A client's own id is kept when it is short and printable: it lands in logs and headers.
 _SANE_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
-ID_HEADERS = ("x-request-id", "request-id")  # OpenAI clients read the first, Anthropic's the second
+# OpenAI clients read the first, Anthropic's the second.
+ID_HEADERS = ("x-request-id", "request-id")
+# Polled every few seconds by monitors: their lines would drown the requests that matter.
+QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})
 
 
 @dataclass
@@ -139,4 +142,5 @@ def close(record: RequestRecord) -> None:
         "duration_ms": round(duration * 1000, 1),
     }
     text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-    log.info("request %s", text, extra={"fields": fields})
+    level = logging.DEBUG if record.endpoint in QUIET_ENDPOINTS else logging.INFO
+    log.log(level, "request %s", text, extra={"fields": fields})

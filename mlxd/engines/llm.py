@@ -84,6 +84,11 @@ class LLMEngine:
 
     def _prepare(self, request: GenerationRequest) -> tuple[list[int], list[GrammarProcessor]]:
         """Prompt ids and the sequence's grammar processor; both can take a while."""
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in request.sampling.logit_bias or {}):
+            # mlx indexes logits without bounds checks: a stray id corrupts memory.
+            message = f"logit_bias token ids must be in [0, {vocab})"
+            raise InvalidRequest(message, param="logit_bias")
         try:
             grammar = self._grammar(request)
             processors = (

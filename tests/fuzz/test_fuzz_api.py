@@ -53,6 +53,7 @@ def http(daemon: Daemon):
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 def test_generated_bodies_never_get_a_server_error(endpoint: str, daemon: Daemon, http):
     answered: dict[int, int] = {}
+    crashed: list[str] = []
 
     @settings(
         max_examples=EXAMPLES,
@@ -63,14 +64,24 @@ def test_generated_bodies_never_get_a_server_error(endpoint: str, daemon: Daemon
     )
     @given(body=ENDPOINTS[endpoint])
     def answer(body: str) -> None:
-        response = http.post(endpoint, content=body, headers={"content-type": "application/json"})
+        try:
+            response = http.post(
+                endpoint, content=body, headers={"content-type": "application/json"}
+            )
+        except httpx.TransportError:
+            crashed.append(body)  # the first is the culprit: later ones find no daemon
+            raise
         answered[response.status_code] = answered.get(response.status_code, 0) + 1
         assert response.status_code < 500, f"{response.status_code} for {body!r}: {response.text}"
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             assert not any(e in response.text for e in SERVER_ERRORS), f"{body!r}: {response.text}"
 
     started = time.perf_counter()
-    answer()
+    try:
+        answer()
+    finally:
+        if crashed:
+            pytest.fail(f"no answer to {crashed[0]!r}; daemon log:\n{daemon.log()[-4000:]}")
     print(f"{endpoint}: {sum(answered.values())} bodies in {time.perf_counter() - started:.1f}s,"
           f" statuses {dict(sorted(answered.items()))}")  # fmt: skip
     assert sum(answered.values()) >= EXAMPLES
@@ -81,3 +92,18 @@ def test_generated_bodies_never_get_a_server_error(endpoint: str, daemon: Daemon
     assert http.post(path, json=normal).status_code == 200
     stats = daemon.status()["models"]["smol"]
     assert stats["running"] == 0 and stats["queue_depth"] == 0  # no slot leaked
+
+
+@pytest.mark.parametrize("token", ["187548", "-1", str(2**40)])
+def test_logit_bias_outside_the_vocabulary_is_a_400(token: str, http):
+    """Found by this fuzzer: mlx indexed the logits with the id unchecked, corrupting memory
+    (a 500 naming a garbage stream id, or a segfault)."""
+    body = {
+        "model": "smol",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "logit_bias": {token: 5},
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "logit_bias"
