@@ -107,3 +107,17 @@ def test_logit_bias_outside_the_vocabulary_is_a_400(token: str, http):
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize(("seed", "status"), [(-1, 200), (2**64 - 1, 200), (2**64, 400)])
+def test_seeds_beyond_64_bits_are_a_400(seed: int, status: int, http):
+    """Found by this fuzzer: a seed mlx could not take killed the model thread, after which
+    every request to the model hung."""
+    body = {
+        "model": "smol",
+        "max_tokens": 2,
+        "temperature": 0.5,
+        "seed": seed,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    assert http.post("/v1/chat/completions", json=body).status_code == status

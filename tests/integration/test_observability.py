@@ -142,3 +142,9 @@ def test_openapi_document_is_served_and_valid(daemon: Daemon):
     document = httpx.get(f"{daemon.url}/openapi.json").json()
     validate(document)
     assert "/v1/messages" in document["paths"]
+
+
+def test_json_log_format_covers_every_line(daemon: Daemon):
+    lines = [line for line in daemon.log().splitlines() if line.strip()]
+    assert {json.loads(line)["logger"] for line in lines} >= {"mlxd", "mlxd.access"}
+    assert not any('"/health"' in line for line in lines if '"level": "info"' in line)
