@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -28,6 +29,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str, fmt: Literal["text", "json"]) -> None:
+    # transformers (tokenizers and chat templates only; no torch) prints an advisory on import
+    # through its own handler: noise to an operator, and not JSON.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
