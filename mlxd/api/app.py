@@ -84,6 +84,7 @@ def create_app(daemon: Daemon) -> Quart:
 
 def _render(error: MlxdError) -> Response:
     # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
+    observe.failed(error.message)
     if request.path.startswith("/v1/messages"):
         return anthropic_error(error, observe.request_id()), error.status, error.headers
     return openai_error(error), error.status, error.headers

@@ -8,6 +8,7 @@ has ended — for a stream that is after the last event, not when the headers ar
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -45,16 +46,28 @@ class RequestRecord:
     ttft_s: float | None = None
     decode_s: float | None = None  # first token → last token
     status: int | None = None  # set when the response (or its stream) is known
+    error: str | None = None
     generating: bool = False
     closed: bool = False
     # Held here, not looked up at close: a stream ends outside the app context.
     metrics: Metrics | None = None
 
 
+def _current() -> RequestRecord | None:
+    return g.get("record") if has_app_context() else None
+
+
 def request_id() -> str:
     """The current request's id ("" outside a request)."""
-    record = g.get("record") if has_app_context() else None
+    record = _current()
     return record.request_id if record else ""
+
+
+def failed(message: str) -> None:
+    """Note why the current request failed; its log line says so."""
+    record = _current()
+    if record is not None:
+        record.error = message[:300]
 
 
 def _incoming_id() -> str:
@@ -113,7 +126,7 @@ async def _observe(record: RequestRecord, events: AsyncIterator[Event]) -> Async
                 if first_token is not None:
                     record.decode_s = time.perf_counter() - first_token
                 if event.reason == "error":
-                    record.status = 500
+                    record.status, record.error = 500, event.error
                 elif event.reason == "cancelled" and record.status in (None, 200):
                     record.status = 499  # the client went away (nginx's name for it)
             yield event
@@ -140,7 +153,10 @@ def close(record: RequestRecord) -> None:
         "completion_tokens": record.completion_tokens,
         "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1000, 1),
         "duration_ms": round(duration * 1000, 1),
+        "error": record.error,
     }
-    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k != "error")
+    if record.error:
+        text += f" error={json.dumps(record.error)}"  # quoted: messages have spaces
     level = logging.DEBUG if record.endpoint in QUIET_ENDPOINTS else logging.INFO
     log.log(level, "request %s", text, extra={"fields": fields})

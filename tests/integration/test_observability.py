@@ -127,6 +127,7 @@ def test_request_id_is_returned_logged_and_in_anthropic_errors(daemon: Daemon):
     assert line["prompt_tokens"] > 0 and line["ttft_ms"] > 0 and line["duration_ms"] > 0
     failed = lines[caught.value.request_id]
     assert failed["status"] == 404 and failed["model"] == "nope"
+    assert "model 'nope' does not exist" in failed["error"]
 
 
 def test_streamed_request_is_logged_when_the_stream_ends(daemon: Daemon):
