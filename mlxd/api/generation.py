@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from quart import current_app, g, request
+from quart import current_app, request
 
+from mlxd.api import observe
 from mlxd.api.errors import from_validation_error
-from mlxd.api.observe import observed
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import (
     Delta,
@@ -53,9 +53,8 @@ async def parse_body(model: type[Body]) -> Body:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
-    if g.get("record") is not None and isinstance(data.get("model"), str):
-        g.record.requested_model = data["model"][:200]
-        g.record.model = current_app.daemon.routes.ids.get(data["model"])  # bounded labels
+    if isinstance(data.get("model"), str):
+        observe.requested(data["model"], current_app.daemon.routes.ids.get(data["model"]))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -162,10 +161,7 @@ async def start(
 ) -> AsyncIterator[Part]:
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
     text when `parse` is False: raw completions)."""
-    record = g.get("record")
-    if record is not None:
-        record.model = entry.name
-    events = observed(record, await engine.submit(request))
+    events = observe.observed(entry.name, await engine.submit(request))
     parser = output_parser(entry, engine, request) if parse else compose(None, None)
     return parsed_events(parser, events)
 

@@ -63,6 +63,13 @@ def request_id() -> str:
     return record.request_id if record else ""
 
 
+def requested(model: str, name: str | None) -> None:
+    """Note the model id the client asked for and the model it routes to (None: unknown)."""
+    record = _current()
+    if record is not None:
+        record.requested_model, record.model = model[:200], name
+
+
 def failed(message: str) -> None:
     """Note why the current request failed; its log line says so."""
     record = _current()
@@ -100,12 +107,15 @@ def install(app: Quart, metrics: Metrics) -> None:
         return response
 
 
-def observed(record: RequestRecord | None, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    """`events`, recording TTFT, token counts and the outcome into `record`. Outside an HTTP
-    request (message batches run in the background) a record of their own is kept."""
+def observed(model: str, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """`events` of a generation by `model`, recording TTFT, token counts and the outcome into
+    the request's record. Outside an HTTP request (message batches run in the background) a
+    record of their own is kept."""
+    record = _current()
     if record is None:
         metrics = current_app.extensions.get("mlxd_metrics")
         record = RequestRecord(f"req_{uuid.uuid4().hex[:24]}", "batch", status=200, metrics=metrics)
+    record.model = model
     record.generating = True  # now, not at the first event: the response may go out before
     return _observe(record, events)
 
