@@ -8,7 +8,7 @@ CONFIG ?= config/models.yaml
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test bench lint fmt clean bootstrap system-deps
+.PHONY: serve test bench fuzz lint fmt clean bootstrap system-deps
 
 bootstrap: $(STAMP)
 
@@ -41,6 +41,12 @@ test: bootstrap
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks.compare $(BENCH_ARGS)
+
+# CI sends 2,000 generated bodies per endpoint (the same ones each run); this sends
+# FUZZ_EXAMPLES fresh random ones.
+FUZZ_EXAMPLES ?= 20000
+fuzz: bootstrap
+	MLXD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -s tests/fuzz
 
 lint: bootstrap
 	$(BIN)/ruff check mlxd tests benchmarks

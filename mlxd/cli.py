@@ -1,17 +1,20 @@
-"""mlxd command line: `mlxd [serve] --config FILE`, `mlxd check FILE`."""
+"""mlxd command line: `mlxd [serve] --config FILE`, `mlxd check FILE`, and the client commands
+`mlxd ps`, `mlxd reload`, `mlxd bench` that talk to a running daemon."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from mlxd import accel
 from mlxd.errors import ConfigError
 
-COMMANDS = ("serve", "check")
+COMMANDS = ("serve", "check", "ps", "reload", "bench")
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlxd",
-        description="Serve the models a YAML file declares over the OpenAI API.",
+        description="Serve the models a YAML file declares over the OpenAI and Anthropic APIs. "
+        "Without a command, `mlxd` means `mlxd serve`.",
     )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -38,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
     serve.add_argument("--log-level", help="debug, info, warning, error (default: info)")
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="text lines, or one JSON object per line (default: $MLXD_LOG_FORMAT or text)",
+    )
     serve.set_defaults(run=_serve)
 
     check = commands.add_parser(
@@ -47,7 +56,63 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file")
     check.set_defaults(run=_check)
+
+    ps = commands.add_parser(
+        "ps",
+        help="list the models of a running daemon",
+        description="Show each model of a running daemon: kind, state, aliases, memory, "
+        "queued and running requests and tokens/s over the last minute (from /v1/status).",
+    )
+    _client_options(ps)
+    ps.set_defaults(run=_ps)
+
+    reload = commands.add_parser(
+        "reload",
+        help="make a running daemon re-read its config file",
+        description="POST /admin/reload: the daemon re-reads its config file and converges on "
+        "it. Prints what changed; an invalid file changes nothing and exits 1.",
+    )
+    _client_options(reload)
+    reload.set_defaults(run=_reload)
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure a running daemon's streaming throughput",
+        description="Send streaming chat completions to a running daemon at each concurrency "
+        "level (distinct prompts, so no prompt cache helps) and print aggregate tokens/s, "
+        "TTFT p50/p95 and failures per level.",
+    )
+    _client_options(bench)
+    bench.add_argument("--model", default="default", help="model id to load (default: default)")
+    bench.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=[1, 8, 32],
+        help="comma-separated levels (default: 1,8,32)",
+    )
+    bench.add_argument("--max-tokens", type=int, default=64, help="per request (default: 64)")
+    bench.add_argument("--requests", type=int, help="requests per level (default: 2×C, min 4)")
+    bench.set_defaults(run=_bench)
     return parser
+
+
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("MLXD_URL", DEFAULT_URL),
+        help=f"the daemon's base URL (default: $MLXD_URL or {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MLXD_API_KEY"),
+        help="sent as a Bearer token (default: $MLXD_API_KEY)",
+    )
+
+
+def _levels(text: str) -> list[int]:
+    from mlxd.loadgen import parse_levels
+
+    return parse_levels(text)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -63,16 +128,74 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ps(args: argparse.Namespace) -> int:
+    from mlxd.client import DaemonClient, DaemonError
+
+    try:
+        status = DaemonClient(args.url, args.api_key).status()
+    except DaemonError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    header = ("NAME", "KIND", "STATE", "ALIASES", "MEMORY", "QUEUE", "RUNNING", "TOK/S")
+    rows = [header] + [_ps_row(name, row) for name, row in status["models"].items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
+    memory = row.get("memory_bytes")
+    loaded = "running" in row
+    return (
+        name,
+        row.get("kind", "-"),
+        row["state"],
+        ",".join(row.get("aliases") or []) or "-",
+        f"{memory / 2**20:.0f} MiB" if memory else "-",
+        str(row.get("queue_depth", 0)) if loaded else "-",
+        str(row.get("running", 0)) if loaded else "-",
+        f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",
+    )
+
+
+def _reload(args: argparse.Namespace) -> int:
+    from mlxd.client import DaemonClient, DaemonError
+
+    try:
+        result = DaemonClient(args.url, args.api_key).reload()
+    except DaemonError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    actions = result.get("actions") or ["nothing to change"]
+    print(f"config generation {result['config']['generation']}:")
+    for action in actions:
+        print(f"  {action}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mlxd.loadgen import print_results, run_sweep
+
+    results = asyncio.run(
+        run_sweep(
+            args.url, args.model, args.concurrency, args.max_tokens, args.requests, args.api_key
+        )
+    )
+    print_results(results)
+    return 0 if all(r.failed == 0 for r in results) else 1
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from mlxd.logs import setup_logging
     from mlxd.settings import Settings
 
     settings = Settings()
     if not settings.no_reexec:
         accel.ensure_optimized_blas()
-    logging.basicConfig(
-        level=(args.log_level or settings.log_level).upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level or settings.log_level, args.log_format or settings.log_format)
     log = logging.getLogger("mlxd")
     from mlxd.api.app import create_app, serve
     from mlxd.api.auth import log_access

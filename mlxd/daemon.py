@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class Daemon:
         self.started_at = time.time()
         self.ready = False
         self.draining = False  # shutting down: new requests get 503
+        self.reloads: Counter[str] = Counter()  # by outcome: applied | rejected
         self.reconciler = Reconciler(registry.server, self._set_routes)
         self._reload_lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
@@ -58,6 +60,7 @@ class Daemon:
             try:
                 registry = await asyncio.to_thread(load_config, self.config_path)
             except ConfigError as exc:
+                self.reloads["rejected"] += 1
                 self.config.last_error = exc.message
                 log.error(
                     "config rejected, still serving generation %d:\n%s",
@@ -68,6 +71,7 @@ class Daemon:
             for key in ("host", "port", "cache_dir"):
                 if getattr(registry.server, key) != getattr(self.registry.server, key):
                     log.warning("server.%s changed: takes effect after a restart", key)
+            self.reloads["applied"] += 1
             return self._apply(registry)
 
     def _apply(self, registry: Registry) -> list[Action]:

@@ -1,13 +1,14 @@
-"""Operational endpoints: /health, /v1/status (what runs where), /admin/reload."""
+"""Operational endpoints: /health, /v1/status (what runs where), /metrics, /admin/reload."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from quart import Blueprint, current_app
+from quart import Blueprint, Response, current_app
 
 from mlxd import accel
+from mlxd.api.metrics import CONTENT_TYPE
 from mlxd.registry.plan import describe
 
 blueprint = Blueprint("admin", __name__)
@@ -42,12 +43,32 @@ async def health() -> Any:
 @blueprint.get("/v1/status")
 async def status() -> Any:
     daemon = current_app.daemon
+    models = daemon.reconciler.status()
     return {
         "uptime_s": round(time.time() - daemon.started_at, 1),
-        "platform": accel.describe(),
+        "platform": accel.describe(),  # the compute backend and BLAS in use
         "config": {**_config_status(), "path": str(daemon.config_path)},
-        "models": daemon.reconciler.status(),
+        "models": {name: _model_status(name, row) for name, row in models.items()},
     }
+
+
+def _model_status(name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """The reconciler's view of a model plus live figures: queue, recent throughput and TTFT."""
+    return {
+        **row,
+        "queue_depth": row.get("waiting", 0),
+        "running": row.get("running", 0),
+        "memory_bytes": row.get("memory_bytes"),
+        "cache": row.get("cache"),
+        **current_app.extensions["mlxd_metrics"].summary(name),
+    }
+
+
+@blueprint.get("/metrics")
+async def metrics() -> Any:
+    """Prometheus text format."""
+    body = current_app.extensions["mlxd_metrics"].render()
+    return Response(body, content_type=CONTENT_TYPE)
 
 
 @blueprint.post("/admin/reload")

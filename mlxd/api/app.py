@@ -12,8 +12,9 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, auth, batches, embeddings, openai, shutdown
+from mlxd.api import admin, anthropic, auth, batches, embeddings, observe, openai, openapi, shutdown
 from mlxd.api.errors import anthropic_error, openai_error
+from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
 from mlxd.registry.watcher import reload_on_sighup, watch_config
@@ -40,6 +41,9 @@ def create_app(daemon: Daemon) -> Quart:
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
     app.register_blueprint(admin.blueprint)
+    app.register_blueprint(openapi.blueprint)
+    app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)
+    observe.install(app, metrics)
 
     @app.errorhandler(MlxdError)
     async def mlxd_error(error: MlxdError) -> Any:
@@ -83,8 +87,10 @@ def create_app(daemon: Daemon) -> Quart:
 
 def _render(error: MlxdError) -> Response:
     # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
-    render = anthropic_error if request.path.startswith("/v1/messages") else openai_error
-    return render(error), error.status, error.headers
+    observe.failed(error.message)
+    if request.path.startswith("/v1/messages"):
+        return anthropic_error(error, observe.request_id()), error.status, error.headers
+    return openai_error(error), error.status, error.headers
 
 
 async def serve(app: Quart, host: str, port: int) -> None:
@@ -92,7 +98,8 @@ async def serve(app: Quart, host: str, port: int) -> None:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = LISTEN_BACKLOG
-    config.accesslog = None
+    config.accesslog = None  # mlxd logs one line per request itself (api/observe.py)
+    config.errorlog = logging.getLogger("hypercorn.error")  # through mlxd's log format
     # Requests have drained by the time the server stops; this only lets idle keep-alive
     # connections and the last bytes of finished responses go.
     config.graceful_timeout = 3

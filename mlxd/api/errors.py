@@ -46,14 +46,17 @@ ANTHROPIC_TYPES = {
 }
 
 
-def anthropic_error(error: MlxdError) -> dict[str, Any]:
-    """Anthropic's error body. The HTTP status stays the dialect-neutral one: "overloaded"
-    (a model still loading or failed to load) is 503 rather than Anthropic's fleet-wide 529;
-    the SDK retries both."""
-    return {
+def anthropic_error(error: MlxdError, request_id: str = "") -> dict[str, Any]:
+    """Anthropic's error body (with the request id, as the real API sends). The HTTP status
+    stays the dialect-neutral one: "overloaded" (a model still loading or failed to load) is
+    503 rather than Anthropic's fleet-wide 529; the SDK retries both."""
+    body = {
         "type": "error",
         "error": {"type": ANTHROPIC_TYPES.get(error.kind, "api_error"), "message": error.message},
     }
+    if request_id:
+        body["request_id"] = request_id
+    return body
 
 
 def from_validation_error(exc: ValidationError) -> InvalidRequest:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from quart import current_app, request
 
+from mlxd.api import observe
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import (
@@ -53,6 +54,8 @@ async def parse_body(model: type[Body]) -> Body:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if isinstance(data.get("model"), str):
+        observe.requested(data["model"], current_app.daemon.routes.ids.get(data["model"]))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -176,7 +179,7 @@ async def start(
     by design and is not."""
     timeout = current_app.daemon.registry.server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
-    events = await engine.submit(request)
+    events = observe.observed(entry.name, await engine.submit(request))
     if request.priority >= 0:
         events = _until(deadline, timeout, events)
     parser = output_parser(entry, engine, request) if parse else compose(None, None)

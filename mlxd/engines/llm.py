@@ -111,6 +111,11 @@ class LLMEngine:
         return self.encode(request), self._processors(request), None
 
     def _processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in request.sampling.logit_bias or {}):
+            # mlx indexes logits without bounds checks: a stray id corrupts memory.
+            message = f"logit_bias token ids must be in [0, {vocab})"
+            raise InvalidRequest(message, param="logit_bias")
         try:
             grammar = self._grammar(request)
             processors = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,7 @@ class Reconciler:
         self._retiring: set[asyncio.Task] = set()
         # Removed models whose engines still drain: shown in status, no longer routable.
         self.removed: list[ModelRuntime] = []
+        self.loads: Counter[tuple[str, str]] = Counter()  # (model, "ok" | "failed")
 
     # -- reconcile ---------------------------------------------------------------------
 
@@ -158,6 +160,7 @@ class Reconciler:
             if not isinstance(exc, MlxdError):
                 log.exception("model '%s': unexpected load failure", runtime.name)
             if runtime.loading is task:
+                self.loads[runtime.name, "failed"] += 1
                 runtime.loading, runtime.error, runtime.restarting = None, message, False
                 kept = "; the previous engine keeps serving" if runtime.engine else ""
                 log.error("model '%s' failed to load%s: %s", runtime.name, kept, message)
@@ -166,6 +169,7 @@ class Reconciler:
         if runtime.loading is not task or self.models.get(runtime.name) is not runtime:
             await engine.close()  # superseded by a newer reconcile while loading
             return
+        self.loads[runtime.name, "ok"] += 1
         previous = runtime.engine
         runtime.engine, runtime.built, runtime.error, runtime.loading = engine, config, None, None
         runtime.restarting = False

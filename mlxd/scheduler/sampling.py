@@ -26,7 +26,7 @@ def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) 
 
 
 def _seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, seed: int):
-    key = mx.random.key(seed)
+    key = mx.random.key(seed % 2**64)  # mlx takes uint64 only; negative seeds wrap
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key

@@ -59,8 +59,15 @@ class Daemon:
         return self.process.returncode
 
 
-def start_daemon(workdir: Path, config: dict[str, Any], *, timeout: float = 180) -> Daemon:
-    """Write `config` (the port is filled in), start mlxd, wait until /health leaves 'starting'."""
+def start_daemon(
+    workdir: Path,
+    config: dict[str, Any],
+    *,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+) -> Daemon:
+    """Write `config` (the port is filled in), start mlxd (with `env` added to the environment),
+    wait until /health leaves 'starting'."""
     port = free_port()
     config = {**config, "server": {**config.get("server", {}), "port": port}}
     config_path = workdir / "models.yaml"
@@ -71,7 +78,7 @@ def start_daemon(workdir: Path, config: dict[str, Any], *, timeout: float = 180)
         [sys.executable, "-m", "mlxd", "--config", str(config_path)],
         stdout=log_file,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     daemon = Daemon(f"http://127.0.0.1:{port}", process, config_path, log_path, config)
     deadline = time.monotonic() + timeout

@@ -251,6 +251,7 @@ def test_unknown_model_is_not_found(client: anthropic.Anthropic):
     assert caught.value.body == {
         "type": "error",
         "error": {"type": "not_found_error", "message": caught.value.body["error"]["message"]},
+        "request_id": caught.value.request_id,  # as the real API sends it
     }
     assert "smol" in caught.value.body["error"]["message"]
 

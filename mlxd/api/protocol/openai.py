@@ -44,7 +44,8 @@ class SamplingFields(_Lenient):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    # The sampler's key is 64 bits; int64 and uint64 seeds both fit (see sampling.py).
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

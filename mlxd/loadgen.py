@@ -5,7 +5,7 @@ requests, each with a prompt no other request in the sweep uses (so a prompt cac
 the benchmark into a cache benchmark), and reports aggregate completion tok/s, TTFT percentiles
 and failures.
 
-    python -m benchmarks.loadgen --url http://127.0.0.1:8000 --model smol --concurrency 1,8,32
+    mlxd bench --url http://127.0.0.1:8000 --model smol --concurrency 1,8,32
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-# The openai SDK's own HTTP client (httpx's successor, same API): installed wherever openai is.
-import httpx2 as httpx
+import httpx
 
 _ADJECTIVES = [
     "brave", "sleepy", "curious", "tiny", "ancient", "clumsy",
@@ -214,6 +213,7 @@ async def run_sweep(
     levels: list[int],
     max_tokens: int,
     requests_per_level: int | None = None,
+    api_key: str | None = None,
 ) -> list[LevelResult]:
     """Run each concurrency level in turn against one server; prompts never repeat in a sweep."""
     url = url.rstrip("/")
@@ -223,7 +223,10 @@ async def run_sweep(
     timeout = httpx.Timeout(600.0, connect=30.0)
     limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
     results = []
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=False, headers=headers
+    ) as client:
         for concurrency in levels:
             requests = requests_per_level or default_requests(concurrency)
             results.append(
@@ -256,25 +259,3 @@ def parse_levels(text: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
     return levels
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="smol")
-    parser.add_argument(
-        "--concurrency", type=parse_levels, default=[1, 8, 32], help="levels (default: 1,8,32)"
-    )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument(
-        "--requests", type=int, default=None, help="requests per level (default: 2×C, min 4)"
-    )
-    args = parser.parse_args(argv)
-    results = asyncio.run(
-        run_sweep(args.url, args.model, args.concurrency, args.max_tokens, args.requests)
-    )
-    print_results(results)
-
-
-if __name__ == "__main__":
-    main()

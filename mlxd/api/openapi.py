@@ -1,0 +1,173 @@
+"""`GET /openapi.json`: the HTTP API as an OpenAPI 3.1 document.
+
+Request bodies come from the same pydantic models the routes validate with, so the document
+cannot drift from what the daemon accepts. A unit test checks that every route of the app is
+listed in `ROUTES` and that the document is valid OpenAPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from quart import Blueprint
+
+from mlxd.api.batches import CreateBatch
+from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest
+from mlxd.api.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
+
+blueprint = Blueprint("openapi", __name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # OpenAPI's {param} syntax
+    summary: str
+    tag: str
+    body: type[BaseModel] | None = None
+    streams: bool = False  # answers text/event-stream when the body asks for `stream: true`
+    content_type: str = "application/json"
+
+
+ROUTES = (
+    Route("post", "/v1/chat/completions", "Chat completion", "openai", ChatCompletionRequest, True),
+    Route("post", "/v1/completions", "Text completion", "openai", CompletionRequest, True),
+    Route("post", "/v1/embeddings", "Embeddings", "openai", EmbeddingRequest),
+    Route("get", "/v1/models", "List model ids (names and aliases)", "openai"),
+    Route("get", "/v1/models/{model_id}", "One model id", "openai"),
+    Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),
+    Route("post", "/v1/messages/count_tokens", "Count prompt tokens", "anthropic",
+          CountTokensRequest),
+    Route("post", "/v1/messages/batches", "Create a message batch", "anthropic", CreateBatch),
+    Route("get", "/v1/messages/batches", "List message batches", "anthropic"),
+    Route("get", "/v1/messages/batches/{batch_id}", "One message batch", "anthropic"),
+    Route("post", "/v1/messages/batches/{batch_id}/cancel", "Cancel a batch", "anthropic"),
+    Route("get", "/v1/messages/batches/{batch_id}/results", "Batch results (JSONL)", "anthropic",
+          content_type="application/x-jsonl"),
+    Route("get", "/health", "Liveness and readiness", "operations"),
+    Route("get", "/v1/status", "Models, queues, throughput, cache, config", "operations"),
+    Route("get", "/metrics", "Prometheus metrics", "operations",
+          content_type="text/plain"),
+    Route("post", "/admin/reload", "Re-read the config file", "operations"),
+    Route("get", "/openapi.json", "This document", "operations"),
+)  # fmt: skip
+
+_OPENAI_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+        "request_id": {"type": "string"},
+    },
+}
+
+
+@cache
+def document() -> dict[str, Any]:
+    bodies = sorted({r.body for r in ROUTES if r.body}, key=lambda m: m.__name__)
+    refs, schemas = models_json_schema(
+        [(model, "validation") for model in bodies],
+        ref_template="#/components/schemas/{model}",
+    )
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        paths.setdefault(route.path, {})[route.method] = _operation(
+            route, refs.get((route.body, "validation"))
+        )
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "mlxd",
+            "version": _version(),
+            "description": "OpenAI- and Anthropic-compatible model serving. Errors use the "
+            "caller's dialect: Anthropic's shape under /v1/messages, OpenAI's elsewhere.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": {
+                **schemas.get("$defs", {}),
+                "OpenAIError": _OPENAI_ERROR,
+                "AnthropicError": _ANTHROPIC_ERROR,
+            },
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
+        },
+        # Open unless server.api_keys / a model's api_keys are set; then either header works.
+        "security": [{}, {"bearer": []}, {"apiKey": []}],
+    }
+
+
+def _operation(route: Route, body_schema: dict[str, Any] | None) -> dict[str, Any]:
+    success: dict[str, Any] = {route.content_type: {"schema": {}}}
+    if route.streams:
+        success["text/event-stream"] = {"schema": {"type": "string"}}
+    error = "AnthropicError" if route.path.startswith("/v1/messages") else "OpenAIError"
+    error_content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
+    operation: dict[str, Any] = {
+        "summary": route.summary,
+        "tags": [route.tag],
+        "operationId": f"{route.method}_{route.path.strip('/').replace('/', '_')}".replace(
+            "{", ""
+        ).replace("}", ""),
+        "responses": {
+            "200": {"description": "Success", "content": success},
+            "4XX": {"description": "Invalid request", "content": error_content},
+            "5XX": {"description": "Server or model failure", "content": error_content},
+        },
+    }
+    params = [p.strip("{}") for p in route.path.split("/") if p.startswith("{")]
+    if params:
+        operation["parameters"] = [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+            for p in params
+        ]
+    if body_schema is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": body_schema}},
+        }
+    return operation
+
+
+def _version() -> str:
+    try:
+        return version("mlxd")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0.0.0"
+
+
+@blueprint.get("/openapi.json")
+async def openapi_json() -> Any:
+    return document()

@@ -1,0 +1,104 @@
+"""`mlxd ps`, `mlxd reload` and `mlxd bench` against a real daemon, run as a user would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {
+            "smol": {
+                "source": SMOL_GGUF,
+                "aliases": ["default", "gpt-4o-mini"],
+                "context_length": 256,
+                "defaults": {"max_tokens": 4, "temperature": 0.0},
+            },
+            "spare": {"source": SMOL_GGUF, "load": "lazy"},
+        },
+    }
+    running = start_daemon(tmp_path_factory.mktemp("cli"), config)
+    yield running
+    running.stop()
+
+
+def mlxd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_ps_lists_models_as_a_table(daemon: Daemon):
+    result = mlxd("ps", "--url", daemon.url)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == [
+        "NAME",
+        "KIND",
+        "STATE",
+        "ALIASES",
+        "MEMORY",
+        "QUEUE",
+        "RUNNING",
+        "TOK/S",
+    ]
+    table = {row.split()[0]: row.split() for row in rows}
+    assert table["smol"][1:4] == ["llm", "loaded", "default,gpt-4o-mini"]
+    assert table["smol"][5] == "MiB" and int(table["smol"][4]) > 0
+    assert table["spare"][1:5] == ["llm", "unloaded", "-", "-"]
+
+
+def test_ps_reports_an_unreachable_daemon(daemon: Daemon):
+    result = mlxd("ps", "--url", "http://127.0.0.1:9")
+    assert result.returncode == 1
+    assert "cannot reach mlxd at http://127.0.0.1:9" in result.stderr
+
+
+def test_reload_prints_the_outcome(daemon: Daemon):
+    config = dict(daemon.config)
+    config["models"] = {**config["models"], "smol": {**config["models"]["smol"], "aliases": ["x"]}}
+    daemon.config_path.write_text(yaml.safe_dump(config))
+    result = mlxd("reload", "--url", daemon.url)
+    assert result.returncode == 0, result.stderr
+    # The file watcher may have applied the change first; then there is nothing left to do.
+    generation = daemon.status()["config"]["generation"]
+    assert result.stdout.startswith(f"config generation {generation}:\n  ")
+    assert "retarget 'smol': aliases" in result.stdout or "nothing to change" in result.stdout
+    assert daemon.status()["models"]["smol"]["aliases"] == ["x"]
+
+    daemon.config_path.write_text("models:\n  smol:\n    sauce: nope\n")
+    rejected = mlxd("reload", "--url", daemon.url)
+    assert rejected.returncode == 1
+    assert "HTTP 400" in rejected.stderr and "sauce" in rejected.stderr
+    daemon.config_path.write_text(yaml.safe_dump(daemon.config))
+    assert mlxd("reload", "--url", daemon.url).returncode == 0
+
+
+def test_bench_prints_a_sweep(daemon: Daemon):
+    result = mlxd(
+        "bench", "--url", daemon.url, "--model", "smol",
+        "--concurrency", "1,2", "--max-tokens", "3", "--requests", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:4] == ["conc", "reqs", "ok", "fail"]
+    assert [line.split()[:4] for line in lines[1:3]] == [["1", "2", "2", "0"], ["2", "2", "2", "0"]]
+
+
+@pytest.mark.parametrize("command", ["serve", "check", "ps", "reload", "bench"])
+def test_every_command_explains_itself(command: str):
+    result = mlxd(command, "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"usage: mlxd {command}")
+    assert len(result.stdout.split("\n\n")[1]) > 40  # a description, not just the usage line

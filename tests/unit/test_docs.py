@@ -1,0 +1,45 @@
+"""Committed docs and examples stay true: the config reference is the generator's output and
+every example config passes `mlxd check`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxd.config.reference import render
+from mlxd.config.schema import ModelConfig, ServerConfig
+
+ROOT = Path(__file__).parents[2]
+EXAMPLE_CONFIGS = [*sorted((ROOT / "examples").glob("*.yaml")), ROOT / "config" / "models.yaml"]
+
+
+def test_configuration_reference_is_up_to_date():
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == render(), "run: python -m mlxd.config.reference > docs/configuration.md"
+
+
+def test_reference_names_every_key():
+    text = render()
+    for section in (ServerConfig, ModelConfig):
+        for name in section.model_fields:
+            assert f"| `{name}` |" in text or f"## `models.<name>.{name}`" in text
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
+def test_example_config_passes_check(path: Path):
+    env = {**os.environ, "MLXD_API_KEY": "example-key", "CODER_KEY": "coder-key"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxd", "check", str(path)], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert ": ok (" in result.stdout
+
+
+def test_claude_code_settings_are_json():
+    settings = json.loads((ROOT / "examples" / "claude-code-settings.json").read_text())
+    assert settings["env"]["ANTHROPIC_BASE_URL"].startswith("http")

@@ -1,0 +1,76 @@
+"""The OpenAPI document covers every route; logs, recent-window figures and `ps` rows."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from openapi_spec_validator import validate
+
+from mlxd.api.app import create_app
+from mlxd.api.metrics import Recent
+from mlxd.api.openapi import document
+from mlxd.cli import _ps_row
+from mlxd.config import Registry
+from mlxd.daemon import Daemon
+from mlxd.logs import JsonFormatter
+
+
+def test_openapi_document_is_valid():
+    validate(document())
+
+
+def test_openapi_lists_every_route_of_the_app():
+    app = create_app(Daemon(Registry()))
+    served = {
+        (method.lower(), rule.rule.replace("<path:", "{").replace("<", "{").replace(">", "}"))
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint != "static"
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    documented = {(m, path) for path, ops in document()["paths"].items() for m in ops}
+    assert served == documented
+
+
+def test_openapi_bodies_are_the_validation_models():
+    chat = document()["paths"]["/v1/chat/completions"]["post"]
+    ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = document()["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"model", "messages", "max_tokens", "stream"} <= set(schema["properties"])
+    assert "messages" in schema["required"]
+
+
+def test_json_log_lines_carry_request_fields():
+    record = logging.LogRecord("mlxd.access", logging.INFO, "", 0, "request %s", ("x",), None)
+    record.fields = {"request_id": "req_1", "status": 200}
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "request x" and line["level"] == "info"
+    assert line["request_id"] == "req_1" and line["status"] == 200
+
+
+def test_recent_window_forgets_old_tokens_and_ranks_ttft():
+    recent = Recent()
+    recent.add_tokens(600, now=1000.0)
+    recent.add_tokens(60, now=1030.0)
+    assert recent.summary(now=1031.0)["tokens_per_s"] == 11.0
+    assert recent.summary(now=1070.0)["tokens_per_s"] == 1.0  # the first second aged out
+    for ttft in (0.1, 0.2, 0.3, 0.4, 5.0):
+        recent.add_ttft(ttft, now=1070.0)
+    summary = recent.summary(now=1071.0)
+    assert summary["ttft_p50_s"] == 0.3 and summary["ttft_p95_s"] == 5.0
+    assert Recent().summary(now=0.0)["ttft_p50_s"] is None
+
+
+def test_ps_row_for_loaded_and_unloaded_models():
+    loaded = {
+        "kind": "llm",
+        "state": "loaded",
+        "aliases": ["a", "b"],
+        "memory_bytes": 3 * 2**20,
+        "running": 2,
+        "queue_depth": 5,
+        "tokens_per_s": 12.345,
+    }
+    assert _ps_row("m", loaded) == ("m", "llm", "loaded", "a,b", "3 MiB", "5", "2", "12.3")
+    unloaded = {"kind": "llm", "state": "unloaded", "aliases": []}
+    assert _ps_row("n", unloaded) == ("n", "llm", "unloaded", "-", "-", "-", "-", "-")
