@@ -29,7 +29,7 @@ from mlxd.engines.llm import LLMEngine
 from mlxd.engines.prompt import render_chat
 from mlxd.errors import ModelLoadError
 from mlxd.media import MediaPolicy, has_images, load_images
-from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, _target_dtype
+from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, _target_dtype, check_model_dir
 
 INSTALL_HINT = "pip install 'mlxd[vlm]'"
 # prepare_inputs outputs that get_input_embeddings takes positionally or not at all.
@@ -88,8 +88,7 @@ def load_vlm(path: Path, *, dtype: str, model_name: str) -> tuple[LoadedModel, A
         raise ModelLoadError(
             f"model '{model_name}' is kind: vlm, which needs mlx-vlm: {INSTALL_HINT}"
         ) from exc
-    if not Path(path).is_dir():
-        raise ModelLoadError(f"model '{model_name}': model directory {path} does not exist")
+    path = check_model_dir(path, dtype, model_name)
     try:
         vlm, processor = load(str(path))
         target = _target_dtype(dtype)

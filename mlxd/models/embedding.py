@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_gelu
-from mlxd.models.loader import DTYPES, FLOAT_DTYPES, _stored_dtype, _target_dtype
+from mlxd.models.loader import FLOAT_DTYPES, _stored_dtype, _target_dtype, check_model_dir
 
 log = logging.getLogger("mlxd.models")
 
@@ -145,13 +145,7 @@ def _special_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
 
 def load_embedding(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedEmbedding:
     """Load model and tokenizer from a resolved model dir; ModelLoadError names the model."""
-    if dtype not in DTYPES:
-        raise ModelLoadError(
-            f"model '{model_name}': dtype {dtype!r} is not one of {', '.join(DTYPES)}"
-        )
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelLoadError(f"model '{model_name}': model directory {path} does not exist")
+    path = check_model_dir(path, dtype, model_name)
     try:
         pooling = read_pooling(path)
         model, wrapper = load(str(path), lazy=True)

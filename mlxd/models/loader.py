@@ -56,12 +56,8 @@ def _stored_dtype(model: nn.Module) -> str:
     return max(sizes, key=sizes.__getitem__)
 
 
-def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel:
-    """Load model and tokenizer from a local model dir (see sources.resolve_source).
-
-    dtype: "auto" (float32 on the CPU backend, as stored elsewhere), "keep", or a float dtype
-    (quantized weights are dequantized first). Raises ModelLoadError naming `model_name`.
-    """
+def check_model_dir(path: Path, dtype: str, model_name: str) -> Path:
+    """`path` as a Path once it is a directory and `dtype` is known; else ModelLoadError."""
     if dtype not in DTYPES:
         raise ModelLoadError(
             f"model '{model_name}': dtype {dtype!r} is not one of {', '.join(DTYPES)}"
@@ -70,6 +66,16 @@ def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel
     if not path.is_dir():
         # mlx-lm would take a missing path for a hub repo id and try to download it.
         raise ModelLoadError(f"model '{model_name}': model directory {path} does not exist")
+    return path
+
+
+def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel:
+    """Load model and tokenizer from a local model dir (see sources.resolve_source).
+
+    dtype: "auto" (float32 on the CPU backend, as stored elsewhere), "keep", or a float dtype
+    (quantized weights are dequantized first). Raises ModelLoadError naming `model_name`.
+    """
+    path = check_model_dir(path, dtype, model_name)
     try:
         # Lazy: when casting, the stored weights are only read while computing the cast ones.
         model, tokenizer, config = load(str(path), lazy=True, return_config=True)
