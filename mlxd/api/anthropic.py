@@ -26,10 +26,10 @@ from mlxd.api.generation import (
     start,
 )
 from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest, prompt_fields
-from mlxd.engines.base import Finished, GenerationRequest
 from mlxd.errors import MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.registry.routes import ModelEntry
+from mlxd.types import Finished, GenerationRequest
 
 blueprint = Blueprint("anthropic", __name__)
 

@@ -15,15 +15,7 @@ from quart import current_app, request
 from mlxd.api import observe
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
-from mlxd.engines.base import (
-    Delta,
-    Engine,
-    Event,
-    Finished,
-    GenerationRequest,
-    SamplingParams,
-    TokenLogprob,
-)
+from mlxd.engines.base import Engine
 from mlxd.engines.prompt import template_supports_tools
 from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut
 from mlxd.parsers.base import (
@@ -36,6 +28,14 @@ from mlxd.parsers.base import (
 )
 from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
 from mlxd.registry.routes import ModelEntry
+from mlxd.types import (
+    Delta,
+    Event,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
 
 Body = TypeVar("Body", bound=BaseModel)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Quart, Response, current_app, g, has_app_context, request
 
-from mlxd.engines.base import Delta, Event, Finished
+from mlxd.types import Delta, Event, Finished
 
 if TYPE_CHECKING:
     from mlxd.api.metrics import Metrics

@@ -24,10 +24,10 @@ from mlxd.api.generation import (
     usage,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxd.engines.base import Finished, GenerationRequest, TokenLogprob
 from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallStart
 from mlxd.registry.routes import ModelEntry
+from mlxd.types import Finished, GenerationRequest, TokenLogprob
 
 blueprint = Blueprint("openai", __name__)
 

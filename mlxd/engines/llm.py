@@ -14,12 +14,12 @@ from typing import Any
 from mlxd.cache import PrefixCache, open_prefix_cache
 from mlxd.config import CacheConfig, ModelConfig
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
-from mlxd.engines.base import Event, Finished, GenerationRequest
 from mlxd.engines.prompt import render_chat
 from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.scheduler.batcher import ContinuousBatcher, Sequence
 from mlxd.scheduler.faults import fault_processors, faults_from_env
+from mlxd.types import Event, Finished, GenerationRequest
 
 log = logging.getLogger("mlxd.engine")
 

@@ -24,12 +24,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.engines.base import GenerationRequest
 from mlxd.engines.llm import LLMEngine
 from mlxd.engines.prompt import render_chat
 from mlxd.errors import ModelLoadError
 from mlxd.media import MediaPolicy, has_images, load_images
 from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, _target_dtype, check_model_dir
+from mlxd.types import GenerationRequest
 
 INSTALL_HINT = "pip install 'mlxd[vlm]'"
 # prepare_inputs outputs that get_input_embeddings takes positionally or not at all.

@@ -24,7 +24,6 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxd.cache import Match, PrefixCache
 from mlxd.config import BatchConfig
-from mlxd.engines.base import Delta, Event, Finished, GenerationRequest
 from mlxd.errors import Overloaded, Unavailable
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
@@ -33,6 +32,7 @@ from mlxd.scheduler.sampling import (
     token_logprob,
 )
 from mlxd.scheduler.stops import StopMatcher
+from mlxd.types import Delta, Event, Finished, GenerationRequest
 
 log = logging.getLogger("mlxd.scheduler")
 

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from mlxd.engines.base import GenerationRequest
+from mlxd.types import GenerationRequest
 
 ENV = "MLXD_FAULT_INJECT"
 AFTER_TOKENS = 3

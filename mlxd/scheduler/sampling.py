@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from mlxd.engines.base import SamplingParams, TokenLogprob
+from mlxd.types import SamplingParams, TokenLogprob
 
 
 @lru_cache(maxsize=256)

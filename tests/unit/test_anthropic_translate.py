@@ -23,9 +23,9 @@ from mlxd.api.protocol.anthropic import (
     internal_messages,
     prompt_fields,
 )
-from mlxd.engines.base import Finished
 from mlxd.errors import InvalidRequest
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
+from mlxd.types import Finished
 
 WEATHER = {
     "name": "weather",

@@ -2,8 +2,8 @@
 
 from mlxd.api.generation import Logprobs
 from mlxd.api.openai import _chat_choices
-from mlxd.engines.base import Finished, TokenLogprob
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
+from mlxd.types import Finished, TokenLogprob
 
 
 def test_reasoning_text_and_tool_call_deltas():

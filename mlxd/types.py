@@ -1,0 +1,77 @@
+"""The one internal request type and the one event stream every engine speaks.
+
+Below every layer: the API dialects translate to `GenerationRequest` at the edge and render
+`Event`s back; engines, schedulers and the worker transport all speak these and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    # None: no logprobs; 0: the sampled token's only; n: also the n most likely alternatives.
+    top_logprobs: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """A dialect-neutral generation request. Exactly one of `messages` / `prompt` is set."""
+
+    request_id: str
+    model: str
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    # OpenAI-shaped tools: {"type": "function", "function": {name, description, parameters}}.
+    tools: list[dict[str, Any]] | None = None
+    # None/"auto", "none", "required" (any tool) or {"name": ...} (that tool).
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}}.
+    response_format: dict[str, Any] | None = None
+    # Lower runs after higher: interactive requests 0, message batches -1.
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text from one sequence; `text` may be empty when a stop string is still undecided."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    stop_string: str | None = None
+    error: str | None = None
+
+
+Event = Delta | Finished
