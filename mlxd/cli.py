@@ -13,7 +13,7 @@ from typing import Any
 from mlxd import accel
 from mlxd.errors import ConfigError
 
-COMMANDS = ("serve", "check", "ps", "reload", "bench")
+COMMANDS = ("serve", "check", "ps", "reload", "load", "unload", "bench")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -74,6 +74,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     _client_options(reload)
     reload.set_defaults(run=_reload)
+
+    for verb, what in (
+        ("load", "load a declared model now; it stays loaded until unloaded or idle"),
+        ("unload", "unload a model now; it stays declared and its next request loads it"),
+    ):
+        command = commands.add_parser(
+            verb,
+            help=what,
+            description=f"POST /admin/models/NAME/{verb} on a running daemon: {what}. "
+            "Goes through the reconciler; the YAML file is not touched.",
+        )
+        command.add_argument("model", help="model name or alias")
+        _client_options(command)
+        command.set_defaults(run=_load_or_unload, verb=verb)
 
     bench = commands.add_parser(
         "bench",
@@ -171,6 +185,18 @@ def _reload(args: argparse.Namespace) -> int:
     print(f"config generation {result['config']['generation']}:")
     for action in actions:
         print(f"  {action}")
+    return 0
+
+
+def _load_or_unload(args: argparse.Namespace) -> int:
+    from mlxd.client import DaemonClient, DaemonError
+
+    try:
+        result = DaemonClient(args.url, args.api_key).model_action(args.model, args.verb)
+    except DaemonError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    print(f"{result['model']}: {result['state']}")
     return 0
 
 

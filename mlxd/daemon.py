@@ -89,6 +89,19 @@ class Daemon:
         entry = self.routes.entry(model_id)
         return entry.engine or await self.reconciler.engine_for(entry.name)
 
+    async def load_model(self, model_id: str) -> None:
+        """Load `model_id` (a name or alias) now; it stays declared as it is in the YAML."""
+        await self.reconciler.load_now(self.routes.entry(model_id).name)
+
+    async def unload_model(self, model_id: str) -> None:
+        """Unload `model_id` now, once its requests finish; its next request loads it again."""
+        await self.reconciler.unload_now(self.routes.entry(model_id).name)
+
+    def set_keep_alive(self, model_id: str, seconds: float | None) -> None:
+        """A client's keep-alive for `model_id`: idle seconds before it unloads (math.inf:
+        never), over its YAML idle_ttl. Never written to the YAML."""
+        self.reconciler.set_keep_alive(self.routes.entry(model_id).name, seconds)
+
     async def _sweep_idle(self) -> None:
         while True:
             await asyncio.sleep(IDLE_SWEEP_S)

@@ -71,6 +71,24 @@ async def metrics() -> Any:
     return Response(body, content_type=CONTENT_TYPE)
 
 
+@blueprint.post("/admin/models/<path:model>/load")
+async def load_model(model: str) -> Any:
+    """Load a declared model now (name or alias), through the reconciler."""
+    daemon = current_app.daemon
+    await daemon.load_model(model)
+    name = daemon.routes.entry(model).name
+    return {"model": name, "state": daemon.reconciler.models[name].state}
+
+
+@blueprint.post("/admin/models/<path:model>/unload")
+async def unload_model(model: str) -> Any:
+    """Unload a model now; it stays declared and its next request loads it again."""
+    daemon = current_app.daemon
+    await daemon.unload_model(model)
+    name = daemon.routes.entry(model).name
+    return {"model": name, "state": daemon.reconciler.models[name].state}
+
+
 @blueprint.post("/admin/reload")
 async def reload() -> Any:
     """Re-read the config file now. An invalid file is a 400 and changes nothing."""

@@ -58,6 +58,8 @@ ROUTES = (
     Route("get", "/metrics", "Prometheus metrics", "operations",
           content_type="text/plain"),
     Route("post", "/admin/reload", "Re-read the config file", "operations"),
+    Route("post", "/admin/models/{model}/load", "Load a declared model now", "operations"),
+    Route("post", "/admin/models/{model}/unload", "Unload a model now", "operations"),
     Route("get", "/openapi.json", "This document", "operations"),
 )  # fmt: skip
 

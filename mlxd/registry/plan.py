@@ -32,8 +32,9 @@ CACHE_BUDGET_FIELDS = ("ram", "ssd", "ssd_ttl")
 # Secrets: a log line says that they changed, never what to.
 _SECRET_FIELDS = frozenset({"api_keys"})
 
-State = Literal["loaded", "loading", "unloaded", "failed"]
-"""A model's engine right now; "unloaded" is a lazy model with no engine."""
+State = Literal["loaded", "loading", "unloaded", "parked", "failed"]
+"""A model's engine right now; "unloaded" is a lazy model with no engine, "parked" one unloaded
+on demand (admin unload, Ollama keep_alive): declared still, loaded again by its next request."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,8 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
         elif current.state == "failed":
             # Retried on every reconcile: the weights may have been fixed without a YAML change.
             loads.append(Load(name, config))
-        elif current.state == "unloaded":
-            if config.load == "eager":
+        elif current.state in ("unloaded", "parked"):
+            if config.load == "eager" and current.state == "unloaded":
                 loads.append(Load(name, config))
             elif config != current.config:
                 fields = ENGINE_FIELDS + ROUTING_FIELDS

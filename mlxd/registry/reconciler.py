@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -58,6 +59,17 @@ class ModelRuntime:
     draining: list[Engine] = field(default_factory=list)
     restarts: int = 0  # engines replaced after their model thread died
     restarting: bool = False
+    # Unloaded on demand (admin unload, Ollama keep_alive 0): an eager model is not reloaded
+    # by the next reconcile, only by its next request.
+    parked: bool = False
+    # A client's keep-alive (Ollama's keep_alive) in seconds, over the YAML idle_ttl until the
+    # next one; math.inf keeps the model loaded.
+    keep_alive: float | None = None
+
+    @property
+    def idle_ttl(self) -> float | None:
+        ttl = self.keep_alive if self.keep_alive is not None else self.config.idle_ttl
+        return None if ttl == math.inf else ttl
 
     def observed(self) -> Actual:
         if self.loading is not None:
@@ -68,7 +80,7 @@ class ModelRuntime:
             return Actual(self.config.model_copy(update=engine_fields), "loaded")
         if self.error is not None:
             return Actual(self.config, "failed")
-        return Actual(self.config, "unloaded")
+        return Actual(self.config, "parked" if self.parked else "unloaded")
 
     @property
     def state(self) -> str:
@@ -240,6 +252,7 @@ class Reconciler:
         replacement; the whole wait is bounded by `server.load_timeout`.
         """
         runtime = self.models[name]
+        runtime.parked = False
         deadline = time.monotonic() + self.server.load_timeout
         while runtime.engine is None:
             if self.models.get(name) is not runtime:
@@ -261,6 +274,31 @@ class Reconciler:
             if runtime.engine is None and runtime.loading is None:
                 raise Unavailable(f"model '{name}' failed to load: {runtime.error}")
         return runtime.engine
+
+    # -- on demand ---------------------------------------------------------------------
+
+    async def load_now(self, name: str) -> Engine:
+        """Load a declared model now (admin load); it stays loaded until unloaded again."""
+        return await self.engine_for(name)
+
+    async def unload_now(self, name: str) -> None:
+        """Unload a model now (admin unload, Ollama keep_alive 0) after its requests finish.
+        It stays declared: its next request loads it again."""
+        runtime = self.models[name]
+        self._cancel_load(runtime)
+        runtime.parked = True
+        engine, runtime.engine = runtime.engine, None
+        if engine is None:
+            self._publish()
+            return
+        log.info("model '%s' unloaded on demand", name)
+        drained = self._retire(runtime, engine)
+        self._publish()
+        await drained
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> None:
+        """How long `name` stays loaded once idle, over its YAML idle_ttl (None: back to it)."""
+        self.models[name].keep_alive = seconds
 
     # -- draining ----------------------------------------------------------------------
 
@@ -285,7 +323,7 @@ class Reconciler:
     def unload_idle(self, now: float) -> None:
         """Unload engines unused for longer than their model's idle_ttl (they reload lazily)."""
         for runtime in self.models.values():
-            engine, ttl = runtime.engine, runtime.config.idle_ttl
+            engine, ttl = runtime.engine, runtime.idle_ttl
             expired = ttl is not None and engine is not None and now - engine.last_used > ttl
             if expired and engine.idle:
                 log.info("model '%s' idle for %.0fs: unloading", runtime.name, ttl)
@@ -331,15 +369,22 @@ class Reconciler:
     def status(self) -> dict[str, dict]:
         """Per model: state, aliases, error, draining engines and the serving engine's stats."""
         rows = {}
+        now = time.monotonic()
         for runtime in [*self.models.values(), *self.removed]:
             removed = runtime in self.removed
+            engine = runtime.engine
             rows[runtime.name] = {
                 "state": "draining" if removed else runtime.state,
                 "kind": runtime.config.kind,
+                "source": runtime.config.source,
+                "load": runtime.config.load,
                 "aliases": [] if removed else list(runtime.config.aliases),
                 "error": runtime.error,
                 "draining": len(runtime.draining),
                 "restarts": runtime.restarts,
+                # idle_ttl in force (YAML or a client's keep_alive); null: never unloaded idle.
+                "idle_ttl_s": runtime.idle_ttl,
+                "idle_s": round(now - engine.last_used, 1) if engine and engine.idle else 0.0,
                 **(runtime.engine.stats() if runtime.engine is not None else {}),
             }
         return rows

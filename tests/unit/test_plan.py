@@ -157,6 +157,13 @@ def test_engine_settings_ignore_routing_fields() -> None:
             [Load("m", cfg())],
             id="unloaded-to-eager",
         ),
+        pytest.param({"m": cfg()}, {"m": Actual(cfg(), "parked")}, [], id="parked-eager-stays"),
+        pytest.param(
+            {"m": cfg(aliases=["x"])},
+            {"m": Actual(cfg(), "parked")},
+            [Retarget("m", cfg(aliases=["x"]))],
+            id="parked-routing-change",
+        ),
         pytest.param(
             {"m": cfg("b")},
             {"m": Actual(cfg(), "loading")},
