@@ -13,11 +13,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bootstrap: $(STAMP)
 
 # apt-get only where it exists (Debian/Ubuntu); elsewhere mlxd runs with what it finds.
+# chromium + chromium-driver: the dashboard's browser tests (skipped where they are missing).
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  need=""; \
 	  [ -e $(OPENBLAS) ] || need="$$need libopenblas0-pthread"; \
 	  $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || need="$$need python3-venv"; \
+	  command -v chromium >/dev/null 2>&1 || need="$$need chromium"; \
+	  command -v chromedriver >/dev/null 2>&1 || need="$$need chromium-driver"; \
 	  if [ -n "$$need" ]; then \
 	    echo "installing$$need"; \
 	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$need \

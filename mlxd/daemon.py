@@ -12,7 +12,7 @@ from pathlib import Path
 from mlxd.config import Registry, load_config
 from mlxd.engines.base import Engine
 from mlxd.errors import ConfigError
-from mlxd.registry.plan import Action
+from mlxd.registry.plan import Action, describe
 from mlxd.registry.reconciler import Reconciler
 from mlxd.registry.routes import RouteTable
 
@@ -38,6 +38,7 @@ class Daemon:
         self.ready = False
         self.draining = False  # shutting down: new requests get 503
         self.reloads: Counter[str] = Counter()  # by outcome: applied | rejected
+        self.last_actions: list[str] = []  # the last reconcile's actions, described (dashboard)
         self.reconciler = Reconciler(registry.server, self._set_routes)
         self._reload_lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
@@ -77,6 +78,7 @@ class Daemon:
     def _apply(self, registry: Registry) -> list[Action]:
         self.registry = registry
         actions = self.reconciler.apply(registry.models, registry.server)
+        self.last_actions = [describe(action) for action in actions]
         self.config.generation += 1
         self.config.loaded_at = time.time()
         self.config.last_error = None

@@ -12,7 +12,18 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, auth, batches, embeddings, observe, openai, openapi, shutdown
+from mlxd.api import (
+    admin,
+    anthropic,
+    auth,
+    batches,
+    dashboard,
+    embeddings,
+    observe,
+    openai,
+    openapi,
+    shutdown,
+)
 from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
@@ -42,8 +53,10 @@ def create_app(daemon: Daemon) -> Quart:
     app.register_blueprint(embeddings.blueprint)
     app.register_blueprint(admin.blueprint)
     app.register_blueprint(openapi.blueprint)
+    app.register_blueprint(dashboard.blueprint)
     app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)
     observe.install(app, metrics)
+    dashboard.install(app, metrics)
 
     @app.errorhandler(MlxdError)
     async def mlxd_error(error: MlxdError) -> Any:

@@ -22,9 +22,11 @@ from mlxd.errors import Forbidden, NotFound, Unauthorized
 
 log = logging.getLogger("mlxd.auth")
 
-OPEN_PATHS = frozenset({"/health"})
+# The dashboard page and its files carry no state: they load without a key, then ask for one.
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/dashboard/static/",)
 # Operations, not inference: a model key must not reload the config or read every model's state.
-ADMIN_PREFIXES = ("/admin/", "/v1/status", "/metrics")
+ADMIN_PREFIXES = ("/admin/", "/v1/status", "/metrics", "/dashboard/api/")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def install(app: Quart) -> None:
 
     @app.before_request
     async def authenticate() -> None:
-        if request.path in OPEN_PATHS:
+        if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             return
         daemon = current_app.daemon
         models = {name: entry.config for name, entry in daemon.routes.models.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -52,6 +52,13 @@ class Recent:
         while self._tokens and self._tokens[0][0] <= now - TOKENS_WINDOW_S:
             self._tokens.popleft()
 
+    def rate(self, now: float, window_s: float) -> float:
+        """Tokens per second over the last `window_s` whole seconds before `now`."""
+        self._prune(now)
+        end = int(now)  # the current second is still filling up
+        count = sum(n for second, n in self._tokens if end - window_s <= second < end)
+        return round(count / window_s, 2)
+
     def summary(self, now: float) -> dict[str, float | None]:
         self._prune(now)
         ttfts = sorted(t for at, t in self._ttfts if at > now - TTFT_WINDOW_S)
@@ -72,6 +79,8 @@ class Metrics:
     def __init__(self, daemon: Daemon) -> None:
         self.registry = CollectorRegistry()
         self.recent: dict[str, Recent] = {}
+        # Called with each closed request's access-line fields (the dashboard's request log).
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         r = self.registry
         self.requests = Counter(
             "mlxd_requests", "HTTP requests answered.", ["model", "endpoint", "status"], registry=r
@@ -124,6 +133,10 @@ class Metrics:
 
     def summary(self, model: str) -> dict[str, float | None]:
         return self.recent.get(model, Recent()).summary(time.time())
+
+    def rate(self, model: str, window_s: float, now: float) -> float:
+        """`model`'s generated tokens per second over the last `window_s` seconds."""
+        return self.recent.get(model, Recent()).rate(now, window_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

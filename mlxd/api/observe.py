@@ -31,7 +31,17 @@ _SANE_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
 # OpenAI clients read the first, Anthropic's the second.
 ID_HEADERS = ("x-request-id", "request-id")
 # Polled every few seconds by monitors: their lines would drown the requests that matter.
-QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})
+QUIET_ENDPOINTS = frozenset(
+    {
+        "/health",
+        "/metrics",
+        # The dashboard page (also a liveness probe: Ollama clients GET /) and its polling.
+        "/",
+        "/dashboard/static/<path:filename>",
+        "/dashboard/api/state",
+        "/dashboard/api/events",
+    }
+)
 
 
 @dataclass
@@ -170,3 +180,5 @@ def close(record: RequestRecord) -> None:
         text += f" error={json.dumps(record.error)}"  # quoted: messages have spaces
     level = logging.DEBUG if record.endpoint in QUIET_ENDPOINTS else logging.INFO
     log.log(level, "request %s", text, extra={"fields": fields})
+    for listener in record.metrics.listeners if record.metrics is not None else ():
+        listener(fields)

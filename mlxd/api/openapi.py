@@ -61,6 +61,14 @@ ROUTES = (
     Route("post", "/admin/models/{model}/load", "Load a declared model now", "operations"),
     Route("post", "/admin/models/{model}/unload", "Unload a model now", "operations"),
     Route("get", "/openapi.json", "This document", "operations"),
+    Route("get", "/", "Web dashboard (also a liveness page)", "dashboard",
+          content_type="text/html"),
+    Route("get", "/dashboard/static/{filename}", "Dashboard script, style", "dashboard",
+          content_type="text/plain"),
+    Route("get", "/dashboard/api/state", "Dashboard state: status, history, request log",
+          "dashboard"),
+    Route("get", "/dashboard/api/events", "Dashboard state every 2 s (server-sent events)",
+          "dashboard", content_type="text/event-stream"),
 )  # fmt: skip
 
 _OPENAI_ERROR = {

@@ -106,6 +106,11 @@ class ServerConfig(_Section):
     media_fetch_timeout: Duration = Field(
         10.0, description="Longest the daemon spends fetching one remote image."
     )
+    dashboard: bool = Field(
+        True,
+        description="Serve the web dashboard at `/` (its data needs a server key when keys are "
+        "set); false makes `/` a 404.",
+    )
 
     @field_validator("cache_dir")
     @classmethod

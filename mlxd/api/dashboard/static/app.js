@@ -1,0 +1,258 @@
+// The dashboard: live state from /dashboard/api/events, rendered into the page's tables.
+
+import { call, explain, key, sse } from "./api.js";
+import { colour, drawLines } from "./charts.js";
+import { fillModels, setupPlayground } from "./playground.js";
+
+const $ = (id) => document.getElementById(id);
+let order = []; // model names in first-seen order: stable chart colours
+let latest = null;
+
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+const seconds = (s) => (s === null || s === undefined ? "–" : s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`);
+
+function duration(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 90) return `${Math.round(s)} s`;
+  if (s < 5400) return `${Math.round(s / 60)} min`;
+  return `${(s / 3600).toFixed(1)} h`;
+}
+
+function cell(row, content, className) {
+  const td = row.insertCell();
+  if (content instanceof Node) td.append(content);
+  else td.textContent = content ?? "–";
+  if (className) td.className = className;
+  return td;
+}
+
+function memory(model, budget) {
+  const span = document.createElement("span");
+  const used = model.rss_bytes ?? model.memory_bytes;
+  if (used === undefined || used === null) { span.textContent = "–"; return span; }
+  const label = `${model.rss_bytes != null ? "RSS" : "est."} ${bytes(used)}${model.pid != null ? ` · pid ${model.pid}` : ""}`;
+  if (budget) {
+    const meter = document.createElement("meter");
+    meter.min = 0; meter.max = budget; meter.value = used; meter.high = budget * 0.9;
+    meter.setAttribute("aria-label", `${model.name} memory of budget`);
+    span.append(meter, ` ${label} of ${bytes(budget)}`);
+  } else {
+    span.textContent = label;
+  }
+  return span;
+}
+
+function cacheHits(cache) {
+  if (!cache || !cache.hits) return "–";
+  const hits = cache.hits, total = Object.values(hits).reduce((a, b) => a + b, 0) + (cache.misses || 0);
+  if (!total) return "no lookups";
+  return Object.entries(hits).map(([tier, n]) => `${tier} ${Math.round((100 * n) / total)}%`).join(" · ");
+}
+
+function idleLeft(model) {
+  if (model.state !== "loaded" || model.idle_ttl_s === null || model.idle_ttl_s === undefined) return "–";
+  return model.idle_s > 0 ? duration(Math.max(model.idle_ttl_s - model.idle_s, 0)) : `${duration(model.idle_ttl_s)} (busy)`;
+}
+
+function actionButton(label, name, verb) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.textContent = label;
+  button.setAttribute("aria-label", `${label} ${name}`);
+  button.addEventListener("click", () => act(`/admin/models/${encodeURIComponent(name)}/${verb}`, `${verb} ${name}`, button));
+  return button;
+}
+
+function renderModels(status) {
+  const body = $("models").tBodies[0];
+  body.replaceChildren();
+  for (const [name, model] of Object.entries(status.models)) {
+    const row = body.insertRow();
+    row.dataset.model = name;
+    const th = document.createElement("th");
+    th.scope = "row";
+    th.textContent = name;
+    row.append(th);
+    const state = cell(row, model.state, `state state-${model.state}`);
+    state.dataset.field = "state";
+    if (model.error) {
+      state.append(document.createElement("br"), Object.assign(document.createElement("small"), { textContent: model.error }));
+      state.classList.add("error-text");
+    }
+    cell(row, model.kind);
+    cell(row, (model.aliases || []).join(", ") || "–");
+    cell(row, model.source);
+    cell(row, model.dtype);
+    cell(row, memory({ ...model, name }, status.memory_budget));
+    cell(row, model.queue_depth ?? "–");
+    cell(row, model.running ?? "–");
+    cell(row, model.tokens_per_s ?? "–");
+    cell(row, `${seconds(model.ttft_p50_s)} / ${seconds(model.ttft_p95_s)}`);
+    cell(row, cacheHits(model.cache));
+    cell(row, model.restarts ?? 0);
+    cell(row, idleLeft(model));
+    const actions = document.createElement("span");
+    const loaded = ["loaded", "loading", "restarting"].includes(model.state);
+    if (model.state !== "draining") {
+      actions.append(loaded ? actionButton("Unload", name, "unload") : actionButton("Load", name, "load"));
+    }
+    cell(row, actions);
+  }
+}
+
+function renderConfig(config) {
+  $("config-path").textContent = config.path;
+  $("config-generation").textContent = config.generation;
+  $("config-loaded").textContent = config.loaded_at ? new Date(config.loaded_at * 1000).toLocaleString() : "–";
+  const actions = config.last_actions || [];
+  $("config-actions").replaceChildren(...(actions.length ? actions : ["nothing to change"]).map((text) =>
+    Object.assign(document.createElement("li"), { textContent: text })));
+  const error = $("config-error");
+  error.hidden = !config.last_error;
+  error.textContent = config.last_error || "";
+}
+
+function renderCharts(history) {
+  const now = Date.now() / 1000;
+  for (const name of Object.keys(history.models)) if (!order.includes(name)) order.push(name);
+  const pick = (field) => Object.fromEntries(Object.entries(history.models).map(([m, samples]) =>
+    [m, samples.map((s) => ({ at: s.at, value: s[field] }))]));
+  drawLines($("chart-tps"), pick("tokens_per_s"), order, now);
+  drawLines($("chart-queue"), pick("queue_depth"), order, now);
+  $("chart-legend").replaceChildren(...Object.keys(history.models).map((name) => {
+    const li = document.createElement("li");
+    const swatch = document.createElement("span");
+    swatch.style.background = colour(order.indexOf(name));
+    li.append(swatch, name);
+    return li;
+  }));
+}
+
+function renderRequests(lines) {
+  const filter = $("log-model").value;
+  const body = $("requests").tBodies[0];
+  body.replaceChildren();
+  for (const line of lines) {
+    if (filter && line.model !== filter) continue;
+    const row = body.insertRow();
+    row.dataset.model = line.model || "";
+    cell(row, new Date(line.at * 1000).toLocaleTimeString());
+    cell(row, line.request_id);
+    cell(row, line.model);
+    cell(row, line.endpoint);
+    cell(row, line.status);
+    cell(row, `${line.prompt_tokens} / ${line.completion_tokens}`);
+    cell(row, line.ttft_ms == null ? "–" : `${line.ttft_ms} ms`);
+    cell(row, `${line.duration_ms} ms`);
+    cell(row, line.error || "", "error-text");
+  }
+}
+
+function render(state) {
+  latest = state;
+  const { status } = state;
+  $("health").textContent = "up " + duration(status.uptime_s);
+  $("health").className = "badge ok";
+  $("platform").textContent = status.platform;
+  renderModels(status);
+  renderConfig(status.config);
+  renderCharts(state.history);
+  renderRequests(state.requests);
+  const models = Object.entries(status.models).filter(([, m]) => m.state !== "draining");
+  const ids = (kinds) => models.filter(([, m]) => kinds.includes(m.kind)).flatMap(([n, m]) => [n, ...(m.aliases || [])]);
+  fillModels($("chat-model"), ids(["llm", "vlm"]));
+  fillModels($("embed-model"), ids(["embedding"]));
+  const logSelect = $("log-model");
+  const choice = logSelect.value;
+  const names = Object.keys(status.models);
+  if (logSelect.options.length !== names.length + 1 || names.some((n, i) => logSelect.options[i + 1].value !== n)) {
+    logSelect.replaceChildren(new Option("all models", ""), ...names.map((n) => new Option(n, n)));
+    logSelect.value = names.includes(choice) ? choice : "";
+  }
+}
+
+function showAuth(message) {
+  const notice = $("auth-notice");
+  notice.hidden = !message;
+  notice.textContent = message || "";
+  if (message) {
+    $("health").textContent = "no access";
+    $("health").className = "badge degraded";
+  }
+}
+
+async function act(path, what, button) {
+  const result = $("action-result");
+  result.textContent = `${what}…`;
+  if (button) button.disabled = true;
+  try {
+    const answer = await call(path, { method: "POST" });
+    result.textContent = answer.actions
+      ? `reloaded: ${answer.actions.length ? answer.actions.join("; ") : "nothing to change"}`
+      : `${answer.model}: ${answer.state}`;
+  } catch (error) {
+    result.textContent = `Refused (${what}): ${explain(error)}`;
+    if (error.status === 401 || error.status === 403) showAuth(explain(error));
+  } finally {
+    if (button) button.disabled = false;
+    refresh();
+  }
+}
+
+async function refresh() {
+  try {
+    render(await call("/dashboard/api/state"));
+    showAuth(null);
+  } catch (error) {
+    if (error.status === 401 || error.status === 403) showAuth(explain(error));
+  }
+}
+
+// Live updates: the SSE stream; on a refusal or a dropped connection, retry every 2 s.
+let live = null;
+async function follow() {
+  live?.abort();
+  const controller = (live = new AbortController());
+  while (!controller.signal.aborted) {
+    try {
+      for await (const data of sse("/dashboard/api/events", { signal: controller.signal })) {
+        render(JSON.parse(data));
+        showAuth(null);
+      }
+    } catch (error) {
+      if (controller.signal.aborted) return;
+      if (error.status === 401 || error.status === 403) showAuth(explain(error));
+      else $("health").textContent = "unreachable", $("health").className = "badge draining";
+    }
+    await new Promise((resolve) => setTimeout(resolve, 2000));
+  }
+}
+
+function setupKey() {
+  $("key-input").value = key.get();
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    key.set($("key-input").value.trim());
+    $("action-result").textContent = key.get() ? "key saved for this browser session" : "key cleared";
+    follow();
+  });
+  $("key-forget").addEventListener("click", () => {
+    key.set("");
+    $("key-input").value = "";
+    $("action-result").textContent = "key cleared";
+    follow();
+  });
+}
+
+setupKey();
+setupPlayground();
+$("reload").addEventListener("click", () => act("/admin/reload", "reload", $("reload")));
+$("log-model").addEventListener("change", () => latest && renderRequests(latest.requests));
+follow();
