@@ -35,6 +35,7 @@ CONTENT_TYPES = {
     ".svg": "image/svg+xml",
 }
 EVENT_INTERVAL_S = 2.0
+CHANGE_POLL_S = 0.2
 
 
 def install(app: Quart, metrics: Metrics) -> None:
@@ -116,16 +117,31 @@ async def state() -> Any:
 
 @blueprint.get("/dashboard/api/events")
 async def events() -> Any:
-    """Server-sent events: the state every 2 s until the client leaves or the daemon drains."""
+    """Server-sent events: the state every 2 s, and at once when a model or the config
+    changes, until the client leaves or the daemon drains."""
     model = request.args.get("model") or None
     daemon = current_app.daemon
+
+    def version() -> tuple[Any, ...]:
+        # Changes when a model changes state (every change publishes a new route table) or a
+        # config is applied or rejected: sent at once rather than at the next tick. The table
+        # itself is held, so `is` cannot be fooled by a reused id.
+        config = daemon.config
+        return (daemon.routes, config.generation, config.last_error)
+
+    def changed(sent: tuple[Any, ...]) -> bool:
+        now = version()
+        return now[0] is not sent[0] or now[1:] != sent[1:]
 
     @stream_with_context  # the state reads the app
     async def stream() -> AsyncIterator[bytes]:
         while not daemon.draining:
+            sent = version()
             body = json.dumps(await _state(model), separators=(",", ":"))
             yield f"event: state\ndata: {body}\n\n".encode()
-            await asyncio.sleep(EVENT_INTERVAL_S)
+            deadline = time.monotonic() + EVENT_INTERVAL_S
+            while time.monotonic() < deadline and not changed(sent) and not daemon.draining:
+                await asyncio.sleep(CHANGE_POLL_S)
 
     response = Response(stream(), content_type="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"

@@ -86,9 +86,15 @@ function renderModels(status) {
       state.append(document.createElement("br"), Object.assign(document.createElement("small"), { textContent: model.error }));
       state.classList.add("error-text");
     }
+    const actions = document.createElement("span");
+    const loaded = ["loaded", "loading", "restarting"].includes(model.state);
+    if (model.state !== "draining") {
+      actions.append(loaded ? actionButton("Unload", name, "unload") : actionButton("Load", name, "load"));
+    }
+    cell(row, actions);
     cell(row, model.kind);
     cell(row, (model.aliases || []).join(", ") || "–");
-    cell(row, model.source);
+    cell(row, model.source, "source");
     cell(row, model.dtype);
     cell(row, memory({ ...model, name }, status.memory_budget));
     cell(row, model.queue_depth ?? "–");
@@ -98,12 +104,6 @@ function renderModels(status) {
     cell(row, cacheHits(model.cache));
     cell(row, model.restarts ?? 0);
     cell(row, idleLeft(model));
-    const actions = document.createElement("span");
-    const loaded = ["loaded", "loading", "restarting"].includes(model.state);
-    if (model.state !== "draining") {
-      actions.append(loaded ? actionButton("Unload", name, "unload") : actionButton("Load", name, "load"));
-    }
-    cell(row, actions);
   }
 }
 

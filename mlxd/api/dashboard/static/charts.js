@@ -1,7 +1,7 @@
 // Line charts in plain SVG: one line per model over the last 15 minutes.
 
 const COLOURS = ["#2f6feb", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#0a7ea4", "#bf3989"];
-const W = 400, H = 160, PAD = { left: 34, right: 6, top: 8, bottom: 18 };
+const W = 400, H = 120, PAD = { left: 34, right: 6, top: 8, bottom: 18 };
 const SPAN_S = 15 * 60;
 const NS = "http://www.w3.org/2000/svg";
 
@@ -30,7 +30,8 @@ export function drawLines(svg, series, order, now) {
       Number.isInteger(v) ? v : v.toFixed(1)));
   }
   for (const [label, at] of [["-15 min", now - SPAN_S], ["-5", now - 300], ["now", now]]) {
-    svg.append(el("text", { x: x(at), y: H - 4, "text-anchor": "middle", "font-size": 9, fill: "#667085" }, label));
+    const anchor = at === now ? "end" : at === now - SPAN_S ? "start" : "middle";
+    svg.append(el("text", { x: x(at), y: H - 4, "text-anchor": anchor, "font-size": 9, fill: "#667085" }, label));
   }
   for (const [model, points] of Object.entries(series)) {
     if (!points.length) continue;

