@@ -38,6 +38,11 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/v1/status", timeout=10).json()
 
+    def status_with(self, key: str) -> dict[str, Any]:
+        """`/v1/status` with a server key (daemons started with api_keys)."""
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.get(f"{self.url}/v1/status", headers=headers, timeout=10).json()
+
     def wait_for_cancel(self, model: str, cancelled_before: int, timeout: float = 15) -> dict:
         """Poll until `model` has freed every slot after one more cancellation; its stats."""
         deadline = time.monotonic() + timeout

@@ -178,10 +178,15 @@ function render(state) {
   }
 }
 
+let askedForKey = false;
 function showAuth(message) {
   const notice = $("auth-notice");
   notice.hidden = !message;
   notice.textContent = message || "";
+  if (message && !askedForKey) {
+    askedForKey = true; // ask once: put the cursor in the key field, then leave the user be
+    $("key-input").focus();
+  }
   if (message) {
     $("health").textContent = "no access";
     $("health").className = "badge degraded";
