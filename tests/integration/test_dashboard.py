@@ -72,13 +72,13 @@ def row_state(driver, model: str) -> str:
     ).text
 
 
-def docs_image(driver, section: str, name: str) -> None:
+def docs_image(driver, section: str, name: str, width: int) -> None:
     """With MLXD_DOCS_IMG set, a PNG of one section, wide enough to show every column."""
     target = os.environ.get("MLXD_DOCS_IMG")
     if not target:
         return
     size = driver.get_window_size()
-    driver.set_window_size(1500, size["height"])
+    driver.set_window_size(width, size["height"])
     try:
         time.sleep(0.5)  # let the layout settle at the new width
         element = driver.find_element("css selector", f"section[aria-labelledby={section}]")
@@ -133,7 +133,6 @@ def test_playground_streams_a_reply_token_by_token(page, tmp_path: Path) -> None
     assert partial, "the reply grew while it streamed"
     assert "TTFT" in page.find_element("id", "chat-stats").text
     screenshot(page, tmp_path / "playground.png", "playground-title")
-    docs_image(page, "playground-title", "dashboard-playground.png")
 
 
 def test_playground_compares_two_sentences(page, tmp_path: Path) -> None:
@@ -147,6 +146,7 @@ def test_playground_compares_two_sentences(page, tmp_path: Path) -> None:
     similarity = float(result.split(":")[1])
     assert 0.3 < similarity <= 1.0  # two sentences about a cat on a mat
     screenshot(page, tmp_path / "embeddings.png", "embed-result")
+    docs_image(page, "playground-title", "dashboard-playground.png", width=1000)
 
 
 def test_request_log_filters_by_model(page, tmp_path: Path) -> None:
@@ -162,7 +162,7 @@ def test_request_log_filters_by_model(page, tmp_path: Path) -> None:
     screenshot(page, tmp_path / "requests.png", "log-title")
     # By now smol has answered: the models table shows throughput, TTFT and cache figures.
     eventually(lambda: "no lookups" not in page.find_element("id", "models").text)
-    docs_image(page, "models-title", "dashboard-models.png")
+    docs_image(page, "models-title", "dashboard-models.png", width=1760)
     Select(by_name(page, "combobox", "Filter by model")).select_by_value("")
 
 

@@ -33,6 +33,18 @@ function cell(row, content, className) {
   return td;
 }
 
+// Replace a cell's content only when it changed (`sig`): rows stay in place between updates,
+// so a focused button keeps its focus and a click never lands on a replaced element.
+function update(td, sig, build) {
+  if (td.dataset.sig === sig) return;
+  td.dataset.sig = sig;
+  const content = build();
+  if (content instanceof Node) td.replaceChildren(content);
+  else td.textContent = content ?? "–";
+}
+
+const text = (value) => [String(value ?? "–"), () => value];
+
 function memory(model, budget) {
   const span = document.createElement("span");
   const used = model.rss_bytes ?? model.memory_bytes;
@@ -70,41 +82,63 @@ function actionButton(label, name, verb) {
   return button;
 }
 
+const MODEL_COLUMNS = ["state", "actions", "kind", "aliases", "source", "dtype", "memory", "queue",
+  "running", "tps", "ttft", "cache", "restarts", "idle"];
+
+function modelRow(name) {
+  const row = document.createElement("tr");
+  row.dataset.model = name;
+  const th = document.createElement("th");
+  th.scope = "row";
+  th.textContent = name;
+  row.append(th);
+  for (const column of MODEL_COLUMNS) cell(row, "", column === "source" ? "source" : "").dataset.field = column;
+  return row;
+}
+
+function stateCell(model) {
+  const span = document.createElement("span");
+  span.append(model.state);
+  if (model.error) span.append(document.createElement("br"), Object.assign(document.createElement("small"), { textContent: model.error }));
+  return span;
+}
+
+function actionsCell(name, model) {
+  const span = document.createElement("span");
+  const loaded = ["loaded", "loading", "restarting"].includes(model.state);
+  if (model.state !== "draining") {
+    span.append(loaded ? actionButton("Unload", name, "unload") : actionButton("Load", name, "load"));
+  }
+  return span;
+}
+
 function renderModels(status) {
   const body = $("models").tBodies[0];
-  body.replaceChildren();
-  for (const [name, model] of Object.entries(status.models)) {
-    const row = body.insertRow();
-    row.dataset.model = name;
-    const th = document.createElement("th");
-    th.scope = "row";
-    th.textContent = name;
-    row.append(th);
-    const state = cell(row, model.state, `state state-${model.state}`);
-    state.dataset.field = "state";
-    if (model.error) {
-      state.append(document.createElement("br"), Object.assign(document.createElement("small"), { textContent: model.error }));
-      state.classList.add("error-text");
-    }
-    const actions = document.createElement("span");
-    const loaded = ["loaded", "loading", "restarting"].includes(model.state);
-    if (model.state !== "draining") {
-      actions.append(loaded ? actionButton("Unload", name, "unload") : actionButton("Load", name, "load"));
-    }
-    cell(row, actions);
-    cell(row, model.kind);
-    cell(row, (model.aliases || []).join(", ") || "–");
-    cell(row, model.source, "source");
-    cell(row, model.dtype);
-    cell(row, memory({ ...model, name }, status.memory_budget));
-    cell(row, model.queue_depth ?? "–");
-    cell(row, model.running ?? "–");
-    cell(row, model.tokens_per_s ?? "–");
-    cell(row, `${seconds(model.ttft_p50_s)} / ${seconds(model.ttft_p95_s)}`);
-    cell(row, cacheHits(model.cache));
-    cell(row, model.restarts ?? 0);
-    cell(row, idleLeft(model));
-  }
+  const names = Object.keys(status.models);
+  for (const row of [...body.rows]) if (!names.includes(row.dataset.model)) row.remove();
+  names.forEach((name, index) => {
+    const model = status.models[name];
+    const row = [...body.rows].find((r) => r.dataset.model === name) || modelRow(name);
+    if (body.rows[index] !== row) body.insertBefore(row, body.rows[index] || null);
+    const td = Object.fromEntries([...row.cells].slice(1).map((c) => [c.dataset.field, c]));
+    td.state.className = `state state-${model.state}${model.error ? " error-text" : ""}`;
+    update(td.state, `${model.state}|${model.error}`, () => stateCell(model));
+    const verb = model.state === "draining" ? "" : ["loaded", "loading", "restarting"].includes(model.state) ? "unload" : "load";
+    update(td.actions, verb, () => actionsCell(name, model));
+    update(td.kind, ...text(model.kind));
+    update(td.aliases, ...text((model.aliases || []).join(", ") || "–"));
+    update(td.source, ...text(model.source));
+    update(td.dtype, ...text(model.dtype));
+    const used = model.rss_bytes ?? model.memory_bytes;
+    update(td.memory, `${used}|${model.pid}|${status.memory_budget}`, () => memory({ ...model, name }, status.memory_budget));
+    update(td.queue, ...text(model.queue_depth));
+    update(td.running, ...text(model.running));
+    update(td.tps, ...text(model.tokens_per_s));
+    update(td.ttft, ...text(`${seconds(model.ttft_p50_s)} / ${seconds(model.ttft_p95_s)}`));
+    update(td.cache, ...text(cacheHits(model.cache)));
+    update(td.restarts, ...text(model.restarts ?? 0));
+    update(td.idle, ...text(idleLeft(model)));
+  });
 }
 
 function renderConfig(config) {
