@@ -99,6 +99,13 @@ function modelRow(name) {
 function stateCell(model) {
   const span = document.createElement("span");
   span.append(model.state);
+  if (model.state === "unloaded") {
+    // Declared but not in memory: the next request loads it (a lazy model waits for one).
+    const note = Object.assign(document.createElement("small"), { className: "muted" });
+    note.textContent = model.load === "lazy" ? " lazy" : "";
+    span.title = "loads on its next request";
+    span.append(note);
+  }
   if (model.error) span.append(document.createElement("br"), Object.assign(document.createElement("small"), { textContent: model.error }));
   return span;
 }
@@ -122,7 +129,7 @@ function renderModels(status) {
     if (body.rows[index] !== row) body.insertBefore(row, body.rows[index] || null);
     const td = Object.fromEntries([...row.cells].slice(1).map((c) => [c.dataset.field, c]));
     td.state.className = `state state-${model.state}${model.error ? " error-text" : ""}`;
-    update(td.state, `${model.state}|${model.error}`, () => stateCell(model));
+    update(td.state, `${model.state}|${model.error}|${model.load}`, () => stateCell(model));
     const verb = model.state === "draining" ? "" : ["loaded", "loading", "restarting"].includes(model.state) ? "unload" : "load";
     update(td.actions, verb, () => actionsCell(name, model));
     update(td.kind, ...text(model.kind));
@@ -142,7 +149,8 @@ function renderModels(status) {
 }
 
 function renderConfig(config) {
-  $("config-path").textContent = config.path;
+  // No file: the daemon serves the embedded default config (nothing to watch or reload).
+  $("config-path").textContent = config.path === "None" ? "built-in default (no file)" : config.path;
   $("config-generation").textContent = config.generation;
   $("config-loaded").textContent = config.loaded_at ? new Date(config.loaded_at * 1000).toLocaleString() : "–";
   const actions = config.last_actions || [];
