@@ -28,7 +28,7 @@ CONTROLS = "button, input, select, textarea"
 
 def config(cache_dir: Path) -> dict[str, Any]:
     return {
-        "server": {"cache_dir": str(cache_dir)},
+        "server": {"cache_dir": str(cache_dir), "memory_budget": "4GiB"},
         "models": {
             "smol": {
                 "source": SMOL_GGUF,
@@ -94,6 +94,9 @@ def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
     smol_row = page.find_element("css selector", 'tr[data-model="smol"]').text
     assert "default" in smol_row and "llm" in smol_row and "float32" in smol_row
     assert by_name(page, "button", "Unload smol") is not None
+    meter = page.find_element("css selector", 'tr[data-model="smol"] meter')
+    assert meter.accessible_name == "smol memory of budget"
+    assert 0 < float(meter.get_attribute("value")) < float(meter.get_attribute("max")) == 4 * 2**30
     assert page.find_element("id", "config-path").text.endswith("models.yaml")
     screenshot(page, tmp_path / "models.png", "models-title")
 
@@ -162,7 +165,7 @@ def test_request_log_filters_by_model(page, tmp_path: Path) -> None:
     screenshot(page, tmp_path / "requests.png", "log-title")
     # By now smol has answered: the models table shows throughput, TTFT and cache figures.
     eventually(lambda: "no lookups" not in page.find_element("id", "models").text)
-    docs_image(page, "models-title", "dashboard-models.png", width=1760)
+    docs_image(page, "models-title", "dashboard-models.png", width=1960)
     Select(by_name(page, "combobox", "Filter by model")).select_by_value("")
 
 
@@ -230,6 +233,7 @@ def test_unload_from_the_page(page, daemon: Daemon, tmp_path: Path) -> None:
     eventually(lambda: row_state(page, "smol") == "unloaded")
     cards = httpx.get(f"{daemon.url}/v1/models", timeout=10).json()["data"]
     assert {card["id"]: card["state"] for card in cards}["smol"] == "unloaded"
-    assert "smol: unloaded" in page.find_element("id", "action-result").text
+    # The row can turn before the POST answers (a worker process takes a moment to exit).
+    eventually(lambda: "smol: unloaded" in page.find_element("id", "action-result").text)
     assert by_name(page, "button", "Load smol") is not None
     screenshot(page, tmp_path / "unloaded.png", "models-title")

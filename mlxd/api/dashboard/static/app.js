@@ -45,16 +45,28 @@ function update(td, sig, build) {
 
 const text = (value) => [String(value ?? "–"), () => value];
 
+// A long source (pkg://module/file.gguf) may wrap after each "/" rather than mid-word.
+function breakable(source) {
+  const span = document.createElement("span");
+  String(source ?? "–").split("/").forEach((part, i) => {
+    if (i) span.append("/", document.createElement("wbr"));
+    span.append(part);
+  });
+  return span;
+}
+
 function memory(model, budget) {
   const span = document.createElement("span");
   const used = model.rss_bytes ?? model.memory_bytes;
   if (used === undefined || used === null) { span.textContent = "–"; return span; }
-  const label = `${model.rss_bytes != null ? "RSS" : "est."} ${bytes(used)}${model.pid != null ? ` · pid ${model.pid}` : ""}`;
+  // RSS when the model runs in a worker process; otherwise the loader's estimate.
+  const what = `${model.rss_bytes != null ? "RSS" : "est."} ${bytes(used)}${budget ? ` / ${bytes(budget)}` : ""}`;
+  const label = `${what}${model.pid != null ? ` · pid ${model.pid}` : ""}`;
   if (budget) {
     const meter = document.createElement("meter");
     meter.min = 0; meter.max = budget; meter.value = used; meter.high = budget * 0.9;
     meter.setAttribute("aria-label", `${model.name} memory of budget`);
-    span.append(meter, ` ${label} of ${bytes(budget)}`);
+    span.append(meter, ` ${label}`);
   } else {
     span.textContent = label;
   }
@@ -134,7 +146,7 @@ function renderModels(status) {
     update(td.actions, verb, () => actionsCell(name, model));
     update(td.kind, ...text(model.kind));
     update(td.aliases, ...text((model.aliases || []).join(", ") || "–"));
-    update(td.source, ...text(model.source));
+    update(td.source, model.source, () => breakable(model.source));
     update(td.dtype, ...text(model.dtype));
     const used = model.rss_bytes ?? model.memory_bytes;
     update(td.memory, `${used}|${model.pid}|${status.memory_budget}`, () => memory({ ...model, name }, status.memory_budget));
