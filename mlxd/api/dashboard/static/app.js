@@ -287,8 +287,12 @@ async function follow() {
       }
     } catch (error) {
       if (controller.signal.aborted) return;
-      if (error.status === 401 || error.status === 403) showAuth(explain(error));
-      else $("health").textContent = "unreachable", $("health").className = "badge draining";
+      if (error.status === 401 || error.status === 403) {
+        showAuth(explain(error));
+      } else {
+        $("health").textContent = "unreachable";
+        $("health").className = "badge draining";
+      }
     }
     await new Promise((resolve) => setTimeout(resolve, 2000));
   }
