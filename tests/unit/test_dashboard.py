@@ -107,3 +107,24 @@ def test_access_lines_reach_the_request_log():
     requests = asyncio.run(go())
     assert [(r["endpoint"], r["status"]) for r in requests] == [("/v1/models", 200)]
     assert {"request_id", "duration_ms", "at"} <= set(requests[0])
+
+
+def test_events_stream_the_state_and_end_when_the_daemon_drains():
+    daemon = Daemon(Registry())
+
+    async def go():
+        client = create_app(daemon).test_client()
+
+        async def drain_soon():
+            await asyncio.sleep(0.5)
+            daemon.draining = True  # a shutdown must not wait for an open dashboard
+
+        drain = asyncio.create_task(drain_soon())
+        response = await asyncio.wait_for(client.get("/dashboard/api/events"), timeout=30)
+        await drain
+        return response.content_type, (await response.get_data()).decode()
+
+    content_type, body = asyncio.run(go())
+    assert content_type.startswith("text/event-stream")
+    events = [block for block in body.split("\n\n") if block]
+    assert events and all(block.startswith("event: state\ndata: {") for block in events)
