@@ -57,6 +57,9 @@ async def _sample(app: Quart, history: History) -> None:
     metrics: Metrics = app.extensions["mlxd_metrics"]
     while True:
         try:
+            if not app.daemon.registry.server.dashboard:  # off: nobody will look
+                await asyncio.sleep(history.interval_s)
+                continue
             async with app.app_context():
                 status = await admin.status()
             now = time.time()
