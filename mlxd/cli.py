@@ -221,7 +221,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings()
     if not settings.no_reexec:
         accel.ensure_optimized_blas()
-    setup_logging(args.log_level or settings.log_level, args.log_format or settings.log_format)
+    level, fmt = args.log_level or settings.log_level, args.log_format or settings.log_format
+    setup_logging(level, fmt)
+    # Worker processes inherit the environment: they log at the same level, in the same format.
+    os.environ.update(MLXD_LOG_LEVEL=level, MLXD_LOG_FORMAT=fmt)
     log = logging.getLogger("mlxd")
     from mlxd.api.app import create_app, serve
     from mlxd.api.auth import log_access

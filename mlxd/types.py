@@ -72,6 +72,9 @@ class Finished:
     completion_tokens: int
     stop_string: str | None = None
     error: str | None = None
+    # The HTTP status an error maps to: 500 for a failed generation, 503 when the model's
+    # worker died under the request (it is being restarted: retrying later works).
+    error_status: int = 500
 
 
 Event = Delta | Finished

@@ -17,7 +17,7 @@ from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import Engine
 from mlxd.engines.prompt import template_supports_tools
-from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut
+from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut, Unavailable
 from mlxd.parsers.base import (
     OutputPart,
     ReasoningPart,
@@ -211,7 +211,8 @@ async def _until(
 
 def raise_if_failed(finished: Finished) -> None:
     if finished.reason == "error":
-        raise GenerationFailed(finished.error or "generation failed")
+        failure = Unavailable if finished.error_status == 503 else GenerationFailed
+        raise failure(finished.error or "generation failed")
 
 
 async def collect(parts: AsyncIterator[Part]) -> Completion:

@@ -90,6 +90,12 @@ class ServerConfig(_Section):
     max_request_bytes: ByteSize = Field(
         10 * 1024**2, description="Largest accepted HTTP request body (images included)."
     )
+    workers: Literal["process", "inline"] = Field(
+        "process",
+        description="Where each model runs: `process`, its own worker process (a crash costs "
+        "the other models nothing; unloading returns its memory to the system), or `inline`, a "
+        "thread of the daemon (for debugging and measuring the boundary). Needs a restart.",
+    )
     media_dirs: list[Path] = Field(
         default_factory=list,
         description="Directories whose files vlm requests may name as images (file:// URLs or "

@@ -25,11 +25,17 @@ class Engine(Protocol):
         iterate its events. Closing the iterator early cancels the sequence."""
         ...
 
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        """Prompt tokens `request` would use (chat template and tools included); blocking."""
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens `request` would use (chat template and tools included)."""
         ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """Figures for /v1/status and /metrics, as of the last `refresh_stats()`."""
+        ...
+
+    async def refresh_stats(self) -> None:
+        """Bring `stats()` up to date (a worker process is asked; in process, a no-op)."""
+        ...
 
     def resize_cache(self, cache: CacheConfig) -> None:
         """Take new cache budgets in place (a reload that changed only those)."""

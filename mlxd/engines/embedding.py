@@ -135,6 +135,9 @@ class EmbeddingEngine:
             "failed": s.failed,
         }
 
+    async def refresh_stats(self) -> None:
+        """In process, `stats()` is always current."""
+
     def resize_cache(self, cache: CacheConfig) -> None:
         """Encoders keep no KV: a cache-only reload just records the new settings."""
         self.config = self.config.model_copy(update={"cache": cache})

@@ -169,8 +169,11 @@ class LLMEngine:
         """Why the model thread died, if it did (the reconciler then restarts the engine)."""
         return self.batcher.failure
 
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        return len(self.encode(request))
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(await asyncio.to_thread(self.encode, request))
+
+    async def refresh_stats(self) -> None:
+        """In process, `stats()` is always current."""
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
