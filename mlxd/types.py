@@ -78,3 +78,16 @@ class Finished:
 
 
 Event = Delta | Finished
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What preparing a request found out, known before its first event: what the API side
+    needs to read and announce the response without rendering the prompt again."""
+
+    prompt_tokens: int
+    # The output calls tools in Hermes syntax whatever the model's own format: mlxd prompted
+    # them that way (a template without tool support) or a grammar forces the call.
+    hermes_tools: bool = False
+    # The prompt already opened a reasoning block (`<think>` at its end): output starts inside.
+    reasoning_open: bool = False

@@ -16,7 +16,6 @@ from mlxd.api import observe
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import Engine
-from mlxd.engines.prompt import template_supports_tools
 from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut, Unavailable
 from mlxd.parsers.base import (
     OutputPart,
@@ -29,6 +28,7 @@ from mlxd.parsers.base import (
 from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import (
+    Admission,
     Delta,
     Event,
     Finished,
@@ -138,21 +138,18 @@ class Completion:
     finished: Finished | None = None
 
 
-def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest) -> StreamParser:
+def output_parser(
+    entry: ModelEntry, engine: Engine, request: GenerationRequest, admission: Admission
+) -> StreamParser:
     """How this response's text is read: tool calls (when the request offers tools) and
-    reasoning, per the model's `parsers` settings (routing-level: they apply without reload)."""
+    reasoning, per the model's `parsers` settings (routing-level: they apply without reload)
+    and what preparing the request found (`admission`)."""
     tool = None
     if request.tools:
-        template = getattr(engine, "chat_template", None)
-        forced = request.tool_choice not in (None, "auto")
-        # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
-        # template that cannot render tools (mlxd prompts those in Hermes style).
-        if forced or not template_supports_tools(template):
-            name = "hermes"
-        else:
-            name = entry.config.parsers.tool_calls or "auto"
-        tool = make_tool_parser(name, template)
-    return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning))
+        name = "hermes" if admission.hermes_tools else entry.config.parsers.tool_calls or "auto"
+        tool = make_tool_parser(name, getattr(engine, "chat_template", None))
+    reasoning = make_reasoning_parser(entry.config.parsers.reasoning, admission.reasoning_open)
+    return compose(tool, reasoning)
 
 
 async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> AsyncIterator[Part]:
@@ -170,20 +167,40 @@ async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> A
             yield event
 
 
+class Parts:
+    """A response's parsed parts, and its `admission` (the prompt's size, known up front)."""
+
+    def __init__(self, admission: Admission, parts: AsyncIterator[Part]):
+        self.admission = admission
+        self._parts = parts
+
+    def __aiter__(self) -> AsyncIterator[Part]:
+        return self._parts
+
+
 async def start(
     entry: ModelEntry, engine: Engine, request: GenerationRequest, *, parse: bool = True
-) -> AsyncIterator[Part]:
+) -> Parts:
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
     text when `parse` is False: raw completions). Interactive requests are bounded by
     `server.request_timeout`, queueing included; batch work (priority < 0) waits behind them
     by design and is not."""
     timeout = current_app.daemon.registry.server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
-    events = observe.observed(entry.name, await engine.submit(request))
+    stream = await engine.submit(request)
+    try:
+        parser = (
+            output_parser(entry, engine, request, stream.admission)
+            if parse
+            else compose(None, None)
+        )
+    except BaseException:
+        await stream.aclose()  # submitted: cancel it, or it would run to max_tokens
+        raise
+    events: AsyncIterator[Event] = observe.observed(entry.name, stream)
     if request.priority >= 0:
         events = _until(deadline, timeout, events)
-    parser = output_parser(entry, engine, request) if parse else compose(None, None)
-    return parsed_events(parser, events)
+    return Parts(stream.admission, parsed_events(parser, events))
 
 
 async def _until(
@@ -195,8 +212,8 @@ async def _until(
     try:
         while True:
             try:
-                # Timing out cancels the wait inside the engine's iterator, which cancels
-                # the sequence in the batcher.
+                # Timing out cancels the wait inside the engine's stream, which cancels
+                # the sequence.
                 event = await asyncio.wait_for(anext(events), max(deadline - loop.time(), 0))
             except StopAsyncIteration:
                 return

@@ -2,11 +2,63 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from mlxd.config import CacheConfig
-from mlxd.types import Event, GenerationRequest
+from mlxd.types import Admission, Event, Finished, GenerationRequest
+
+
+class EventStream:
+    """What `Engine.submit` returns: a request's events, and its `admission`.
+
+    Reading it to its `Finished` event ends the request; so does `aclose()`, a cancelled wait,
+    or dropping it unread — and a request that ends before its Finished event is cancelled,
+    so its slot is freed whatever happened on the API side.
+    """
+
+    def __init__(
+        self,
+        events: asyncio.Queue[Event],
+        admission: Admission,
+        cancel: Callable[[], None],
+        ended: Callable[[], None],
+    ):
+        self.admission = admission
+        self._events = events
+        self._cancel = cancel
+        self._ended_callback = ended
+        self._ended = False
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            event = await self._events.get()
+        except BaseException:  # the reader was cancelled or timed out
+            self._end(finished=False)
+            raise
+        if isinstance(event, Finished):
+            self._end(finished=True)
+        return event
+
+    async def aclose(self) -> None:
+        self._end(finished=False)
+
+    def __del__(self) -> None:
+        self._end(finished=False)
+
+    def _end(self, finished: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if not finished:
+            self._cancel()
+        self._ended_callback()
 
 
 class Engine(Protocol):
@@ -20,9 +72,9 @@ class Engine(Protocol):
         """True when no request is queued, running or being submitted."""
         ...
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        """Validate and queue a request, raising `MlxdError` if it cannot be taken; then
-        iterate its events. Closing the iterator early cancels the sequence."""
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        """Prepare and queue a request, raising `MlxdError` if it cannot be taken; then
+        iterate its events. Closing the stream early cancels the sequence."""
         ...
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:

@@ -18,16 +18,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psutil
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.engines.base import EventStream
 from mlxd.engines.wire import read_message, write_message
 from mlxd.engines.worker import WorkerSpec
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
-from mlxd.types import Event, Finished, GenerationRequest
+from mlxd.types import Finished, GenerationRequest
 
 log = logging.getLogger("mlxd.worker")
 
@@ -138,7 +139,7 @@ class WorkerEngine:
             return self._psutil.memory_info().rss
         return None
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def submit(self, request: GenerationRequest) -> EventStream:
         self._check_alive()
         rid = next(self._ids)
         answers: asyncio.Queue[Any] = asyncio.Queue()
@@ -158,18 +159,13 @@ class WorkerEngine:
         if answer[0] == "rejected":
             self._streams.pop(rid, None)
             raise answer[1]
-        return self._events(rid, answers)
+        return EventStream(
+            answers, answer[1], lambda: self._abandon(rid), lambda: self._forget(rid)
+        )
 
-    async def _events(self, rid: int, answers: asyncio.Queue[Any]) -> AsyncIterator[Event]:
-        try:
-            while True:
-                event = await answers.get()
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            self.last_used = time.monotonic()
-            self._abandon(rid)
+    def _forget(self, rid: int) -> None:
+        self._streams.pop(rid, None)
+        self.last_used = time.monotonic()
 
     def _abandon(self, rid: int) -> None:
         """Forget request `rid`; the worker cancels its sequence if it still runs."""
@@ -231,6 +227,9 @@ class WorkerEngine:
         try:
             self._send(("call", cid, method, args, kwargs))
             return await future
+        except asyncio.CancelledError:
+            self._send(("cancel", cid))  # e.g. an embedding whose caller went away
+            raise
         finally:
             self._calls.pop(cid, None)
 

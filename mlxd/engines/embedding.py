@@ -1,4 +1,4 @@
-"""An embedding model: mlx-embeddings weights behind a request-coalescing batcher."""
+"""An embedding model: mlx-embeddings weights behind a request-coalescing core."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from mlxd.config import CacheConfig, ModelConfig
+from mlxd.engines.embedding_core import EmbeddingCore, EmbeddingJob, deliver
+from mlxd.engines.loop import ModelLoop
 from mlxd.errors import InvalidRequest
 from mlxd.models.embedding import LoadedEmbedding, load_embedding
-from mlxd.scheduler.embedding_batcher import EmbeddingBatcher, EmbeddingJob
 
 EmbeddingInput = list[str] | list[list[int]]
 
@@ -34,12 +35,14 @@ class EmbeddingEngine:
         # context_length, when set, lowers (or raises) the model's own input limit.
         self.max_length = config.context_length or loaded.max_length
         self.dimensions = loaded.dimensions
-        self.batcher = EmbeddingBatcher(
+        self.core = EmbeddingCore(
             name, loaded.forward, config.batch, arriving=lambda: self._submitting
         )
+        self.loop = ModelLoop(name, self.core, deliver, config.batch.max_queue)
         self.memory_bytes = loaded.nbytes
         self.last_used = time.monotonic()
-        self._submitting = 0
+        self._submitting = 0  # being tokenized
+        self._open = 0  # from embed()'s first line until it returns
 
     @classmethod
     async def load(cls, name: str, config: ModelConfig, path: Path) -> EmbeddingEngine:
@@ -48,7 +51,12 @@ class EmbeddingEngine:
 
     @property
     def idle(self) -> bool:
-        return self._submitting == 0 and self.batcher.open_requests == 0
+        return self._open == 0
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model thread died, if it did (the reconciler then restarts the engine)."""
+        return self.loop.failure
 
     async def embed(
         self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
@@ -61,27 +69,35 @@ class EmbeddingEngine:
                 param="dimensions",
             )
         # Counted from the first line: a drain must see a request that already holds the engine.
-        self._submitting += 1
+        self._open += 1
         self.last_used = time.monotonic()
         try:
-            token_ids = await asyncio.to_thread(self.tokenize, inputs, truncate)
-            loop = asyncio.get_running_loop()
-            job = EmbeddingJob(token_ids, loop, loop.create_future())
-            self.batcher.submit(job)
+            vectors, tokens = await self._embed(inputs, truncate)
         finally:
-            self._submitting -= 1
-        try:
-            vectors = await job.future
-        finally:
-            # The caller went away: the batcher skips its inputs.
-            job.cancelled = job.future.cancelled() or not job.future.done()
+            self._open -= 1
             self.last_used = time.monotonic()
         if dimensions is not None and dimensions < vectors.shape[1]:
             vectors = vectors[:, :dimensions]
             if self.loaded.pooling.normalize:
                 norms = np.linalg.norm(vectors, axis=1, keepdims=True)
                 vectors = vectors / np.maximum(norms, 1e-12)
-        return Embeddings(vectors, sum(map(len, token_ids)))
+        return Embeddings(vectors, tokens)
+
+    async def _embed(self, inputs: EmbeddingInput, truncate: bool) -> tuple[np.ndarray, int]:
+        self._submitting += 1
+        try:
+            token_ids = await asyncio.to_thread(self.tokenize, inputs, truncate)
+            loop = asyncio.get_running_loop()
+            job = EmbeddingJob(token_ids, loop, loop.create_future())
+            self.loop.submit(job)
+        finally:
+            self._submitting -= 1
+        try:
+            return await job.future, sum(map(len, token_ids))
+        finally:
+            # The caller went away (its wait cancelled the future): its inputs are skipped.
+            if job.future.cancelled() or not job.future.done():
+                self.loop.abort(job)
 
     def tokenize(self, inputs: EmbeddingInput, truncate: bool) -> list[list[int]]:
         """Model inputs with special tokens, each at most `max_length` tokens; blocking."""
@@ -111,7 +127,7 @@ class EmbeddingEngine:
         return [[*loaded.prefix, *ids[:room], *loaded.suffix] for ids in contents]
 
     def stats(self) -> dict[str, Any]:
-        s = self.batcher.stats
+        s = self.core.stats
         return {
             "kind": self.kind,
             "dtype": self.loaded.dtype,
@@ -122,7 +138,7 @@ class EmbeddingEngine:
             "pooling": "+".join(self.loaded.pooling.modes)
             + ("+normalize" if self.loaded.pooling.normalize else ""),
             "max_batch_size": self.config.batch.max_batch_size,
-            "in_flight": self.batcher.open_requests,  # requests taken and not yet answered
+            "in_flight": self._open,  # requests taken and not yet answered
             "requests": s.requests,
             "inputs": s.inputs,
             "forward_passes": s.forward_passes,
@@ -143,4 +159,4 @@ class EmbeddingEngine:
         self.config = self.config.model_copy(update={"cache": cache})
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.batcher.close)
+        await asyncio.to_thread(self.loop.close)

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.engines.llm import LLMEngine
+from mlxd.engines.llm import LLMEngine, Prepared
 from mlxd.engines.prompt import render_chat
 from mlxd.errors import ModelLoadError
 from mlxd.media import MediaPolicy, has_images, load_images
@@ -146,12 +146,14 @@ class VLMEngine(LLMEngine):
         inputs = self._vision_inputs(request)
         return super().encode(request) if inputs is None else _ids(inputs)
 
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], list[Any], Any]:
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """Images are read and processed once, here; their prefill runs on the model thread."""
         inputs = self._vision_inputs(request)
         if inputs is None:
-            return super()._prepare(request)
+            return super().prepare(request)
+        ids = _ids(inputs)
         prefill = functools.partial(self._prefill_images, inputs)
-        return _ids(inputs), self._processors(request), prefill
+        return Prepared(ids, self._processors(request), self._admission(request, ids), prefill)
 
     def _vision_inputs(self, request: GenerationRequest) -> dict[str, Any] | None:
         """Processor outputs (ids with image tokens, pixel values, grids); None without images."""

@@ -62,8 +62,8 @@ class EngineHost:
         self.engine = engine
         self.writer = writer
         self.server = server
-        self._requests: dict[int, asyncio.Task] = {}
-        self._calls: set[asyncio.Task] = set()
+        # Requests and calls in progress, by the daemon's id (one counter for both).
+        self._tasks: dict[int, asyncio.Task] = {}
         self._outbox: list[tuple[int, Event]] = []
         self._death_told = False
 
@@ -87,7 +87,7 @@ class EngineHost:
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("model '%s': the daemon went away; closing", self.engine.name)
         watcher.cancel()
-        for task in list(self._requests.values()):
+        for task in list(self._tasks.values()):
             task.cancel()
         await self.engine.close()
         return 0
@@ -95,33 +95,32 @@ class EngineHost:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind, *args = message
         if kind == "submit":
-            rid, request = args
-            self._requests[rid] = asyncio.create_task(self._generate(rid, request))
-        elif kind == "cancel":
-            task = self._requests.get(args[0])
+            self._start(args[0], self._generate(*args))
+        elif kind == "call":
+            self._start(args[0], self._call(*args))
+        elif kind == "cancel":  # the caller went away: a cancelled task cancels its sequence
+            task = self._tasks.get(args[0])
             if task is not None:
                 task.cancel()
-        elif kind == "call":
-            task = asyncio.create_task(self._call(*args))
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
         elif kind == "server":
             self.server.current = args[0]
         else:
             log.error("unknown message from the daemon: %r", kind)
 
+    def _start(self, tid: int, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._tasks[tid] = task
+        task.add_done_callback(lambda _: self._tasks.pop(tid, None))
+
     async def _generate(self, rid: int, request: Any) -> None:
         try:
-            try:
-                events = await self.engine.submit(request)
-            except Exception as exc:
-                self._send(("rejected", rid, portable(exc)))
-                return
-            self._send(("accepted", rid))
-            async for event in events:
-                self._queue(rid, event)
-        finally:
-            self._requests.pop(rid, None)
+            events = await self.engine.submit(request)
+        except Exception as exc:
+            self._send(("rejected", rid, portable(exc)))
+            return
+        self._send(("accepted", rid, events.admission))
+        async for event in events:
+            self._queue(rid, event)
 
     async def _call(
         self, cid: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
