@@ -32,6 +32,7 @@ from mlxd.engines.factory import load_engine, locate
 from mlxd.engines.wire import read_message, write_message
 from mlxd.errors import MlxdError
 from mlxd.logs import setup_logging
+from mlxd.scheduler.faults import faults_from_env
 from mlxd.settings import Settings
 from mlxd.types import Event
 
@@ -192,6 +193,8 @@ async def _start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     settings = Settings()  # MLXD_LOG_*, as the daemon resolved them
     setup_logging(settings.log_level, settings.log_format)
     server = ServerHolder(spec.server)
+    if faults_from_env().get("load") == spec.name:
+        os.abort()  # tests only: a model whose worker dies on every load
     nice = _lower_priority()
     try:
         path, need = await locate(spec.name, spec.config, spec.server.cache_dir)

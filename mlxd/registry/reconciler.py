@@ -351,6 +351,11 @@ class Reconciler:
                 "error": runtime.error,
                 "draining": len(runtime.draining),
                 "restarts": runtime.restarts,
+                # Failures in a row (deaths, failed loads) and when the next try is due.
+                "failures": runtime.failures,
+                "next_retry_s": (
+                    round(max(runtime.retry_at - now, 0.0), 1) if runtime.error else None
+                ),
                 # idle_ttl in force (YAML or a client's keep_alive); null: never unloaded idle.
                 "idle_ttl_s": runtime.idle_ttl,
                 "idle_s": round(now - engine.last_used, 1) if engine and engine.idle else 0.0,
