@@ -150,8 +150,8 @@ def _ps(args: argparse.Namespace) -> int:
     except DaemonError as exc:
         print(exc.message, file=sys.stderr)
         return 1
-    header = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE", "QUEUE", "RUNNING")
-    header += ("TOK/S",)
+    header: tuple[str, ...] = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE")
+    header += ("QUEUE", "RUNNING", "TOK/S")
     rows = [header] + [_ps_row(name, row) for name, row in status["models"].items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:

@@ -57,6 +57,8 @@ class Daemon:
     async def reload(self) -> list[Action]:
         """Re-read the config file and converge on it. A file that fails to parse or validate
         is rejected whole (ConfigError): what runs keeps running."""
+        if self.config_path is None:
+            raise ConfigError("the daemon was started without a config file: nothing to reload")
         async with self._reload_lock:
             try:
                 registry = await asyncio.to_thread(load_config, self.config_path)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -91,3 +93,12 @@ class Admission:
     hermes_tools: bool = False
     # The prompt already opened a reasoning block (`<think>` at its end): output starts inside.
     reasoning_open: bool = False
+
+
+EmbeddingInput = list[str] | list[list[int]]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: np.ndarray  # (inputs, dimensions) float32
+    prompt_tokens: int  # every token the model read, special tokens included

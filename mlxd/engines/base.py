@@ -7,7 +7,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mlxd.config import CacheConfig
-from mlxd.types import Admission, Event, Finished, GenerationRequest
+from mlxd.types import (
+    Admission,
+    EmbeddingInput,
+    Embeddings,
+    Event,
+    Finished,
+    GenerationRequest,
+)
 
 
 class EventStream:
@@ -62,10 +69,25 @@ class EventStream:
 
 
 class Engine(Protocol):
+    """A loaded model of any kind, in this process or behind a worker. Generation requests go
+    to `submit`, embedding requests to `embed`; each kind refuses the other with a 400."""
+
     name: str
     kind: str
-    memory_bytes: int  # weights + KV budget: what the registry's memory budget counts
     last_used: float  # time.monotonic() of the last request start or end
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the memory budget counts for this engine."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine died, if it did (the reconciler then restarts the model)."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None: ...
 
     @property
     def idle(self) -> bool:
@@ -79,6 +101,12 @@ class Engine(Protocol):
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """Prompt tokens `request` would use (chat template and tools included)."""
+        ...
+
+    async def embed(
+        self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
+    ) -> Embeddings:
+        """Vectors of `inputs` (texts, or token ids without special tokens)."""
         ...
 
     def stats(self) -> dict[str, Any]:

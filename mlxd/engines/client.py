@@ -52,7 +52,7 @@ class WorkerEngine:
         server: Callable[[], ServerConfig],
     ):
         self.name = name
-        self.kind = config.kind
+        self.kind: str = config.kind
         self.pid = process.pid
         self.estimate_bytes: int = ready["memory_bytes"]
         self._cache_ram = config.cache.ram

@@ -10,14 +10,16 @@ sequence's failure from failing the batch.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from mlxd.cache.lease import PrefixLease
@@ -29,7 +31,7 @@ from mlxd.scheduler.sampling import (
     token_logprob,
 )
 from mlxd.scheduler.stops import StopMatcher
-from mlxd.types import Delta, Event, Finished, GenerationRequest
+from mlxd.types import Delta, Event, Finished, FinishReason, GenerationRequest
 
 log = logging.getLogger("mlxd.scheduler")
 
@@ -73,7 +75,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     uid: int | None = None  # the generator's id once admitted
     completion_tokens: int = 0
-    stops: StopMatcher | None = None
+    stops: StopMatcher = field(init=False)
     detokenizer: Any = None
     # Extra per-sequence logits processors (constrained decoding), built off the model thread.
     processors: list[Any] = field(default_factory=list)
@@ -82,6 +84,9 @@ class Sequence:
     fault: str | None = None
     prefill: MediaPrefill | None = None  # image prompts bypass the prefix cache
     lease: PrefixLease | None = None
+
+    def __post_init__(self) -> None:
+        self.stops = StopMatcher(self.request.stop)
 
 
 Output = tuple[Sequence, Event]
@@ -116,6 +121,12 @@ class LLMCore:
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them."""
         self._generator = self._new_generator()
+
+    @property
+    def generator(self) -> BatchGenerator:
+        if self._generator is None:
+            raise RuntimeError("LLMCore.start() must run first, on the model thread")
+        return self._generator
 
     @property
     def has_work(self) -> bool:
@@ -189,7 +200,7 @@ class LLMCore:
         admitted = self._started([self._waiting.popleft() for _ in range(count)], outputs)
         if not admitted:
             return
-        uids = self._generator.insert(
+        uids = self.generator.insert(
             [rest for _, rest, _ in admitted],
             caches=[cache for _, _, cache in admitted],
             all_tokens=[
@@ -211,7 +222,6 @@ class LLMCore:
         for uid, (sequence, _, _) in zip(uids, admitted, strict=True):
             sequence.uid = uid
             sequence.status = SequenceStatus.PREFILLING
-            sequence.stops = StopMatcher(sequence.request.stop)
             sequence.detokenizer = self.tokenizer.detokenizer
             self._running[uid] = sequence
             self.stats.prompt_tokens += len(sequence.prompt_ids)
@@ -243,7 +253,7 @@ class LLMCore:
 
     def _decode(self, outputs: list[Output]) -> None:
         try:
-            _, responses = self._generator.next()
+            _, responses = self.generator.next()
         except Exception as exc:  # one bad step must not kill the engine: fail the batch, go on
             log.exception("model '%s': batch step failed", self.name)
             outputs.extend(self.fail_all(f"generation failed: {exc}"))
@@ -261,7 +271,7 @@ class LLMCore:
                 continue
             if sequence.fault is None:
                 if sequence.status is SequenceStatus.PREFILLING and sequence.lease:
-                    sequence.lease.store(lambda r=response: self._prompt_cache(r))
+                    sequence.lease.store(functools.partial(self._prompt_cache, response))
                 try:
                     self._advance(sequence, response, outputs)
                 except Exception as exc:
@@ -292,7 +302,7 @@ class LLMCore:
         if text or logprobs:
             outputs.append((sequence, Delta(text, [token], logprobs)))
         if stop is not None or finish:
-            reason = "stop" if stop is not None else finish
+            reason: FinishReason = "stop" if stop is not None else finish
             done = Finished(reason, len(sequence.prompt_ids), sequence.completion_tokens, stop)
             self._finish(sequence, done, outputs, in_generator=finish is None)
             self.stats.finished += 1
@@ -314,7 +324,7 @@ class LLMCore:
         elif sequence.uid is not None:
             self._running.pop(sequence.uid, None)
             if in_generator:
-                self._generator.remove([sequence.uid])
+                self.generator.remove([sequence.uid])
         sequence.status = FINAL_STATUS[event.reason]
         if sequence.lease is not None:
             sequence.lease.release()
@@ -325,13 +335,14 @@ class LLMCore:
         sequence already finished)."""
         if response.prompt_cache is not None:
             return response.prompt_cache
-        layers, _ = self._generator.extract_cache([response.uid])[response.uid]
+        layers, _ = self.generator.extract_cache([response.uid])[response.uid]
         return layers
 
     def _new_generator(self) -> BatchGenerator:
         stop_tokens = [[t] for t in sorted(self._eos)]
         return BatchGenerator(
-            SkipPrefillLogits(self.model),
+            # Duck-typed: the generator only calls the model and reads its layers.
+            cast(nn.Module, SkipPrefillLogits(self.model)),
             stop_tokens=stop_tokens,
             completion_batch_size=self.config.max_batch_size,
             # Our admission forms the prefill groups; the generator must not split them.

@@ -4,29 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from mlxd.config import CacheConfig, ModelConfig
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.engines.base import EventStream
 from mlxd.engines.embedding_core import EmbeddingCore, EmbeddingJob, deliver
 from mlxd.engines.loop import ModelLoop
 from mlxd.errors import InvalidRequest
 from mlxd.models.embedding import LoadedEmbedding, load_embedding
-
-EmbeddingInput = list[str] | list[list[int]]
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    vectors: np.ndarray  # (inputs, dimensions) float32
-    prompt_tokens: int  # every token the model read, special tokens included
+from mlxd.types import EmbeddingInput, Embeddings, GenerationRequest
 
 
 class EmbeddingEngine:
     kind = "embedding"
+    chat_template: str | None = None  # encoders have none
 
     def __init__(self, name: str, config: ModelConfig, loaded: LoadedEmbedding):
         self.name = name
@@ -45,7 +40,11 @@ class EmbeddingEngine:
         self._open = 0  # from embed()'s first line until it returns
 
     @classmethod
-    async def load(cls, name: str, config: ModelConfig, path: Path) -> EmbeddingEngine:
+    async def load(
+        cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
+    ) -> EmbeddingEngine:
+        """Load weights from a resolved model directory (`server` is unused: encoders keep
+        no SSD tier and read no media)."""
         loaded = await asyncio.to_thread(load_embedding, path, dtype=config.dtype, model_name=name)
         return cls(name, config, loaded)
 
@@ -104,9 +103,9 @@ class EmbeddingEngine:
         loaded = self.loaded
         if inputs and isinstance(inputs[0], str):
             encodings = loaded.tokenizer.encode_batch(inputs, add_special_tokens=False)
-            contents = [e.ids for e in encodings]
+            contents: list[list[int]] = [e.ids for e in encodings]
         else:
-            contents = inputs
+            contents = cast(list[list[int]], inputs)  # not strings: token id lists
             vocab = loaded.tokenizer.get_vocab_size()
             for position, ids in enumerate(contents):
                 if any(not 0 <= t < vocab for t in ids):
@@ -151,6 +150,12 @@ class EmbeddingEngine:
             "failed": s.failed,
         }
 
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        raise _cannot_generate(self.name)
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        raise _cannot_generate(self.name)
+
     async def refresh_stats(self) -> None:
         """In process, `stats()` is always current."""
 
@@ -160,3 +165,10 @@ class EmbeddingEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.loop.close)
+
+
+def _cannot_generate(name: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"model '{name}' is of kind 'embedding': it serves /v1/embeddings, not text generation",
+        param="model",
+    )

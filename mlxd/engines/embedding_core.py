@@ -115,6 +115,12 @@ class EmbeddingCore:
         self._stream = mx.new_stream(mx.default_device())  # streams belong to their thread
 
     @property
+    def stream(self) -> mx.Stream:
+        if self._stream is None:
+            raise RuntimeError("EmbeddingCore.start() must run first, on the model thread")
+        return self._stream
+
+    @property
     def has_work(self) -> bool:
         return bool(self._round) or self._untaken() > 0
 
@@ -186,7 +192,7 @@ class EmbeddingCore:
         batch = [job.inputs[index] for job, index in live]
         started = time.perf_counter()
         try:
-            with mx.stream(self._stream):
+            with mx.stream(self.stream):
                 vectors = self.forward(batch)
         except Exception as exc:  # one bad pass must not kill the engine
             log.exception("model '%s': embedding pass failed", self.name)

@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.errors import ModelLoadError
 from mlxd.models.estimate import estimate_model_bytes
 from mlxd.models.sources import resolve_source
+
+if TYPE_CHECKING:
+    from mlxd.engines.embedding import EmbeddingEngine
+    from mlxd.engines.llm import LLMEngine
 
 
 async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path, int]:
@@ -30,16 +35,13 @@ async def load_engine(
     """Load the weights at `path` into the engine of the model's kind. `server` gives the live
     server settings (the SSD KV tier's root, media policy)."""
     # Imported here: each kind pulls in its own libraries (mlx-vlm only for a vlm).
+    engine_class: type[LLMEngine] | type[EmbeddingEngine]
     if config.kind == "llm":
-        from mlxd.engines.llm import LLMEngine
-
-        return await LLMEngine.load(name, config, path, cache_dir=server().cache_dir)
-    if config.kind == "vlm":
-        from mlxd.engines.vlm import VLMEngine
-
-        return await VLMEngine.load(name, config, path, server=server)
-    if config.kind == "embedding":
-        from mlxd.engines.embedding import EmbeddingEngine
-
-        return await EmbeddingEngine.load(name, config, path)
-    raise ModelLoadError(f"model '{name}': kind '{config.kind}' is not supported")
+        from mlxd.engines.llm import LLMEngine as engine_class
+    elif config.kind == "vlm":
+        from mlxd.engines.vlm import VLMEngine as engine_class
+    elif config.kind == "embedding":
+        from mlxd.engines.embedding import EmbeddingEngine as engine_class
+    else:
+        raise ModelLoadError(f"model '{name}': kind '{config.kind}' is not supported")
+    return await engine_class.load(name, config, path, server)

@@ -7,13 +7,14 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mlxd.cache import PrefixCache, open_prefix_cache
 from mlxd.cache.lease import PrefixLease
-from mlxd.config import CacheConfig, ModelConfig
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
 from mlxd.engines.base import EventStream
 from mlxd.engines.core import LLMCore, MediaPrefill, Output, Sequence
@@ -23,7 +24,7 @@ from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.parsers.reasoning import prompt_opens_reasoning
 from mlxd.scheduler.faults import fault_processors, faults_from_env
-from mlxd.types import Admission, Event, GenerationRequest
+from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
 
 log = logging.getLogger("mlxd.engine")
 
@@ -79,13 +80,15 @@ class LLMEngine:
 
     @classmethod
     async def load(
-        cls, name: str, config: ModelConfig, path: Path, cache_dir: Path | None = None
+        cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
     ) -> LLMEngine:
         """Load weights from a resolved model directory (see models.sources.resolve_source);
-        the SSD KV tier lives under `cache_dir`."""
+        the SSD KV tier lives under the server's cache_dir."""
         loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
+        identity = _identity(config, loaded)
+        cache_dir = server().cache_dir
         prefix_cache = await asyncio.to_thread(
-            open_prefix_cache, loaded.model, _identity(config, loaded), config.cache, cache_dir
+            open_prefix_cache, loaded.model, identity, config.cache, cache_dir
         )
         return cls(name, config, loaded, prefix_cache)
 
@@ -107,8 +110,9 @@ class LLMEngine:
             sequence.processors = prepared.processors
             sequence.prefill = prepared.prefill
             if self.prefix_cache is not None and prepared.prefill is None:
-                keys = await asyncio.to_thread(self._prefetch, prepared.prompt_ids)
-                sequence.lease = PrefixLease(self.prefix_cache, prepared.prompt_ids, keys)
+                cache = self.prefix_cache
+                keys = await asyncio.to_thread(_prefetch, cache, prepared.prompt_ids)
+                sequence.lease = PrefixLease(cache, prepared.prompt_ids, keys)
             self.loop.submit(sequence)
         except BaseException:
             self._ended()
@@ -156,13 +160,6 @@ class LLMEngine:
             raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
         return processors + fault_processors(self._faults, request)
 
-    def _prefetch(self, prompt_ids: list[int]) -> list[str]:
-        """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
-        worker thread, so the model thread never waits for the disk."""
-        keys = self.prefix_cache.keys(prompt_ids)
-        self.prefix_cache.prefetch(prompt_ids, keys)
-        return keys
-
     def resize_cache(self, cache: CacheConfig) -> None:
         """New cache budgets without reloading the weights (see registry.plan.Resize)."""
         self.config = self.config.model_copy(update={"cache": cache})
@@ -202,6 +199,15 @@ class LLMEngine:
 
     async def refresh_stats(self) -> None:
         """In process, `stats()` is always current."""
+
+    async def embed(
+        self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
+    ) -> Embeddings:
+        raise InvalidRequest(
+            f"model '{self.name}' is of kind '{self.kind}'; /v1/embeddings needs a model of "
+            "kind 'embedding'",
+            param="model",
+        )
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
@@ -262,6 +268,14 @@ class LLMEngine:
         await asyncio.to_thread(self.loop.close)
         if self.prefix_cache is not None:
             await asyncio.to_thread(self.prefix_cache.close)  # finishes queued SSD writes
+
+
+def _prefetch(cache: PrefixCache, prompt_ids: list[int]) -> list[str]:
+    """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
+    worker thread, so the model thread never waits for the disk."""
+    keys = cache.keys(prompt_ids)
+    cache.prefetch(prompt_ids, keys)
+    return keys
 
 
 def _deliver(outputs: list[Output]) -> None:

@@ -27,9 +27,10 @@ HOLD_POLL_S = 0.0005
 
 Item = TypeVar("Item")
 Output = TypeVar("Output")
+ItemIn = TypeVar("ItemIn", contravariant=True)
 
 
-class Core(Protocol[Item, Output]):
+class Core(Protocol[ItemIn, Output]):
     def start(self) -> None:
         """Called on the model thread before anything else."""
         ...
@@ -46,9 +47,9 @@ class Core(Protocol[Item, Output]):
         """How long to wait for more items before the next step (0: step now)."""
         ...
 
-    def add(self, item: Item) -> None: ...
+    def add(self, item: ItemIn) -> None: ...
 
-    def abort(self, item: Item) -> list[Output]: ...
+    def abort(self, item: ItemIn) -> list[Output]: ...
 
     def step(self) -> list[Output]: ...
 

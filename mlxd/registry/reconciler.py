@@ -79,15 +79,16 @@ class Reconciler:
     def _count_deaths(self, now: float) -> None:
         for runtime in self.models.values():
             engine = runtime.engine
-            if engine is None or not runtime.dead() or runtime.death_seen is engine:
+            failure = engine.failure if engine is not None else None
+            if failure is None or runtime.death_seen is engine:
                 continue
             runtime.death_seen = engine
             runtime.restarting = True
-            runtime.record_failure(engine.failure, now)
+            runtime.record_failure(failure, now)
             log.error(
                 "model '%s': %s; restarting it in %.0fs (failure %d in a row)",
                 runtime.name,
-                engine.failure,
+                failure,
                 runtime.retry_at - now,
                 runtime.failures,
             )
@@ -103,7 +104,8 @@ class Reconciler:
         elif isinstance(action, Rename):
             runtime = self.models.pop(action.old)
             runtime.name, runtime.config = action.new, action.config
-            runtime.engine.name = action.new
+            if runtime.engine is not None:  # plan() moves loaded engines only
+                runtime.engine.name = action.new
             self.models[action.new] = runtime
         elif isinstance(action, Retarget):
             self.models[action.name].config = action.config
@@ -115,14 +117,16 @@ class Reconciler:
             runtime = self.models[action.name]
             runtime.config = action.config
             runtime.restarts += 1
-            self._retire(runtime, runtime.engine)  # its requests have failed already
+            if runtime.engine is not None:
+                self._retire(runtime, runtime.engine)  # its requests have failed already
             runtime.engine = None
             self._start_load(runtime)
         elif isinstance(action, Resize):
             runtime = self.models[action.name]
             runtime.config = action.config
-            runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
-            runtime.engine.resize_cache(action.config.cache)
+            if runtime.engine is not None and runtime.built is not None:  # plan(): loaded
+                runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
+                runtime.engine.resize_cache(action.config.cache)
         elif isinstance(action, Swap):
             runtime = self.models[action.name]
             runtime.config = action.config
@@ -202,6 +206,8 @@ class Reconciler:
     async def _make_room(self, need: int, loading: ModelRuntime) -> None:
         """Unload idle models, least recently used first, until `need` fits the budget."""
         budget = self.server.memory_budget
+        if budget is None:
+            return
         draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
         residents = [
             Resident(rt.name, rt.engine.memory_bytes, rt.engine.last_used, rt.engine.idle)

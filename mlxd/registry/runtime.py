@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from mlxd.config import ModelConfig
 from mlxd.engines.base import Engine
 from mlxd.registry.plan import ENGINE_FIELDS, Actual, backoff
+from mlxd.registry.routes import ModelState
 
 # A worker that served this long before dying starts its backoff from the beginning again.
 BACKOFF_RESET_S = 60.0
@@ -46,7 +47,7 @@ class ModelRuntime:
         return None if ttl == math.inf else ttl
 
     def dead(self) -> bool:
-        return self.engine is not None and _failure(self.engine) is not None
+        return self.engine is not None and self.engine.failure is not None
 
     def record_failure(self, reason: str, now: float) -> None:
         """Count a death or failed load and set when to retry (1 s, 2 s, 4 s … 60 s)."""
@@ -73,7 +74,7 @@ class ModelRuntime:
         return Actual(self.config, "parked" if self.parked else "unloaded")
 
     @property
-    def state(self) -> str:
+    def state(self) -> ModelState:
         """What /health, /v1/status and the route table show."""
         if self.engine is not None:
             return "restarting" if self.dead() else "loaded"
@@ -82,7 +83,3 @@ class ModelRuntime:
                 return "restarting"
             return "loading" if self.loading is not None else "failed"
         return "unloaded"
-
-
-def _failure(engine: Engine) -> str | None:
-    return getattr(engine, "failure", None)
