@@ -93,6 +93,9 @@ class WorkerEngine:
             str(child.fileno()),
             pass_fds=(child.fileno(),),
             stdin=asyncio.subprocess.DEVNULL,
+            # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and then
+            # closes its workers; they never die under requests that are still finishing.
+            start_new_session=True,
         )
         child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent)
