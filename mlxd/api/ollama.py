@@ -118,9 +118,7 @@ def _sampling_request(
     options, defaults = body.options, entry.config.defaults
     # num_predict < 0 means "until the context is full" in Ollama; here the model's default.
     max_tokens = options.num_predict if options.num_predict and options.num_predict > 0 else None
-    top_logprobs = None
-    if getattr(body, "logprobs", False):
-        top_logprobs = getattr(body, "top_logprobs", None) or 0
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return GenerationRequest(
         request_id=new_id(""),
         model=entry.name,

@@ -72,6 +72,8 @@ class _Generating(_Lenient):
     format: Literal["", "json"] | dict[str, Any] | None = None
     keep_alive: KeepAlive = None
     think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class ChatRequest(_Generating):
