@@ -10,7 +10,7 @@ import httpx
 import ollama
 import pytest
 
-from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+from tests.integration.daemon import SMOL_GGUF, Daemon, free_port, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ WEATHER = {
 def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
     workdir = tmp_path_factory.mktemp("ollama-api")
     config = {
-        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "server": {"cache_dir": str(mlxd_cache_dir), "ollama_port": free_port()},
         "models": {
             "smol": {
                 "source": SMOL_GGUF,
@@ -54,7 +54,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
 
 @pytest.fixture
 def client(daemon: Daemon) -> ollama.Client:
-    return ollama.Client(host=daemon.url, timeout=120)
+    """On `server.ollama_port`: the same app as on `server.port`."""
+    return ollama.Client(
+        host=f"http://127.0.0.1:{daemon.config['server']['ollama_port']}", timeout=120
+    )
 
 
 def test_chat_answers_with_final_stats(client: ollama.Client):
@@ -123,7 +126,7 @@ def test_list_show_and_version(client: ollama.Client, daemon: Daemon):
     assert "im_start" in shown.template  # SmolLM2's ChatML template
     assert shown.modelinfo[f"{shown.details.family}.context_length"] == 512
     assert client.show("minilm").capabilities == ["embedding"]
-    assert httpx.get(f"{daemon.url}/api/version").json()["version"]
+    assert httpx.get(f"{daemon.url}/api/version").json()["version"]  # on server.port too
 
 
 def test_unknown_model_is_ollamas_error_shape(client: ollama.Client):
