@@ -59,6 +59,13 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 exposes the LAN.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    ollama_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also listen on this port (e.g. 11434, Ollama's) for clients that assume "
+        "Ollama's address; the same API is served on both ports. Null: only `port`.",
+    )
     api_keys: ApiKeys = Field(
         default_factory=list,
         description="Keys accepted for every model (Bearer or x-api-key). Empty means open; "
