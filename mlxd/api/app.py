@@ -12,7 +12,18 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, auth, batches, embeddings, observe, openai, openapi, shutdown
+from mlxd.api import (
+    admin,
+    anthropic,
+    auth,
+    batches,
+    embeddings,
+    observe,
+    openai,
+    openapi,
+    responses,
+    shutdown,
+)
 from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
@@ -37,6 +48,7 @@ def create_app(daemon: Daemon) -> Quart:
     app.inflight = shutdown.install(app)
     auth.install(app)
     app.register_blueprint(openai.blueprint)
+    app.register_blueprint(responses.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
