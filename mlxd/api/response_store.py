@@ -34,7 +34,7 @@ class ResponseStore:
     def __init__(self, folder: Path, ttl_s: float) -> None:
         self.folder = folder
         self.ttl_s = ttl_s
-        self._pruned_at = 0.0
+        self._pruned_at = float("-inf")  # the first write prunes
 
     def save(self, owner: str, response: dict[str, Any], input_items: list[dict]) -> None:
         """Store `response` with the whole input it answered (earlier turns included), which a

@@ -59,7 +59,9 @@ class OutputItems:
         if kind == "message":
             part = item["content"][0]
             events = [
-                self._event("response.output_text.done", content_index=0, text=part["text"]),
+                self._event(
+                    "response.output_text.done", content_index=0, text=part["text"], logprobs=[]
+                ),
                 self._event("response.content_part.done", content_index=0, part=part),
             ]
         elif kind == "reasoning":
