@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from mlxd.config import parse_config
 from mlxd.config.reference import render
 from mlxd.config.schema import ModelConfig, ServerConfig
 
@@ -43,3 +45,19 @@ def test_example_config_passes_check(path: Path):
 def test_claude_code_settings_are_json():
     settings = json.loads((ROOT / "examples" / "claude-code-settings.json").read_text())
     assert settings["env"]["ANTHROPIC_BASE_URL"].startswith("http")
+
+
+def test_codex_example_points_at_the_default_config():
+    codex = tomllib.loads((ROOT / "examples" / "codex" / "config.toml").read_text())
+    default = parse_config((ROOT / "config" / "models.yaml").read_text(), env={})
+    provider = codex["model_providers"][codex["model_provider"]]
+    server = default.server
+    assert provider["wire_api"] == "responses"
+    assert provider["base_url"] == f"http://{server.host}:{server.port}/v1"
+    llm_ids = {
+        model_id
+        for name, model in default.models.items()
+        if model.kind == "llm"
+        for model_id in (name, *model.aliases)
+    }
+    assert codex["model"] in llm_ids
