@@ -5,6 +5,7 @@ stored responses (retrieve, delete, store false, key scoping, a restart)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -122,6 +123,28 @@ def test_stream_deltas_reassemble_and_the_sdk_helper_accepts_the_sequence(
     assert len(deltas) > 1 and "".join(deltas) == final.output_text
     assert "Paris" in final.output_text and final.usage.output_tokens > 0
     assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_stream_the_client_drops_is_cancelled(daemon: Daemon):
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+
+    def cancelled() -> int:
+        status = httpx.get(f"{daemon.url}/v1/status", headers=auth, timeout=10).json()
+        return status["models"]["smol"]["cancelled"]
+
+    before = cancelled()
+    body = {"model": "smol", "input": "Tell me a very long story.", "stream": True}
+    body |= {"max_output_tokens": 400, "temperature": 0.7}
+    with (
+        httpx.Client(timeout=30, headers=auth) as http,
+        http.stream("POST", f"{daemon.url}/v1/responses", json=body) as response,
+    ):
+        deltas = (line for line in response.iter_lines() if "output_text.delta" in line)
+        assert next(deltas) and next(deltas)
+    deadline = time.monotonic() + 30  # a generous bound: this only waits for the cancel
+    while cancelled() == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cancelled() == before + 1
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client: openai.OpenAI):
