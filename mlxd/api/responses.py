@@ -67,9 +67,9 @@ def _generation(
             "type": "function",
             "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True),
         }
-        for t in body.tools or []
+        for t in body.function_tools()
     ]
-    names = {t.name for t in body.tools or []}
+    names = {t.name for t in body.function_tools()}
     choice = body.tool_choice
     internal_choice = (
         tool_choice(None, choice.name, names)

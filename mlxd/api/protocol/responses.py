@@ -8,9 +8,9 @@ types are read (and rejected with a precise param) by `mlxd.api.responses_input`
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Lenient(BaseModel):
@@ -23,6 +23,26 @@ class FunctionTool(_Lenient):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class BuiltinTool(BaseModel):
+    """One of OpenAI's hosted tools (web_search, file_search, …). Accepted so that clients
+    which offer them by default still work, and not shown to the model, which cannot run
+    them; it can only call function tools."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "function" if kind == "function" else "builtin"
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[BuiltinTool, Tag("builtin")],
+    Discriminator(_tool_kind),
+]
 
 
 class ToolChoiceFunction(_Lenient):
@@ -54,7 +74,7 @@ class ResponseCreateRequest(_Lenient):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -63,3 +83,6 @@ class ResponseCreateRequest(_Lenient):
     store: bool = True
     stream: bool = False
     metadata: dict[str, str] | None = None
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [tool for tool in self.tools or [] if isinstance(tool, FunctionTool)]
