@@ -253,6 +253,24 @@ def test_another_key_sees_nothing(daemon: Daemon, client: openai.OpenAI):
     assert no_key.status_code == 401
 
 
+def test_a_codex_shaped_request_streams_to_completion(daemon: Daemon):
+    """A request shaped as Codex CLI sends them (composed from its request types, not a
+    capture): developer and environment messages, a replayed reasoning item, a shell call and
+    its output, function tools plus a hosted one, and fields mlxd does not act on."""
+    body = json.loads((Path(__file__).parent / "fixtures" / "codex_request.json").read_text())
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    with httpx.stream(
+        "POST", f"{daemon.url}/v1/responses", json=body, headers=headers, timeout=120
+    ) as response:
+        assert response.status_code == 200, response.read()
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line[:6] == "data: "]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final["type"] in ("response.completed", "response.incomplete"), final
+    assert final["response"]["output"] and final["response"]["usage"]["input_tokens"] > 200
+    assert final["response"]["store"] is False
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
