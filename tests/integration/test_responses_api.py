@@ -39,7 +39,15 @@ def config(cache_dir: Path) -> dict:
                 "source": SMOL_GGUF,
                 "context_length": 1024,
                 "defaults": {"max_tokens": 48, "temperature": 0.0},
-            }
+            },
+            # The same weights read with the `<think>` reasoning parser (loaded on first use).
+            "thinker": {
+                "source": SMOL_GGUF,
+                "load": "lazy",
+                "context_length": 1024,
+                "parsers": {"reasoning": "think"},
+                "defaults": {"max_tokens": 48, "temperature": 0.0},
+            },
         },
     }
 
@@ -145,6 +153,27 @@ def test_a_stream_the_client_drops_is_cancelled(daemon: Daemon):
     while cancelled() == before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert cancelled() == before + 1
+
+
+def test_reasoning_comes_out_as_a_reasoning_item(client: openai.OpenAI):
+    # SmolLM2 does not reason by itself: a schema makes it write a think block (as a JSON
+    # string, hence the quotes around it), which the model's reasoning parser reads.
+    schema = {"type": "string", "pattern": "^<think>[a-z ]{3,30}</think>[A-Za-z ]{3,30}$"}
+    text_format = {"format": {"type": "json_schema", "name": "thought", "schema": schema}}
+    summary = []
+    with client.responses.stream(
+        model="thinker", input="Think about Paris, then name it.", text=text_format
+    ) as stream:
+        for event in stream:
+            if event.type == "response.reasoning_summary_text.delta":
+                summary.append(event.delta)
+        final = stream.get_final_response()
+    reasoning = [item for item in final.output if item.type == "reasoning"]
+    assert len(reasoning) == 1 and reasoning[0].summary[0].type == "summary_text"
+    assert reasoning[0].summary[0].text == "".join(summary) and summary
+    assert "<think>" not in final.output_text and "</think>" not in final.output_text
+    whole = client.responses.create(model="thinker", input="Think about Paris.", text=text_format)
+    assert [item.type for item in whole.output].count("reasoning") == 1
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client: openai.OpenAI):
