@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from quart import Blueprint, current_app, request
@@ -99,7 +99,7 @@ def _generation(
     )
 
 
-def _response(
+def initial_response(
     body: ResponseCreateRequest, generation: GenerationRequest, response_id: str
 ) -> dict[str, Any]:
     """The Response object as it stands before any output: status in_progress."""
@@ -141,8 +141,10 @@ def _response(
     }
 
 
-async def _response_events(
-    parts: AsyncIterator[Part], response: dict[str, Any], save: Any
+async def response_events(
+    parts: AsyncIterator[Part],
+    response: dict[str, Any],
+    save: Callable[[dict[str, Any]], Awaitable[None]],
 ) -> AsyncIterator[Event]:
     """Every event of one response, lifecycle included, without sequence numbers. The last
     is `response.completed` (or `.incomplete`) carrying the whole Response, stored first by
@@ -183,14 +185,14 @@ async def create_response() -> Any:
         items = [*previous["input"], *previous["response"]["output"], *items]
     entry, engine = await generation_engine(body.model)
     generation = _generation(body, entry, items)  # every check before the sequence starts
-    response = _response(body, generation, new_id("resp_"))
+    response = initial_response(body, generation, new_id("resp_"))
 
     async def save(final: dict[str, Any]) -> None:
         if body.store:
             await asyncio.to_thread(store.save, owner, final, items)
 
     parts = await start(entry, engine, generation)
-    events = _response_events(parts, response, save)
+    events = response_events(parts, response, save)
     if body.stream:
         return await event_stream(_stream(events, response))
     try:

@@ -18,7 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from mlxd.api.protocol.responses import ResponseCreateRequest
 from mlxd.api.response_store import ResponseStore, owner_of
-from mlxd.api.responses import _response, _response_events
+from mlxd.api.responses import initial_response, response_events
 from mlxd.api.responses_input import input_items, messages
 from mlxd.errors import InvalidRequest, NotFound
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
@@ -56,7 +56,7 @@ def _events(*parts: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         saved.append(response)
 
     async def run() -> list[dict[str, Any]]:
-        events = _response_events(_parts(*parts), _response(body, generation, "resp_1"), save)
+        events = response_events(_parts(*parts), initial_response(body, generation, "resp_1"), save)
         return [{**e, "sequence_number": n} async for n, e in _numbered(events)]
 
     return asyncio.run(run()), saved
