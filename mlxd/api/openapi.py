@@ -47,6 +47,8 @@ ROUTES = (
           ResponseCreateRequest, True),
     Route("get", "/v1/responses/{response_id}", "A stored response", "openai"),
     Route("delete", "/v1/responses/{response_id}", "Delete a stored response", "openai"),
+    Route("get", "/v1/responses/{response_id}/input_items", "A stored response's input items",
+          "openai"),
     Route("get", "/v1/models", "List model ids (names and aliases)", "openai"),
     Route("get", "/v1/models/{model_id}", "One model id", "openai"),
     Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),

@@ -35,7 +35,7 @@ from mlxd.api.protocol.responses import ResponseCreateRequest
 from mlxd.api.response_store import ResponseStore, owner_of
 from mlxd.api.responses_input import input_items, messages
 from mlxd.api.responses_output import OutputItems, outcome, usage
-from mlxd.errors import MlxdError, NotFound
+from mlxd.errors import InvalidRequest, MlxdError, NotFound
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest
 
@@ -232,6 +232,47 @@ def _sse(event: Event, number: int) -> bytes:
 async def retrieve_response(response_id: str) -> Any:
     record = await asyncio.to_thread(_store().load, _owner(), response_id)
     return record["response"]
+
+
+@blueprint.get("/v1/responses/<response_id>/input_items")
+async def list_input_items(response_id: str) -> Any:
+    """The whole input a stored response answered (earlier turns of a `previous_response_id`
+    chain included), newest first unless `order=asc`, `limit` per page, `after` an item id."""
+    record = await asyncio.to_thread(_store().load, _owner(), response_id)
+    items = [_listed(item, response_id, index) for index, item in enumerate(record["input"])]
+    order, after = request.args.get("order", "desc"), request.args.get("after")
+    limit = request.args.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"no input item '{after}' in this response", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
+
+
+def _listed(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """A stored input item as the API lists it: with an id (its own, or one derived from its
+    place, so it is the same on every call) and a status; string content as one text part."""
+    kind = item.get("type", "message")
+    listed = {"id": f"{kind[:2]}_{response_id[5:]}_{index}", "status": "completed", **item}
+    listed["type"] = kind
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        listed["content"] = [{"type": part, "text": item["content"]}]
+    return listed
 
 
 @blueprint.delete("/v1/responses/<response_id>")

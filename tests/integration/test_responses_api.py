@@ -258,6 +258,28 @@ def test_retrieve_then_delete(client: openai.OpenAI):
         client.responses.delete(reply.id)
 
 
+def test_input_items_list_what_the_model_read(client: openai.OpenAI):
+    first = client.responses.create(model="smol", input="Hi, I am Ada.", max_output_tokens=4)
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is my name?"}]},
+    ]
+    second = client.responses.create(
+        model="smol", input=items, previous_response_id=first.id, max_output_tokens=4
+    )
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [item.type for item in listed.data] == ["message", "message", "message"]
+    assert listed.data[0].content[0].text == "Hi, I am Ada."
+    assert listed.data[1].id == first.output[0].id  # the earlier answer, as it was stored
+    assert listed.data[2].content[0].text == "What is my name?"
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert [item.id for item in newest.data] == [listed.data[2].id] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=5, after=newest.data[0].id)
+    assert [item.id for item in rest.data] == [listed.data[1].id, listed.data[0].id]
+    assert [i.id for i in client.responses.input_items.list(second.id, order="asc").data] == [
+        i.id for i in listed.data
+    ]
+
+
 def test_store_false_is_not_kept(client: openai.OpenAI):
     reply = client.responses.create(model="smol", input=FRANCE, max_output_tokens=4, store=False)
     assert reply.store is False
