@@ -112,6 +112,38 @@ def sampling_params(
     )
 
 
+def tool_choice(
+    choice: str | None, named: str | None, names: set[str], *, required_word: str = "required"
+) -> str | dict[str, Any] | None:
+    """A dialect's tool_choice in the internal form: `choice` is the mode ("auto", "none",
+    `required_word`) or `named` the one tool to call, which must be among `names`."""
+    if named is not None:
+        if named not in names:
+            raise InvalidRequest(
+                f"tool_choice names '{named}', which is not in tools", param="tool_choice"
+            )
+        return {"name": named}
+    if choice == required_word:
+        if not names:
+            raise InvalidRequest(f"tool_choice '{choice}' needs tools", param="tool_choice")
+        return "required"
+    return choice
+
+
+def constrained_output(
+    kind: str | None, schema: Any, param: str, schema_field: str
+) -> dict[str, Any] | None:
+    """The internal `response_format` (what the constrained decoder enforces) for a dialect's
+    structured-output setting: None for free text, json_object, or json_schema with `schema`."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param} json_schema needs {schema_field}", param=param)
+    return {"type": "json_schema", "schema": schema}
+
+
 @dataclass(frozen=True)
 class Logprobs:
     """Token log-probabilities riding alongside the parsed parts."""

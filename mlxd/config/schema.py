@@ -76,6 +76,12 @@ class ServerConfig(_Section):
         validate_default=True,
         description="Directory for converted weights and the SSD KV-cache tier (`~` expanded).",
     )
+    responses_ttl: Duration = Field(
+        30 * 86400.0,
+        gt=0,
+        description="How long stored Responses API answers (`store: true`, kept under "
+        "cache_dir/responses/ for retrieval and `previous_response_id`) are kept.",
+    )
     memory_budget: ByteSize | None = Field(
         None,
         description="Memory all loaded models may use together; idle models beyond it are "
