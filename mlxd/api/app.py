@@ -20,8 +20,10 @@ from mlxd.api import (
     dashboard,
     embeddings,
     observe,
+    ollama,
     openai,
     openapi,
+    responses,
     shutdown,
 )
 from mlxd.api.errors import anthropic_error, openai_error
@@ -48,9 +50,11 @@ def create_app(daemon: Daemon) -> Quart:
     app.inflight = shutdown.install(app)
     auth.install(app)
     app.register_blueprint(openai.blueprint)
+    app.register_blueprint(responses.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
+    app.register_blueprint(ollama.blueprint)
     app.register_blueprint(admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     app.register_blueprint(dashboard.blueprint)
@@ -103,13 +107,18 @@ def _render(error: MlxdError) -> Response:
     observe.failed(error.message)
     if request.path.startswith("/v1/messages"):
         return anthropic_error(error, observe.request_id()), error.status, error.headers
+    if request.path.startswith("/api/"):
+        return {"error": error.message}, error.status, error.headers  # Ollama's shape
     return openai_error(error), error.status, error.headers
 
 
 async def serve(app: Quart, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see `shutdown`)."""
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # server.ollama_port: the same app also where Ollama clients look (11434 by convention).
+    ollama_port = app.daemon.registry.server.ollama_port
+    ports = [port] + ([ollama_port] if ollama_port and ollama_port != port else [])
+    config.bind = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
     config.backlog = LISTEN_BACKLOG
     config.accesslog = None  # mlxd logs one line per request itself (api/observe.py)
     config.errorlog = logging.getLogger("hypercorn.error")  # through mlxd's log format
