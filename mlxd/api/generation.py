@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -184,7 +184,9 @@ def output_parser(
     return compose(tool, reasoning)
 
 
-async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> AsyncIterator[Part]:
+async def parsed_events(
+    parser: StreamParser, events: AsyncIterator[Event]
+) -> AsyncGenerator[Part, None]:
     """The engine's text events read by `parser`; failures raise (see `raise_if_failed`)."""
     async for event in events:
         if isinstance(event, Delta):
@@ -200,14 +202,21 @@ async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> A
 
 
 class Parts:
-    """A response's parsed parts, and its `admission` (the prompt's size, known up front)."""
+    """A response's parsed parts, and its `admission` (the prompt's size, known up front).
+    Closing it early cancels the sequence."""
 
-    def __init__(self, admission: Admission, parts: AsyncIterator[Part]):
+    def __init__(self, admission: Admission, parts: AsyncGenerator[Part, None]):
         self.admission = admission
         self._parts = parts
 
-    def __aiter__(self) -> AsyncIterator[Part]:
-        return self._parts
+    def __aiter__(self) -> Parts:
+        return self
+
+    async def __anext__(self) -> Part:
+        return await anext(self._parts)
+
+    async def aclose(self) -> None:
+        await self._parts.aclose()
 
 
 async def start(
