@@ -150,7 +150,8 @@ def _ps(args: argparse.Namespace) -> int:
     except DaemonError as exc:
         print(exc.message, file=sys.stderr)
         return 1
-    header = ("NAME", "KIND", "STATE", "ALIASES", "MEMORY", "QUEUE", "RUNNING", "TOK/S")
+    header: tuple[str, ...] = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE")
+    header += ("QUEUE", "RUNNING", "TOK/S")
     rows = [header] + [_ps_row(name, row) for name, row in status["models"].items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
@@ -159,18 +160,24 @@ def _ps(args: argparse.Namespace) -> int:
 
 
 def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
-    memory = row.get("memory_bytes")
     loaded = "running" in row
+    estimate = row.get("memory_estimate_bytes", row.get("memory_bytes"))
     return (
         name,
         row.get("kind", "-"),
         row["state"],
         ",".join(row.get("aliases") or []) or "-",
-        f"{memory / 2**20:.0f} MiB" if memory else "-",
+        str(row.get("pid") or "-"),
+        _mib(row.get("rss_bytes")),
+        _mib(estimate),
         str(row.get("queue_depth", 0)) if loaded else "-",
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",
     )
+
+
+def _mib(size: int | None) -> str:
+    return f"{size / 2**20:.0f}MiB" if size else "-"
 
 
 def _reload(args: argparse.Namespace) -> int:
@@ -221,7 +228,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings()
     if not settings.no_reexec:
         accel.ensure_optimized_blas()
-    setup_logging(args.log_level or settings.log_level, args.log_format or settings.log_format)
+    level, fmt = args.log_level or settings.log_level, args.log_format or settings.log_format
+    setup_logging(level, fmt)
+    # Worker processes inherit the environment: they log at the same level, in the same format.
+    os.environ.update(MLXD_LOG_LEVEL=level, MLXD_LOG_FORMAT=fmt)
     log = logging.getLogger("mlxd")
     from mlxd.api.app import create_app, serve
     from mlxd.api.auth import log_access

@@ -43,6 +43,7 @@ async def health() -> Any:
 @blueprint.get("/v1/status")
 async def status() -> Any:
     daemon = current_app.daemon
+    await daemon.reconciler.refresh_stats()
     models = daemon.reconciler.status()
     return {
         "uptime_s": round(time.time() - daemon.started_at, 1),
@@ -67,6 +68,7 @@ def _model_status(name: str, row: dict[str, Any]) -> dict[str, Any]:
 @blueprint.get("/metrics")
 async def metrics() -> Any:
     """Prometheus text format."""
+    await current_app.daemon.reconciler.refresh_stats()
     body = current_app.extensions["mlxd_metrics"].render()
     return Response(body, content_type=CONTENT_TYPE)
 

@@ -70,11 +70,9 @@ async def messages() -> Any:
     if not body.stream:
         return await create_message(body)
     entry, engine = await generation_engine(body.model)
-    generation = _generation(body, entry)
+    parts = await start(entry, engine, _generation(body, entry))
     # message_start reports the prompt's size before the first token exists.
-    input_tokens = await asyncio.to_thread(engine.count_prompt_tokens, generation)
-    parts = await start(entry, engine, generation)
-    chunks = _stream(parts, _head(body), input_tokens)
+    chunks = _stream(parts, _head(body), parts.admission.prompt_tokens)
     return await event_stream(_keep_alive(chunks, PING_INTERVAL_S))
 
 
@@ -85,7 +83,7 @@ async def count_tokens() -> Any:
     generation = GenerationRequest(
         request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
     )
-    return {"input_tokens": await asyncio.to_thread(engine.count_prompt_tokens, generation)}
+    return {"input_tokens": await engine.count_prompt_tokens(generation)}
 
 
 async def message_events(parts: AsyncIterator[Part]) -> AsyncIterator[dict[str, Any]]:

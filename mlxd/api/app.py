@@ -22,6 +22,7 @@ from mlxd.api import (
     ollama,
     openai,
     openapi,
+    responses,
     shutdown,
 )
 from mlxd.api.errors import anthropic_error, openai_error
@@ -48,6 +49,7 @@ def create_app(daemon: Daemon) -> Quart:
     app.inflight = shutdown.install(app)
     auth.install(app)
     app.register_blueprint(openai.blueprint)
+    app.register_blueprint(responses.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)

@@ -15,11 +15,13 @@ from mlxd.api.generation import (
     Completion,
     Logprobs,
     Part,
+    constrained_output,
     event_stream,
     generation_engine,
     new_id,
     parse_body,
     sampling_params,
+    tool_choice,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxd.api.sequences import Interleaved, collect_all, copies, start_many, total_usage
@@ -71,31 +73,20 @@ async def _start(
 def _tool_choice(body: ChatCompletionRequest) -> str | dict[str, Any] | None:
     """OpenAI's tool_choice in the internal form; a named tool must be one of `tools`."""
     choice = body.tool_choice
+    names = {t.get("function", {}).get("name") for t in body.tools or []}
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        names = {t.get("function", {}).get("name") for t in body.tools or []}
-        if name not in names:
-            raise InvalidRequest(
-                f"tool_choice names '{name}', which is not in tools", param="tool_choice"
-            )
-        return {"name": name}
-    if choice == "required" and not body.tools:
-        raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
-    return choice
+        return tool_choice(None, (choice.get("function") or {}).get("name") or "", names)
+    return tool_choice(choice, None, names)
 
 
 def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
     response_format = body.response_format
-    if response_format is None or response_format.type == "text":
+    if response_format is None:
         return None
-    if response_format.type == "json_object":
-        return {"type": "json_object"}
     spec = response_format.json_schema or {}
-    if not isinstance(spec.get("schema"), dict):
-        raise InvalidRequest(
-            "response_format json_schema needs json_schema.schema", param="response_format"
-        )
-    return {"type": "json_schema", "schema": spec["schema"]}
+    return constrained_output(
+        response_format.type, spec.get("schema"), "response_format", "json_schema.schema"
+    )
 
 
 @blueprint.post("/v1/chat/completions")

@@ -30,6 +30,7 @@ from mlxd.api.protocol.openai import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from mlxd.api.protocol.responses import ResponseCreateRequest
 
 blueprint = Blueprint("openapi", __name__)
 
@@ -49,6 +50,12 @@ ROUTES = (
     Route("post", "/v1/chat/completions", "Chat completion", "openai", ChatCompletionRequest, True),
     Route("post", "/v1/completions", "Text completion", "openai", CompletionRequest, True),
     Route("post", "/v1/embeddings", "Embeddings", "openai", EmbeddingRequest),
+    Route("post", "/v1/responses", "Create a response (Responses API)", "openai",
+          ResponseCreateRequest, True),
+    Route("get", "/v1/responses/{response_id}", "A stored response", "openai"),
+    Route("delete", "/v1/responses/{response_id}", "Delete a stored response", "openai"),
+    Route("get", "/v1/responses/{response_id}/input_items", "A stored response's input items",
+          "openai"),
     Route("get", "/v1/models", "List model ids (names and aliases)", "openai"),
     Route("get", "/v1/models/{model_id}", "One model id", "openai"),
     Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),

@@ -76,6 +76,12 @@ class ServerConfig(_Section):
         validate_default=True,
         description="Directory for converted weights and the SSD KV-cache tier (`~` expanded).",
     )
+    responses_ttl: Duration = Field(
+        30 * 86400.0,
+        gt=0,
+        description="How long stored Responses API answers (`store: true`, kept under "
+        "cache_dir/responses/ for retrieval and `previous_response_id`) are kept.",
+    )
     memory_budget: ByteSize | None = Field(
         None,
         description="Memory all loaded models may use together; idle models beyond it are "
@@ -96,6 +102,12 @@ class ServerConfig(_Section):
     )
     max_request_bytes: ByteSize = Field(
         10 * 1024**2, description="Largest accepted HTTP request body (images included)."
+    )
+    workers: Literal["process", "inline"] = Field(
+        "process",
+        description="Where each model runs: `process`, its own worker process (a crash costs "
+        "the other models nothing; unloading returns its memory to the system), or `inline`, a "
+        "thread of the daemon (for debugging and measuring the boundary). Needs a restart.",
     )
     media_dirs: list[Path] = Field(
         default_factory=list,

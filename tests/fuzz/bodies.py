@@ -338,9 +338,88 @@ OLLAMA_EMBED = body(
     {"truncate": st.booleans(), "dimensions": st.integers(-2, 500), "keep_alive": st.just("5m")},
 )
 
+_RESPONSES_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file", "x"])},
+    optional={
+        "text": SHORT_TEXT | json_values,
+        "image_url": st.sampled_from(["data:image/png;base64,AAAA", "http://x/y.png", "x"]),
+    },
+)
+_RESPONSES_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "user", "assistant", "system", "developer", "x"]),
+            "content": SHORT_TEXT | st.lists(_RESPONSES_PART, max_size=3) | json_values,
+        },
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": SHORT_TEXT,
+            "name": SHORT_TEXT,
+            "arguments": SHORT_TEXT | st.just('{"a": 1}') | json_values,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": SHORT_TEXT,
+            "output": SHORT_TEXT | st.lists(_RESPONSES_PART, max_size=2) | json_values,
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["reasoning", "item_reference", "x"])},
+        optional={"summary": json_values, "id": SHORT_TEXT},
+    ),
+    json_values,
+)
+RESPONSES = body(
+    {"model": MODELS, "input": SHORT_TEXT | st.lists(_RESPONSES_ITEM, max_size=4)},
+    {
+        "instructions": SHORT_TEXT,
+        "max_output_tokens": TOKENS,
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0.01, 1),
+        "stream": st.booleans(),
+        "store": st.booleans(),
+        "previous_response_id": st.sampled_from(["resp_0", "resp_../x", "x"]),
+        "tools": st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["function", "function", "web_search"])},
+                optional={
+                    "name": st.sampled_from(["get_weather", "f", ""]),
+                    "parameters": _schema(),
+                    "strict": st.booleans(),
+                },
+            ),
+            max_size=2,
+        ),
+        "tool_choice": st.sampled_from(["auto", "none", "required", "x"])
+        | st.fixed_dictionaries(
+            {"type": st.just("function"), "name": st.sampled_from(["get_weather", "nope"])}
+        ),
+        "parallel_tool_calls": st.booleans(),
+        "text": st.fixed_dictionaries(
+            {
+                "format": st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+                    optional={"name": SHORT_TEXT, "schema": _schema(), "strict": st.booleans()},
+                )
+            }
+        ),
+        "reasoning": st.fixed_dictionaries(
+            {"effort": st.sampled_from(["low", "high"]), "summary": st.sampled_from(["auto"])}
+        ),
+        "metadata": st.dictionaries(SHORT_TEXT, SHORT_TEXT, max_size=2),
+        "include": st.lists(SHORT_TEXT, max_size=2),
+    },
+)
+
 ENDPOINTS: dict[str, Any] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETION,
+    "/v1/responses": RESPONSES,
     "/v1/messages": MESSAGES,
     "/v1/messages/count_tokens": COUNT_TOKENS,
     "/v1/embeddings": EMBEDDINGS,

@@ -49,15 +49,20 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
         "KIND",
         "STATE",
         "ALIASES",
-        "MEMORY",
+        "PID",
+        "RSS",
+        "ESTIMATE",
         "QUEUE",
         "RUNNING",
         "TOK/S",
     ]
     table = {row.split()[0]: row.split() for row in rows}
     assert table["smol"][1:4] == ["llm", "loaded", "default,gpt-4o-mini"]
-    assert table["smol"][5] == "MiB" and int(table["smol"][4]) > 0
-    assert table["spare"][1:5] == ["llm", "unloaded", "-", "-"]
+    # Its own worker process, with its resident memory next to the estimate.
+    assert int(table["smol"][4]) == daemon.status()["models"]["smol"]["pid"]
+    assert table["smol"][5].endswith("MiB") and int(table["smol"][5][:-3]) > 0
+    assert table["smol"][6].endswith("MiB") and int(table["smol"][6][:-3]) > 0
+    assert table["spare"][1:7] == ["llm", "unloaded", "-", "-", "-", "-"]
 
 
 def test_ps_reports_an_unreachable_daemon(daemon: Daemon):

@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from mlxd.config import parse_config
 from mlxd.config.reference import render
 from mlxd.config.schema import ModelConfig, ServerConfig
 
@@ -78,3 +80,19 @@ def test_ollama_notes_point_at_a_default_model_on_the_ollama_port(name: str):
         assert (ROOT / "examples" / link).exists()
     for block in _fenced(text, "sh"):
         assert f":{ollama_port}" in block  # Docker snippets point at the same port
+
+
+def test_codex_example_points_at_the_default_config():
+    codex = tomllib.loads((ROOT / "examples" / "codex" / "config.toml").read_text())
+    default = parse_config((ROOT / "config" / "models.yaml").read_text(), env={})
+    provider = codex["model_providers"][codex["model_provider"]]
+    server = default.server
+    assert provider["wire_api"] == "responses"
+    assert provider["base_url"] == f"http://{server.host}:{server.port}/v1"
+    llm_ids = {
+        model_id
+        for name, model in default.models.items()
+        if model.kind == "llm"
+        for model_id in (name, *model.aliases)
+    }
+    assert codex["model"] in llm_ids
