@@ -64,10 +64,10 @@ def _generation_request(
 
 
 async def _start(
-    model_id: str, generations: list[GenerationRequest], *, parse: bool = True
+    model_id: str, generations: list[GenerationRequest], n: int, *, parse: bool = True
 ) -> Interleaved:
     entry, engine = await generation_engine(model_id)
-    return await start_many(entry, engine, generations, parse=parse)
+    return await start_many(entry, engine, generations, per_prompt=n, parse=parse)
 
 
 def _tool_choice(body: ChatCompletionRequest) -> str | dict[str, Any] | None:
@@ -107,7 +107,7 @@ async def chat_completions() -> Any:
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body),
     )
-    streams = await _start(model_id, copies(generation, body.n))
+    streams = await _start(model_id, copies(generation, body.n), body.n)
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": model_id}
 
     if body.stream:
@@ -211,7 +211,7 @@ async def completions() -> Any:
     for prompt in prompts:
         model_id, generation = _generation_request(body, body.logprobs, prompt=prompt)
         generations.extend(copies(generation, body.n))
-    streams = await _start(model_id, generations, parse=False)
+    streams = await _start(model_id, generations, body.n, parse=False)
     # Choice i answers prompt i // n (OpenAI's order: every choice of a prompt together).
     echoes = [p if body.echo else "" for p in prompts for _ in range(body.n)]
     head = {"id": new_id("cmpl-"), "created": int(time.time()), "model": model_id}

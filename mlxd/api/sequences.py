@@ -27,20 +27,28 @@ class Interleaved:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self._first: dict[int, asyncio.Event] = {}
         self._open = 0
 
-    def add(self, parts: AsyncIterator[Part]) -> None:
-        index = len(self._tasks)
+    def add(self, index: int, parts: AsyncIterator[Part]) -> None:
+        """Drive `parts` now; its parts come out tagged with `index`."""
+        self._first[index] = asyncio.Event()
         self._tasks.append(asyncio.create_task(self._pump(index, parts)))
         self._open += 1
+
+    async def first_part(self, index: int) -> None:
+        """Until sequence `index` produced its first part (its prompt is prefilled) or ended."""
+        await self._first[index].wait()
 
     async def _pump(self, index: int, parts: AsyncIterator[Part]) -> None:
         try:
             async for part in parts:
+                self._first[index].set()
                 self._queue.put_nowait((index, part))
         except Exception as exc:  # delivered to the reader, who raises it
             self._queue.put_nowait((index, exc))
         finally:
+            self._first[index].set()
             self._queue.put_nowait((index, _END))
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Part]]:
@@ -71,15 +79,32 @@ class Interleaved:
 
 
 async def start_many(
-    entry: ModelEntry, engine: Engine, requests: list[GenerationRequest], *, parse: bool = True
+    entry: ModelEntry,
+    engine: Engine,
+    requests: list[GenerationRequest],
+    *,
+    per_prompt: int = 1,
+    parse: bool = True,
 ) -> Interleaved:
-    """Submit `requests` together (n > 1, several prompts): they join one batch, and equal
-    prompts share their prefill through the prefix cache. If any submission is refused,
-    those already submitted are cancelled before the error propagates."""
+    """Submit `requests`, of which each run of `per_prompt` shares one prompt (OpenAI's `n`).
+
+    Different prompts go in together. Of one prompt's copies, the first goes first and the
+    others once it has its first token: its prefill is then in the prefix cache, so theirs
+    is a cache hit instead of the same prompt prefilled n times over (copies submitted
+    together would each miss). Without a prefix cache they all go in together. If any
+    submission is refused, those already submitted are cancelled before the error
+    propagates."""
     streams = Interleaved()
+    share = per_prompt > 1 and entry.config.cache.ram > 0
+    leaders = range(0, len(requests), per_prompt) if share else range(len(requests))
     try:
-        for request in requests:
-            streams.add(await start(entry, engine, request, parse=parse))
+        for index in leaders:
+            streams.add(index, await start(entry, engine, requests[index], parse=parse))
+        if share:
+            for leader in leaders:
+                await streams.first_part(leader)
+                for index in range(leader + 1, min(leader + per_prompt, len(requests))):
+                    streams.add(index, await start(entry, engine, requests[index], parse=parse))
     except BaseException:
         await streams.aclose()
         raise

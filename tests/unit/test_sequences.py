@@ -30,8 +30,8 @@ def test_parts_arrive_tagged_with_their_sequence():
     async def run():
         log: list[str] = []
         streams = Interleaved()
-        for name in "ab":
-            streams.add(_sequence(name, log))
+        for index, name in enumerate("ab"):
+            streams.add(index, _sequence(name, log))
         return [item async for item in streams], log
 
     items, log = asyncio.run(run())
@@ -44,8 +44,8 @@ def test_one_failure_cancels_the_others():
     async def run():
         log: list[str] = []
         streams = Interleaved()
-        streams.add(_sequence("long", log, length=1000))
-        streams.add(_sequence("bad", log, fail_after=1))
+        streams.add(0, _sequence("long", log, length=1000))
+        streams.add(1, _sequence("bad", log, fail_after=1))
         with pytest.raises(MlxdError, match="bad failed"):
             async for _ in streams:
                 pass
@@ -58,8 +58,8 @@ def test_closing_before_reading_cancels_every_sequence():
     async def run():
         log: list[str] = []
         streams = Interleaved()
-        for name in "xyz":
-            streams.add(_sequence(name, log, length=1000))
+        for index, name in enumerate("xyz"):
+            streams.add(index, _sequence(name, log, length=1000))
         await streams.aclose()  # e.g. a later submission was refused
         return log
 
