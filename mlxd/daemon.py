@@ -72,7 +72,7 @@ class Daemon:
                     exc.message,
                 )
                 raise
-            for key in ("host", "port", "cache_dir"):
+            for key in ("host", "port", "ollama_port", "cache_dir", "workers"):
                 if getattr(registry.server, key) != getattr(self.registry.server, key):
                     log.warning("server.%s changed: takes effect after a restart", key)
             self.reloads["applied"] += 1
