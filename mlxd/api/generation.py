@@ -142,32 +142,44 @@ def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest)
     """How this response's text is read: tool calls (when the request offers tools) and
     reasoning, per the model's `parsers` settings (routing-level: they apply without reload)."""
     tool = None
+    configured = entry.config.parsers.tool_calls
+    if request.tools and configured is None:
+        # Off means off: answering as if the tools were not there would silently drop them.
+        raise InvalidRequest(
+            f"model '{entry.name}' has tool calling turned off (parsers.tool_calls: null); "
+            "send the request without tools",
+            param="tools",
+        )
     if request.tools:
         template = getattr(engine, "chat_template", None)
         forced = request.tool_choice not in (None, "auto")
         # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
         # template that cannot render tools (mlxd prompts those in Hermes style).
         if forced or not template_supports_tools(template):
-            name = "hermes"
-        else:
-            name = entry.config.parsers.tool_calls or "auto"
-        tool = make_tool_parser(name, template)
+            configured = "hermes"
+        tool = make_tool_parser(configured, template)
     return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning))
 
 
 async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> AsyncIterator[Part]:
-    """The engine's text events read by `parser`; failures raise (see `raise_if_failed`)."""
-    async for event in events:
-        if isinstance(event, Delta):
-            for part in parser.feed(event.text):
-                yield part
-            if event.logprobs:
-                yield Logprobs(event.logprobs)
-        else:
-            for part in parser.finish():
-                yield part
-            raise_if_failed(event)
-            yield event
+    """The engine's text events read by `parser`; failures raise (see `raise_if_failed`).
+    However this ends (a parser error, the caller going away), the engine's iterator is
+    closed here and then, not whenever the garbage collector gets to it: closing it is what
+    cancels an unfinished sequence."""
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                for part in parser.feed(event.text):
+                    yield part
+                if event.logprobs:
+                    yield Logprobs(event.logprobs)
+            else:
+                for part in parser.finish():
+                    yield part
+                raise_if_failed(event)
+                yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def start(
@@ -179,11 +191,17 @@ async def start(
     by design and is not."""
     timeout = current_app.daemon.registry.server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
-    events = observe.observed(entry.name, await engine.submit(request))
-    if request.priority >= 0:
-        events = _until(deadline, timeout, events)
+    # Everything that can refuse the request runs before it holds a slot in the engine.
     parser = output_parser(entry, engine, request) if parse else compose(None, None)
-    return parsed_events(parser, events)
+    submitted = await engine.submit(request)
+    try:
+        events = observe.observed(entry.name, submitted)
+        if request.priority >= 0:
+            events = _until(deadline, timeout, events)
+        return parsed_events(parser, events)
+    except BaseException:
+        await submitted.aclose()  # closing the engine's iterator cancels the sequence
+        raise
 
 
 async def _until(

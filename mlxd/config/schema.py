@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxd.config.units import ByteSize, Duration
+from mlxd.parsers.registry import REASONING_PARSERS, TOOL_PARSER_NAMES, TOOL_PARSERS
 
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]*")
 _SOURCE_SCHEMES = ("pkg://", "hf://")
@@ -163,15 +165,41 @@ class CacheConfig(_Section):
     )
 
 
+def _known_name(kind: str, names: list[str], value: str) -> str:
+    """`value` if it is one of `names`; otherwise an error that suggests the closest one."""
+    if value in names:
+        return value
+    close = difflib.get_close_matches(value, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise PydanticCustomError(
+        "parser_name", f"unknown {kind} parser {value!r}{hint}; valid: {', '.join(names)}"
+    )
+
+
 class ParsersConfig(_Section):
     """Which output parsers turn raw model text into tool calls and reasoning."""
 
     tool_calls: str | None = Field(
-        None, description="Tool-call parser name (e.g. hermes); null disables tool calling."
+        "auto",
+        description="Tool-call parser: auto (the format the chat template teaches), "
+        f"{', '.join(TOOL_PARSERS)}. null turns tool calling off: a request offering tools "
+        "gets 400.",
     )
     reasoning: str | None = Field(
-        None, description="Reasoning parser name; null leaves thinking text in the content."
+        None,
+        description=f"Reasoning parser: {', '.join(REASONING_PARSERS)}; null leaves thinking "
+        "text in the content.",
     )
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_parser_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _known_name("tool-call", TOOL_PARSER_NAMES, value)
+
+    @field_validator("reasoning")
+    @classmethod
+    def _reasoning_parser_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _known_name("reasoning", list(REASONING_PARSERS), value)
 
 
 class SamplingDefaults(_Section):

@@ -25,6 +25,8 @@ TOOL_PARSERS: dict[str, Callable[[], StreamParser]] = {
     "mistral": MistralParser,
 }
 REASONING_PARSERS: dict[str, Callable[[bool], StreamParser]] = {"think": ThinkParser}
+# What `parsers.tool_calls` accepts: a parser, or "auto" (the one the chat template teaches).
+TOOL_PARSER_NAMES = ["auto", *TOOL_PARSERS]
 
 # Llama 3.1-3.3 templates describe calls as `{"name": function name, "parameters": dictionary …}`.
 _LLAMA3_INSTRUCTIONS = re.compile(r'"parameters":\s*dictionary')
@@ -50,7 +52,7 @@ def make_tool_parser(name: str | None, chat_template: str | None = None) -> Stre
     if name is None:
         return None
     if name not in TOOL_PARSERS:
-        valid = ", ".join(["auto", *TOOL_PARSERS])
+        valid = ", ".join(TOOL_PARSER_NAMES)
         raise ValueError(f"unknown tool-call parser {name!r}; valid: {valid}")
     return TOOL_PARSERS[name]()
 
