@@ -157,7 +157,7 @@ def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest)
         # template that cannot render tools (mlxd prompts those in Hermes style).
         if forced or not template_supports_tools(template):
             configured = "hermes"
-        tool = make_tool_parser(configured, template)
+        tool = make_tool_parser(configured, template, request.tools)
     return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning))
 
 

@@ -135,7 +135,7 @@ async def chat_completions() -> Any:
     result = await collect(parts)
     message: dict[str, Any] = {"role": "assistant", "content": result.text or None}
     if result.reasoning:
-        message["reasoning_content"] = result.reasoning
+        message.update(_reasoning(result.reasoning))
     if result.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -157,6 +157,12 @@ async def chat_completions() -> Any:
     }
 
 
+def _reasoning(text: str) -> dict[str, str]:
+    """Reasoning under both names clients read: `reasoning_content` (DeepSeek, vLLM until
+    0.10, most SDK wrappers) and `reasoning` (vLLM since, vllm-mlx, OpenRouter)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 def _finish_reason(finished: Finished, called_tools: bool) -> str:
     return "tool_calls" if called_tools and finished.reason == "stop" else finished.reason
 
@@ -172,7 +178,7 @@ def _chat_choices() -> Callable[[Part], dict[str, Any] | None]:
         if isinstance(part, TextPart):
             delta = {"content": part.text}
         elif isinstance(part, ReasoningPart):
-            delta = {"reasoning_content": part.text}
+            delta = _reasoning(part.text)
         elif isinstance(part, ToolCallStart):
             called = True
             delta = {
