@@ -75,6 +75,14 @@ async def generation_engine(model_id: str) -> tuple[ModelEntry, Engine]:
     return entry, await current_app.daemon.engine(model_id)
 
 
+def template_kwargs(
+    entry: ModelEntry, requested: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The chat template's extra variables: the model's YAML `chat_template_kwargs`, then the
+    request's own (vLLM's field) key by key over them."""
+    return {**entry.config.chat_template_kwargs, **(requested or {})} or None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 

@@ -21,6 +21,7 @@ from mlxd.api.generation import (
     parse_body,
     sampling_params,
     start,
+    template_kwargs,
     usage,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -39,6 +40,7 @@ def _generation_request(
     entry = current_app.daemon.routes.entry(body.model)
     defaults = entry.config.defaults
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    requested_kwargs = getattr(body, "chat_template_kwargs", None)
     generation = GenerationRequest(
         request_id=new_id(""),
         model=entry.name,
@@ -57,6 +59,7 @@ def _generation_request(
             top_logprobs=top_logprobs,
         ),
         stop=body.stop or [],
+        chat_template_kwargs=template_kwargs(entry, requested_kwargs),
         **prompt,
     )
     return body.model, generation

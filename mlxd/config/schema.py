@@ -23,6 +23,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxd.config.units import ByteSize, Duration
 from mlxd.parsers.registry import REASONING_PARSERS, TOOL_PARSER_NAMES, TOOL_PARSERS
+from mlxd.types import RENDER_ARGUMENTS
 
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]*")
 _SOURCE_SCHEMES = ("pkg://", "hf://")
@@ -265,6 +266,11 @@ class ModelConfig(_Section):
     context_length: int | None = Field(
         None, ge=1, description="Override the context length from the model's own config."
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables for the chat template, e.g. {enable_thinking: false} for "
+        "Qwen3-style templates; a request's own chat_template_kwargs override them key by key.",
+    )
     truncate: bool = Field(
         True,
         description="Embedding models: cut inputs longer than the model's maximum length "
@@ -276,6 +282,15 @@ class ModelConfig(_Section):
         description="Embedding models: most inputs in one /v1/embeddings request (OpenAI's "
         "limit is 2048); more is a 400.",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_render_arguments(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if reserved := sorted(RENDER_ARGUMENTS & kwargs.keys()):
+            raise PydanticCustomError(
+                "render_argument", f"may not set {', '.join(reserved)}: mlxd sets it"
+            )
+        return kwargs
 
     @field_validator("aliases")
     @classmethod

@@ -61,6 +61,7 @@ ROUTING_CHANGES: dict[str, Any] = {
     "idle_ttl": 60.0,
     "truncate": False,
     "max_inputs": 16,
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 
 

@@ -81,6 +81,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # vLLM's extension (the openai SDK sends it through `extra_body`).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
