@@ -20,6 +20,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float | None = None
+    # How many of the latest tokens the repetition penalty looks at; None: all generated.
+    repetition_context_size: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None

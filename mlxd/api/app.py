@@ -12,7 +12,18 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, auth, batches, embeddings, observe, openai, openapi, shutdown
+from mlxd.api import (
+    admin,
+    anthropic,
+    auth,
+    batches,
+    embeddings,
+    observe,
+    openai,
+    openapi,
+    rerank,
+    shutdown,
+)
 from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
@@ -40,6 +51,7 @@ def create_app(daemon: Daemon) -> Quart:
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
+    app.register_blueprint(rerank.blueprint)
     app.register_blueprint(admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)

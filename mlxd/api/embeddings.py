@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from quart import Blueprint, current_app
 
-from mlxd.api.generation import parse_body
+from mlxd.api.generation import parse_body, refuse_unhonoured
 from mlxd.api.protocol.openai import EmbeddingRequest
 from mlxd.errors import InvalidRequest
 
@@ -18,6 +18,7 @@ blueprint = Blueprint("embeddings", __name__)
 @blueprint.post("/v1/embeddings")
 async def embeddings() -> Any:
     body = await parse_body(EmbeddingRequest)
+    refuse_unhonoured(body)
     entry = current_app.daemon.routes.entry(body.model)
     if entry.config.kind != "embedding":
         raise InvalidRequest(

@@ -83,6 +83,24 @@ def template_kwargs(
     return {**entry.config.chat_template_kwargs, **(requested or {})} or None
 
 
+# swift-mlx-server's per-request fields that mlxd cannot honour per request, and why. A
+# request setting one gets a 400 naming it rather than an answer that silently ignored it.
+UNHONOURED_FIELDS = {
+    "kv_bits": "KV-cache quantization is set per model (cache.kv_bits in the YAML)",
+    "kv_group_size": "KV-cache quantization is set per model (cache.kv_group_size in the YAML)",
+    "kv_quantization_start": "KV-cache quantization is set per model and starts at once",
+    "resize": "images are sized by the model's own processor; resize them before sending",
+    "batch_size": "mlxd forms embedding batches itself across requests",
+}
+
+
+def refuse_unhonoured(body: BaseModel) -> None:
+    """400 for the first field of UNHONOURED_FIELDS that `body` sets."""
+    for name, why in UNHONOURED_FIELDS.items():
+        if getattr(body, name, None) is not None:
+            raise InvalidRequest(f"{name} is not supported: {why}", param=name)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
@@ -96,6 +114,7 @@ def sampling_params(
     min_p: float | None = None,
     seed: int | None = None,
     repetition_penalty: float | None = None,
+    repetition_context_size: int | None = None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
@@ -113,6 +132,7 @@ def sampling_params(
         min_p=pick(min_p, defaults.min_p),
         seed=seed,
         repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty),
+        repetition_context_size=repetition_context_size,
         presence_penalty=pick(presence_penalty, defaults.presence_penalty),
         frequency_penalty=pick(frequency_penalty, defaults.frequency_penalty),
         logit_bias=logit_bias,

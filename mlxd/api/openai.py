@@ -19,6 +19,7 @@ from mlxd.api.generation import (
     generation_engine,
     new_id,
     parse_body,
+    refuse_unhonoured,
     sampling_params,
     start,
     template_kwargs,
@@ -37,6 +38,7 @@ def _generation_request(
     body: SamplingFields, top_logprobs: int | None, **prompt: Any
 ) -> tuple[str, GenerationRequest]:
     """Route `body.model` and build the internal request; returns (model id, request)."""
+    refuse_unhonoured(body)
     entry = current_app.daemon.routes.entry(body.model)
     defaults = entry.config.defaults
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -53,6 +55,7 @@ def _generation_request(
             min_p=body.min_p,
             seed=body.seed,
             repetition_penalty=body.repetition_penalty,
+            repetition_context_size=body.repetition_context_size,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logit_bias=body.logit_bias,

@@ -23,6 +23,7 @@ from mlxd.api.protocol.openai import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from mlxd.api.protocol.rerank import RerankRequest
 
 blueprint = Blueprint("openapi", __name__)
 
@@ -42,6 +43,9 @@ ROUTES = (
     Route("post", "/v1/chat/completions", "Chat completion", "openai", ChatCompletionRequest, True),
     Route("post", "/v1/completions", "Text completion", "openai", CompletionRequest, True),
     Route("post", "/v1/embeddings", "Embeddings", "openai", EmbeddingRequest),
+    Route("post", "/v1/rerank", "Rerank documents (Cohere/Jina shape)", "openai", RerankRequest),
+    Route("post", "/v2/rerank", "Rerank documents (Cohere v2 path)", "openai", RerankRequest),
+    Route("post", "/rerank", "Rerank documents (Jina/vLLM path)", "openai", RerankRequest),
     Route("get", "/v1/models", "List model ids (names and aliases)", "openai"),
     Route("get", "/v1/models/{model_id}", "One model id", "openai"),
     Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),

