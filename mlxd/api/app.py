@@ -21,6 +21,7 @@ from mlxd.api import (
     observe,
     openai,
     openapi,
+    ratelimit,
     rerank,
     shutdown,
 )
@@ -56,6 +57,7 @@ def create_app(daemon: Daemon) -> Quart:
     app.register_blueprint(openapi.blueprint)
     app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)
     observe.install(app, metrics)
+    ratelimit.install(app)  # after auth and observe: it needs the caller and the record
 
     @app.errorhandler(MlxdError)
     async def mlxd_error(error: MlxdError) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from quart import Blueprint, current_app
 
+from mlxd.api import observe
 from mlxd.api.generation import parse_body, refuse_unhonoured
 from mlxd.api.protocol.openai import EmbeddingRequest
 from mlxd.errors import InvalidRequest
@@ -35,6 +36,7 @@ async def embeddings() -> Any:
         )
     engine = await current_app.daemon.engine(body.model)
     result = await engine.embed(inputs, truncate=entry.config.truncate, dimensions=body.dimensions)
+    observe.count_prompt_tokens(result.prompt_tokens)
     encode = _base64 if body.encoding_format == "base64" else np.ndarray.tolist
     return {
         "object": "list",

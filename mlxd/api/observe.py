@@ -13,7 +13,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,8 @@ class RequestRecord:
     closed: bool = False
     # Held here, not looked up at close: a stream ends outside the app context.
     metrics: Metrics | None = None
+    # Called once when the record closes, token counts known (rate limits charge tokens).
+    on_close: list[Callable[[RequestRecord], None]] = field(default_factory=list)
 
 
 def _current() -> RequestRecord | None:
@@ -107,6 +109,14 @@ def install(app: Quart, metrics: Metrics) -> None:
         return response
 
 
+def count_prompt_tokens(prompt_tokens: int) -> None:
+    """Tokens of a request that generates nothing (embeddings, rerank), for its log line,
+    and for rate limits."""
+    record = _current()
+    if record is not None:
+        record.prompt_tokens = prompt_tokens
+
+
 def observed(model: str, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """`events` of a generation by `model`, recording TTFT, token counts and the outcome into
     the request's record. Outside an HTTP request (message batches run in the background) a
@@ -151,6 +161,8 @@ def close(record: RequestRecord) -> None:
     if record.closed:
         return
     record.closed = True
+    for hook in record.on_close:
+        hook(record)
     duration = time.perf_counter() - record.started
     if record.metrics is not None:
         record.metrics.observe(record, duration)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from quart import Blueprint, current_app
 
+from mlxd.api import observe
 from mlxd.api.generation import new_id, parse_body
 from mlxd.api.protocol.rerank import RerankRequest
 from mlxd.errors import InvalidRequest
@@ -40,6 +41,7 @@ async def rerank() -> Any:
         )
     engine = await current_app.daemon.engine(body.model)
     result = await engine.embed([body.query, *documents], truncate=entry.config.truncate)
+    observe.count_prompt_tokens(result.prompt_tokens)
     scores = cosine(result.vectors[0], result.vectors[1:])
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n]
     results = []

@@ -57,6 +57,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RateLimitConfig(_Section):
+    """Per client (API key, or address when the daemon is open), over a sliding minute."""
+
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests admitted per minute; null: no request limit."
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt + completion tokens per minute, charged when a request finishes; "
+        "null: no token limit.",
+    )
+
+
 class ServerConfig(_Section):
     """Process-wide settings: where to listen, who may call, where to keep files."""
 
@@ -108,6 +122,11 @@ class ServerConfig(_Section):
     )
     media_fetch_timeout: Duration = Field(
         10.0, description="Longest the daemon spends fetching one remote image."
+    )
+    rate_limit: RateLimitConfig | None = Field(
+        None,
+        description="Each client's requests to all models together (429 with Retry-After "
+        "beyond it); null: unlimited.",
     )
 
     @field_validator("cache_dir")
@@ -265,6 +284,11 @@ class ModelConfig(_Section):
     )
     context_length: int | None = Field(
         None, ge=1, description="Override the context length from the model's own config."
+    )
+    rate_limit: RateLimitConfig | None = Field(
+        None,
+        description="Each client's requests to this model (on top of server.rate_limit); "
+        "null: unlimited.",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -62,6 +62,7 @@ ROUTING_CHANGES: dict[str, Any] = {
     "truncate": False,
     "max_inputs": 16,
     "chat_template_kwargs": {"enable_thinking": False},
+    "rate_limit": {"requests_per_minute": 5},
 }
 
 
