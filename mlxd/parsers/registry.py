@@ -11,6 +11,7 @@ from functools import partial
 from types import SimpleNamespace
 
 from mlxd.parsers.base import OutputPart, StreamParser, TextPart
+from mlxd.parsers.harmony import HarmonyParser
 from mlxd.parsers.hermes import HermesParser
 from mlxd.parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
 from mlxd.parsers.mistral import MARKER as MISTRAL_MARKER
@@ -36,6 +37,7 @@ REASONING_PARSERS: dict[str, Callable[[bool], StreamParser]] = {
     "think": ThinkParser,
     "qwen3": ThinkParser,
     "deepseek_r1": lambda starts_inside: ThinkParser(starts_inside=True),
+    "gpt_oss": HarmonyParser,  # Harmony channels, not think tags
 }
 # What `parsers.tool_calls` accepts: a parser, or "auto" (the one the chat template teaches).
 TOOL_PARSER_NAMES = ["auto", *TOOL_PARSERS]

@@ -131,3 +131,32 @@ def test_deepseek_r1_reads_a_block_its_prompt_opened() -> None:
     text = "Paris is in France.</think>The capital is Paris."
     expected = [("reasoning", "Paris is in France."), ("text", "The capital is Paris.")]
     assert_any_split(lambda: make_reasoning_parser("deepseek_r1"), text, expected)
+
+
+HARMONY = (
+    "<|channel|>analysis<|message|>The user asks for the capital. It is Paris.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>The capital of France is Paris.<|return|>"
+)
+
+
+def test_gpt_oss_channels_become_reasoning_and_text() -> None:
+    expected = [
+        ("reasoning", "The user asks for the capital. It is Paris."),
+        ("text", "The capital of France is Paris."),
+    ]
+    assert_any_split(lambda: make_reasoning_parser("gpt_oss"), HARMONY, expected)
+
+
+def test_gpt_oss_without_channels_is_text() -> None:
+    assert_any_split(
+        lambda: make_reasoning_parser("gpt_oss"), "Just text.", [("text", "Just text.")]
+    )
+
+
+def test_gpt_oss_commentary_preamble_is_text() -> None:
+    text = (
+        "<|channel|>commentary<|message|>Let me look that up.<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Think.<|end|>"
+    )
+    expected = [("text", "Let me look that up."), ("reasoning", "Think.")]
+    assert_any_split(lambda: make_reasoning_parser("gpt_oss"), text, expected)
