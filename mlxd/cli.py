@@ -12,6 +12,7 @@ from typing import Any
 
 from mlxd import accel
 from mlxd.errors import ConfigError
+from mlxd.process_exit import exit_process
 
 COMMANDS = ("serve", "check", "ps", "reload", "load", "unload", "bench")
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -249,5 +250,10 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(registry.models))
     log.info("listening on http://%s:%d", host, port)
     log_access(registry, host)
-    asyncio.run(serve(create_app(Daemon(registry, Path(path))), host, port))
-    return 0
+    try:
+        asyncio.run(serve(create_app(Daemon(registry, Path(path))), host, port))
+    except Exception:  # e.g. the port is taken: same exit path, so no native abort either
+        log.exception("mlxd stopped on an error")
+        exit_process(1)
+    log.info("stopped")
+    exit_process(0)  # not `return 0`: see mlxd/process_exit.py for why finalization must not run

@@ -22,6 +22,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float | None = None
+    # How many of the latest tokens the repetition penalty looks at; None: all generated.
+    repetition_context_size: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
@@ -49,6 +51,32 @@ class GenerationRequest:
     response_format: dict[str, Any] | None = None
     # Lower runs after higher: interactive requests 0, message batches -1.
     priority: int = 0
+    # Extra variables for the chat template (e.g. {"enable_thinking": False}): the model's
+    # YAML `chat_template_kwargs` overlaid with the request's.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# Arguments of `apply_chat_template` itself: chat_template_kwargs may not set them (they
+# would change how mlxd renders, not what the template sees).
+RENDER_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 @dataclass(frozen=True)

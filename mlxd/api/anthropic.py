@@ -24,6 +24,7 @@ from mlxd.api.generation import (
     parse_body,
     sampling_params,
     start,
+    template_kwargs,
 )
 from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest, prompt_fields
 from mlxd.errors import MlxdError
@@ -48,6 +49,7 @@ def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> 
         ),
         stop=body.stop_sequences or [],
         priority=priority,
+        chat_template_kwargs=template_kwargs(entry),
         **prompt_fields(body),
     )
 
@@ -81,7 +83,11 @@ async def count_tokens() -> Any:
     body = await parse_body(CountTokensRequest)
     entry, engine = await generation_engine(body.model)
     generation = GenerationRequest(
-        request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
+        request_id=new_id(""),
+        model=entry.name,
+        max_tokens=1,
+        chat_template_kwargs=template_kwargs(entry),
+        **prompt_fields(body),
     )
     return {"input_tokens": await engine.count_prompt_tokens(generation)}
 

@@ -23,6 +23,8 @@ from mlxd.api import (
     ollama,
     openai,
     openapi,
+    ratelimit,
+    rerank,
     responses,
     shutdown,
 )
@@ -55,12 +57,14 @@ def create_app(daemon: Daemon) -> Quart:
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
     app.register_blueprint(ollama.blueprint)
+    app.register_blueprint(rerank.blueprint)
     app.register_blueprint(admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     app.register_blueprint(dashboard.blueprint)
     app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)
     observe.install(app, metrics)
     dashboard.install(app, metrics)
+    ratelimit.install(app)  # after auth and observe: it needs the caller and the record
 
     @app.errorhandler(MlxdError)
     async def mlxd_error(error: MlxdError) -> Any:

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 from quart import Blueprint, current_app
 
-from mlxd.api.generation import parse_body
+from mlxd.api import observe
+from mlxd.api.generation import parse_body, refuse_unhonoured
 from mlxd.api.protocol.openai import EmbeddingRequest
 from mlxd.errors import InvalidRequest
 
@@ -19,6 +20,7 @@ blueprint = Blueprint("embeddings", __name__)
 @blueprint.post("/v1/embeddings")
 async def embeddings() -> Any:
     body = await parse_body(EmbeddingRequest)
+    refuse_unhonoured(body)
     result, _ = await embed_texts(body.model, body.inputs(), dimensions=body.dimensions)
     encode = _base64 if body.encoding_format == "base64" else np.ndarray.tolist
     return {
@@ -59,7 +61,9 @@ async def embed_texts(
     engine = await current_app.daemon.engine(model_id)
     loaded = time.monotonic_ns()
     truncate = entry.config.truncate if truncate is None else truncate
-    return await engine.embed(inputs, truncate=truncate, dimensions=dimensions), loaded
+    result = await engine.embed(inputs, truncate=truncate, dimensions=dimensions)
+    observe.count_prompt_tokens(result.prompt_tokens)
+    return result, loaded
 
 
 def _base64(vector: np.ndarray) -> str:

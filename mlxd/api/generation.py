@@ -75,6 +75,32 @@ async def generation_engine(model_id: str) -> tuple[ModelEntry, Engine]:
     return entry, await current_app.daemon.engine(model_id)
 
 
+def template_kwargs(
+    entry: ModelEntry, requested: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The chat template's extra variables: the model's YAML `chat_template_kwargs`, then the
+    request's own (vLLM's field) key by key over them."""
+    return {**entry.config.chat_template_kwargs, **(requested or {})} or None
+
+
+# swift-mlx-server's per-request fields that mlxd cannot honour per request, and why. A
+# request setting one gets a 400 naming it rather than an answer that silently ignored it.
+UNHONOURED_FIELDS = {
+    "kv_bits": "KV-cache quantization is set per model (cache.kv_bits in the YAML)",
+    "kv_group_size": "KV-cache quantization is set per model (cache.kv_group_size in the YAML)",
+    "kv_quantization_start": "KV-cache quantization is set per model and starts at once",
+    "resize": "images are sized by the model's own processor; resize them before sending",
+    "batch_size": "mlxd forms embedding batches itself across requests",
+}
+
+
+def refuse_unhonoured(body: BaseModel) -> None:
+    """400 for the first field of UNHONOURED_FIELDS that `body` sets."""
+    for name, why in UNHONOURED_FIELDS.items():
+        if getattr(body, name, None) is not None:
+            raise InvalidRequest(f"{name} is not supported: {why}", param=name)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
@@ -88,6 +114,7 @@ def sampling_params(
     min_p: float | None = None,
     seed: int | None = None,
     repetition_penalty: float | None = None,
+    repetition_context_size: int | None = None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
@@ -105,6 +132,7 @@ def sampling_params(
         min_p=pick(min_p, defaults.min_p),
         seed=seed,
         repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty),
+        repetition_context_size=repetition_context_size,
         presence_penalty=pick(presence_penalty, defaults.presence_penalty),
         frequency_penalty=pick(frequency_penalty, defaults.frequency_penalty),
         logit_bias=logit_bias,
@@ -170,6 +198,16 @@ class Completion:
     finished: Finished | None = None
 
 
+def refuse_tools_when_off(entry: ModelEntry, request: GenerationRequest) -> None:
+    """Off means off: answering as if the tools were not there would silently drop them."""
+    if request.tools and entry.config.parsers.tool_calls is None:
+        raise InvalidRequest(
+            f"model '{entry.name}' has tool calling turned off (parsers.tool_calls: null); "
+            "send the request without tools",
+            param="tools",
+        )
+
+
 def output_parser(
     entry: ModelEntry, engine: Engine, request: GenerationRequest, admission: Admission
 ) -> StreamParser:
@@ -177,28 +215,35 @@ def output_parser(
     reasoning, per the model's `parsers` settings (routing-level: they apply without reload)
     and what preparing the request found (`admission`)."""
     tool = None
+    configured = entry.config.parsers.tool_calls
     if request.tools:
-        name = "hermes" if admission.hermes_tools else entry.config.parsers.tool_calls or "auto"
-        tool = make_tool_parser(name, getattr(engine, "chat_template", None))
+        name = "hermes" if admission.hermes_tools else configured or "auto"
+        tool = make_tool_parser(name, getattr(engine, "chat_template", None), request.tools)
     reasoning = make_reasoning_parser(entry.config.parsers.reasoning, admission.reasoning_open)
     return compose(tool, reasoning)
 
 
 async def parsed_events(
-    parser: StreamParser, events: AsyncIterator[Event]
+    parser: StreamParser, events: AsyncGenerator[Event, None]
 ) -> AsyncGenerator[Part, None]:
-    """The engine's text events read by `parser`; failures raise (see `raise_if_failed`)."""
-    async for event in events:
-        if isinstance(event, Delta):
-            for part in parser.feed(event.text):
-                yield part
-            if event.logprobs:
-                yield Logprobs(event.logprobs)
-        else:
-            for part in parser.finish():
-                yield part
-            raise_if_failed(event)
-            yield event
+    """The engine's text events read by `parser`; failures raise (see `raise_if_failed`).
+    However this ends (a parser error, the caller going away), the engine's stream is
+    closed here and then, not whenever the garbage collector gets to it: closing it is what
+    cancels an unfinished sequence."""
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                for part in parser.feed(event.text):
+                    yield part
+                if event.logprobs:
+                    yield Logprobs(event.logprobs)
+            else:
+                for part in parser.finish():
+                    yield part
+                raise_if_failed(event)
+                yield event
+    finally:
+        await events.aclose()
 
 
 class Parts:
@@ -228,6 +273,8 @@ async def start(
     by design and is not."""
     timeout = current_app.daemon.registry.server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
+    # What can refuse the request without the engine runs before it holds a slot there.
+    refuse_tools_when_off(entry, request)
     stream = await engine.submit(request)
     try:
         parser = (
@@ -235,18 +282,18 @@ async def start(
             if parse
             else compose(None, None)
         )
+        events: AsyncGenerator[Event, None] = observe.observed(entry.name, stream)
+        if request.priority >= 0:
+            events = _until(deadline, timeout, events)
+        return Parts(stream.admission, parsed_events(parser, events))
     except BaseException:
         await stream.aclose()  # submitted: cancel it, or it would run to max_tokens
         raise
-    events: AsyncIterator[Event] = observe.observed(entry.name, stream)
-    if request.priority >= 0:
-        events = _until(deadline, timeout, events)
-    return Parts(stream.admission, parsed_events(parser, events))
 
 
 async def _until(
-    deadline: float, timeout: float, events: AsyncIterator[Event]
-) -> AsyncIterator[Event]:
+    deadline: float, timeout: float, events: AsyncGenerator[Event, None]
+) -> AsyncGenerator[Event, None]:
     """`events` until `deadline`; then the sequence is cancelled (its slot freed) and the
     request fails with 408 (an error event once a stream has started)."""
     loop = asyncio.get_running_loop()

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,8 @@ class RequestRecord:
     closed: bool = False
     # Held here, not looked up at close: a stream ends outside the app context.
     metrics: Metrics | None = None
+    # Called once when the record closes, token counts known (rate limits charge tokens).
+    on_close: list[Callable[[RequestRecord], None]] = field(default_factory=list)
 
 
 def _current() -> RequestRecord | None:
@@ -117,7 +119,15 @@ def install(app: Quart, metrics: Metrics) -> None:
         return response
 
 
-def observed(model: str, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+def count_prompt_tokens(prompt_tokens: int) -> None:
+    """Tokens of a request that generates nothing (embeddings, rerank), for its log line,
+    and for rate limits."""
+    record = _current()
+    if record is not None:
+        record.prompt_tokens = prompt_tokens
+
+
+def observed(model: str, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
     """`events` of a generation by `model`, recording TTFT, token counts and the outcome into
     the request's record. Outside an HTTP request (message batches run in the background) a
     record of their own is kept."""
@@ -130,7 +140,9 @@ def observed(model: str, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     return _observe(record, events)
 
 
-async def _observe(record: RequestRecord, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def _observe(
+    record: RequestRecord, events: AsyncIterator[Event]
+) -> AsyncGenerator[Event, None]:
     first_token: float | None = None
     try:
         async for event in events:
@@ -161,6 +173,8 @@ def close(record: RequestRecord) -> None:
     if record.closed:
         return
     record.closed = True
+    for hook in record.on_close:
+        hook(record)
     duration = time.perf_counter() - record.started
     if record.metrics is not None:
         record.metrics.observe(record, duration)

@@ -20,7 +20,9 @@ from mlxd.api.generation import (
     generation_engine,
     new_id,
     parse_body,
+    refuse_unhonoured,
     sampling_params,
+    template_kwargs,
     tool_choice,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -37,9 +39,11 @@ def _generation_request(
     body: SamplingFields, top_logprobs: int | None, **prompt: Any
 ) -> tuple[str, GenerationRequest]:
     """Route `body.model` and build the internal request; returns (model id, request)."""
+    refuse_unhonoured(body)
     entry = current_app.daemon.routes.entry(body.model)
     defaults = entry.config.defaults
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    requested_kwargs = getattr(body, "chat_template_kwargs", None)
     generation = GenerationRequest(
         request_id=new_id(""),
         model=entry.name,
@@ -52,12 +56,14 @@ def _generation_request(
             min_p=body.min_p,
             seed=body.seed,
             repetition_penalty=body.repetition_penalty,
+            repetition_context_size=body.repetition_context_size,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logit_bias=body.logit_bias,
             top_logprobs=top_logprobs,
         ),
         stop=body.stop or [],
+        chat_template_kwargs=template_kwargs(entry, requested_kwargs),
         **prompt,
     )
     return body.model, generation
@@ -137,7 +143,7 @@ async def chat_completions() -> Any:
 def _chat_choice(index: int, result: Completion, top: int | None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": result.text or None}
     if result.reasoning:
-        message["reasoning_content"] = result.reasoning
+        message.update(_reasoning(result.reasoning))
     if result.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -151,6 +157,12 @@ def _chat_choice(index: int, result: Completion, top: int | None) -> dict[str, A
         "logprobs": _chat_logprobs(result.logprobs) if top is not None else None,
         "finish_reason": _finish_reason(result.finished, bool(result.tool_calls)),
     }
+
+
+def _reasoning(text: str) -> dict[str, str]:
+    """Reasoning under both names clients read: `reasoning_content` (DeepSeek, vLLM until
+    0.10, most SDK wrappers) and `reasoning` (vLLM since, vllm-mlx, OpenRouter)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def _finish_reason(finished: Finished, called_tools: bool) -> str:
@@ -168,7 +180,7 @@ def _chat_choices() -> Callable[[Part], dict[str, Any] | None]:
         if isinstance(part, TextPart):
             delta = {"content": part.text}
         elif isinstance(part, ReasoningPart):
-            delta = {"reasoning_content": part.text}
+            delta = _reasoning(part.text)
         elif isinstance(part, ToolCallStart):
             called = True
             delta = {

@@ -30,6 +30,7 @@ from mlxd.api.protocol.openai import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from mlxd.api.protocol.rerank import RerankRequest
 from mlxd.api.protocol.responses import ResponseCreateRequest
 
 blueprint = Blueprint("openapi", __name__)
@@ -56,6 +57,9 @@ ROUTES = (
     Route("delete", "/v1/responses/{response_id}", "Delete a stored response", "openai"),
     Route("get", "/v1/responses/{response_id}/input_items", "A stored response's input items",
           "openai"),
+    Route("post", "/v1/rerank", "Rerank documents (Cohere/Jina shape)", "openai", RerankRequest),
+    Route("post", "/v2/rerank", "Rerank documents (Cohere v2 path)", "openai", RerankRequest),
+    Route("post", "/rerank", "Rerank documents (Jina/vLLM path)", "openai", RerankRequest),
     Route("get", "/v1/models", "List model ids (names and aliases)", "openai"),
     Route("get", "/v1/models/{model_id}", "One model id", "openai"),
     Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),

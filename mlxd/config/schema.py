@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,8 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxd.config.units import ByteSize, Duration
+from mlxd.parsers.registry import REASONING_PARSERS, TOOL_PARSER_NAMES, TOOL_PARSERS
+from mlxd.types import RENDER_ARGUMENTS
 
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]*")
 _SOURCE_SCHEMES = ("pkg://", "hf://")
@@ -52,6 +55,20 @@ class _Section(BaseModel):
     """Every section rejects unknown keys (typos must not pass silently) and is immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RateLimitConfig(_Section):
+    """Per client (API key, or address when the daemon is open), over a sliding minute."""
+
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests admitted per minute; null: no request limit."
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt + completion tokens per minute, charged when a request finishes; "
+        "null: no token limit.",
+    )
 
 
 class ServerConfig(_Section):
@@ -130,6 +147,11 @@ class ServerConfig(_Section):
         description="Serve the web dashboard at `/` (its data needs a server key when keys are "
         "set); false makes `/` a 404.",
     )
+    rate_limit: RateLimitConfig | None = Field(
+        None,
+        description="Each client's requests to all models together (429 with Retry-After "
+        "beyond it); null: unlimited.",
+    )
 
     @field_validator("cache_dir")
     @classmethod
@@ -187,15 +209,41 @@ class CacheConfig(_Section):
     )
 
 
+def _known_name(kind: str, names: list[str], value: str) -> str:
+    """`value` if it is one of `names`; otherwise an error that suggests the closest one."""
+    if value in names:
+        return value
+    close = difflib.get_close_matches(value, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise PydanticCustomError(
+        "parser_name", f"unknown {kind} parser {value!r}{hint}; valid: {', '.join(names)}"
+    )
+
+
 class ParsersConfig(_Section):
     """Which output parsers turn raw model text into tool calls and reasoning."""
 
     tool_calls: str | None = Field(
-        None, description="Tool-call parser name (e.g. hermes); null disables tool calling."
+        "auto",
+        description="Tool-call parser: auto (the format the chat template teaches), "
+        f"{', '.join(TOOL_PARSERS)}. null turns tool calling off: a request offering tools "
+        "gets 400.",
     )
     reasoning: str | None = Field(
-        None, description="Reasoning parser name; null leaves thinking text in the content."
+        None,
+        description=f"Reasoning parser: {', '.join(REASONING_PARSERS)}; null leaves thinking "
+        "text in the content.",
     )
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_parser_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _known_name("tool-call", TOOL_PARSER_NAMES, value)
+
+    @field_validator("reasoning")
+    @classmethod
+    def _reasoning_parser_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _known_name("reasoning", list(REASONING_PARSERS), value)
 
 
 class SamplingDefaults(_Section):
@@ -261,6 +309,16 @@ class ModelConfig(_Section):
     context_length: int | None = Field(
         None, ge=1, description="Override the context length from the model's own config."
     )
+    rate_limit: RateLimitConfig | None = Field(
+        None,
+        description="Each client's requests to this model (on top of server.rate_limit); "
+        "null: unlimited.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables for the chat template, e.g. {enable_thinking: false} for "
+        "Qwen3-style templates; a request's own chat_template_kwargs override them key by key.",
+    )
     truncate: bool = Field(
         True,
         description="Embedding models: cut inputs longer than the model's maximum length "
@@ -272,6 +330,15 @@ class ModelConfig(_Section):
         description="Embedding models: most inputs in one /v1/embeddings request (OpenAI's "
         "limit is 2048); more is a 400.",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_render_arguments(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if reserved := sorted(RENDER_ARGUMENTS & kwargs.keys()):
+            raise PydanticCustomError(
+                "render_argument", f"may not set {', '.join(reserved)}: mlxd sets it"
+            )
+        return kwargs
 
     @field_validator("aliases")
     @classmethod

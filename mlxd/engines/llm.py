@@ -212,7 +212,13 @@ class LLMEngine:
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
         if request.messages is not None:
-            ids = render_chat(self.tokenizer, request.messages, request.tools, self.name)
+            ids = render_chat(
+                self.tokenizer,
+                request.messages,
+                request.tools,
+                self.name,
+                template_kwargs=request.chat_template_kwargs,
+            )
         elif isinstance(request.prompt, str):
             ids = self.tokenizer.encode(request.prompt)
         else:

@@ -13,6 +13,7 @@ from typing import Any
 
 from mlxd.errors import InvalidRequest
 from mlxd.media import IMAGE_TYPES
+from mlxd.types import RENDER_ARGUMENTS
 
 HERMES_SYSTEM = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -36,9 +37,19 @@ def render_chat(
     *,
     images: bool = False,
     tokenize: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """Prompt token ids (or text, `tokenize=False`). With `images` (vision models), image parts
-    stay in the content as `{"type": "image"}` for the template to mark their place."""
+    stay in the content as `{"type": "image"}` for the template to mark their place.
+    `template_kwargs` become template variables (chat_template_kwargs). The prefix cache keys
+    on the token ids this returns, so a render that differs by its kwargs is another cache
+    key by construction: nothing to add to the key."""
+    template_kwargs = template_kwargs or {}
+    if reserved := sorted(RENDER_ARGUMENTS & template_kwargs.keys()):
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: mlxd sets it",
+            param="chat_template_kwargs",
+        )
     messages = [_with_images(m) if images else _flatten(m, model) for m in messages]
     if not tokenizer.has_chat_template:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -50,7 +61,11 @@ def render_chat(
         messages, tools = _hermes_messages(messages, tools or []), None
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=tokenize
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=tokenize,
+            **template_kwargs,
         )
     except Exception as exc:  # jinja raises for shapes the template rejects
         raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc

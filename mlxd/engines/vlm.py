@@ -165,7 +165,13 @@ class VLMEngine(LLMEngine):
 
         images = load_images(request.messages, MediaPolicy.from_server(self._server()))
         text = render_chat(
-            self.tokenizer, request.messages, request.tools, self.name, images=True, tokenize=False
+            self.tokenizer,
+            request.messages,
+            request.tools,
+            self.name,
+            images=True,
+            tokenize=False,
+            template_kwargs=request.chat_template_kwargs,
         )
         return dict(prepare_inputs(self.processor, images=images, prompts=[text]))
 

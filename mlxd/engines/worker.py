@@ -21,7 +21,6 @@ import inspect
 import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from mlxd.engines.factory import load_engine, locate
 from mlxd.engines.wire import read_message, write_message
 from mlxd.errors import MlxdError
 from mlxd.logs import setup_logging
+from mlxd.process_exit import exit_process
 from mlxd.scheduler.faults import faults_from_env
 from mlxd.settings import Settings
 from mlxd.types import Event
@@ -171,7 +171,7 @@ class EngineHost:
         with contextlib.suppress(ConnectionError):
             await self.writer.drain()
         log.critical("model '%s': %s; worker exits", self.engine.name, self.engine.failure)
-        _exit(EXIT_ENGINE_DIED)
+        exit_process(EXIT_ENGINE_DIED)
 
 
 @dataclass
@@ -243,15 +243,6 @@ def _restore_priority(nice: int) -> None:
         pass  # a thread that ended meanwhile
 
 
-def _exit(status: int) -> None:
-    """Leave without running interpreter teardown: native threads (MLX, BLAS) still parked in
-    C++ would otherwise race static destructors and abort the process on the way out."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m mlxd.engines.worker",
@@ -268,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             await writer.drain()
         return status
 
-    _exit(asyncio.run(run()))
+    exit_process(asyncio.run(run()))  # see mlxd/process_exit.py: no interpreter teardown
 
 
 if __name__ == "__main__":

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
 
 from mlxd.parsers.base import OutputPart, StreamParser, TextPart
+from mlxd.parsers.harmony import HarmonyParser
 from mlxd.parsers.hermes import HermesParser
 from mlxd.parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
 from mlxd.parsers.mistral import MARKER as MISTRAL_MARKER
 from mlxd.parsers.mistral import MistralParser
+from mlxd.parsers.mlx_lm_formats import MLX_LM_FORMATS, MlxLmToolParser
 from mlxd.parsers.qwen3_coder import FUNCTION, Qwen3CoderParser
 from mlxd.parsers.qwen3_coder import OPEN as TOOL_CALL
 from mlxd.parsers.reasoning import ThinkParser
@@ -23,16 +27,37 @@ TOOL_PARSERS: dict[str, Callable[[], StreamParser]] = {
     "qwen3_coder": Qwen3CoderParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
+    **{name: partial(MlxLmToolParser, name) for name in MLX_LM_FORMATS},
 }
-REASONING_PARSERS: dict[str, Callable[[bool], StreamParser]] = {"think": ThinkParser}
+# Reasoning parser names users know from vLLM / mlx-lm, all `<think>…</think>`. `starts_inside`
+# (the prompt opened the block) comes from the caller; deepseek_r1 assumes it, as vLLM's R1
+# parser does: R1 templates open the block themselves and the model only closes it (a
+# `<think>` the model writes anyway is dropped).
+REASONING_PARSERS: dict[str, Callable[[bool], StreamParser]] = {
+    "think": ThinkParser,
+    "qwen3": ThinkParser,
+    "deepseek_r1": lambda starts_inside: ThinkParser(starts_inside=True),
+    "gpt_oss": HarmonyParser,  # Harmony channels, not think tags
+}
+# What `parsers.tool_calls` accepts: a parser, or "auto" (the one the chat template teaches).
+TOOL_PARSER_NAMES = ["auto", *TOOL_PARSERS]
 
 # Llama 3.1-3.3 templates describe calls as `{"name": function name, "parameters": dictionary …}`.
 _LLAMA3_INSTRUCTIONS = re.compile(r'"parameters":\s*dictionary')
+# mlx-lm's names for the formats mlxd parses with its own parsers.
+_OURS = {"json_tools": "hermes", "qwen3_coder": "qwen3_coder", "mistral": "mistral"}
 
 
 def detect_tool_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches its model, if any."""
+    """The tool-call format a chat template teaches its model, if any: mlx-lm's inference
+    first (it tells apart the formats that share `<tool_call>`: glm47, qwen3_coder, hermes),
+    then mlxd's own checks."""
     template = chat_template or ""
+    inferred = _infer_with_mlx_lm(template)
+    if inferred in _OURS:
+        return _OURS[inferred]
+    if inferred in MLX_LM_FORMATS:
+        return inferred
     if TOOL_CALL in template:
         return "qwen3_coder" if FUNCTION in template else "hermes"
     if MISTRAL_MARKER in template:
@@ -42,16 +67,32 @@ def detect_tool_format(chat_template: str | None) -> str | None:
     return None
 
 
-def make_tool_parser(name: str | None, chat_template: str | None = None) -> StreamParser | None:
+def _infer_with_mlx_lm(template: str) -> str | None:
+    """mlx-lm's template-based format inference (`tokenizer_utils._infer_tool_parser`: not a
+    public API, so any failure just means "no opinion")."""
+    try:
+        from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+        return _infer_tool_parser(SimpleNamespace(chat_template=template, get_vocab=dict))
+    except Exception:
+        return None
+
+
+def make_tool_parser(
+    name: str | None, chat_template: str | None = None, tools: list[dict] | None = None
+) -> StreamParser | None:
     """A fresh tool-call parser; "auto" picks it from the chat template (None if it shows no
-    known format). Raises ValueError for an unknown name."""
+    known format). `tools` (the request's) helps the mlx-lm formats that type arguments by
+    schema. Raises ValueError for an unknown name."""
     if name == "auto":
         name = detect_tool_format(chat_template)
     if name is None:
         return None
     if name not in TOOL_PARSERS:
-        valid = ", ".join(["auto", *TOOL_PARSERS])
+        valid = ", ".join(TOOL_PARSER_NAMES)
         raise ValueError(f"unknown tool-call parser {name!r}; valid: {valid}")
+    if name in MLX_LM_FORMATS:
+        return MlxLmToolParser(name, tools)
     return TOOL_PARSERS[name]()
 
 

@@ -29,6 +29,9 @@ ROUTING_FIELDS = (
     # Embedding requests read these from the route entry: no new engine needed.
     "truncate",
     "max_inputs",
+    # Merged into each request at the API edge (api/generation.py `template_kwargs`).
+    "chat_template_kwargs",
+    "rate_limit",  # read from the route entry per request (api/ratelimit.py)
 )
 # Cache settings a loaded engine can take in place; the others change what a block holds.
 CACHE_BUDGET_FIELDS = ("ram", "ssd", "ssd_ttl")

@@ -52,11 +52,13 @@ def make_sequence_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
 
 
 def make_sequence_processors(params: SamplingParams, max_tokens: int) -> list[LogitsProcessor]:
-    # OpenAI applies presence/frequency penalties over everything generated so far.
+    # OpenAI applies presence/frequency penalties over everything generated so far; the
+    # repetition penalty too, unless the request narrows it (repetition_context_size, as
+    # mlx-lm's and swift-mlx-server's APIs take it).
     return make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty,
-        repetition_context_size=max_tokens,
+        repetition_context_size=params.repetition_context_size or max_tokens,
         presence_penalty=params.presence_penalty or None,
         presence_context_size=max_tokens,
         frequency_penalty=params.frequency_penalty or None,

@@ -30,3 +30,11 @@ def test_check_missing_file(tmp_path: Path):
     result = check(tmp_path / "nope.yaml")
     assert result.returncode == 1
     assert "not found" in result.stderr
+
+
+def test_check_rejects_unknown_parser_names(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  smol:\n    source: ./x\n    parsers: {tool_calls: nonsense}\n")
+    result = check(bad)
+    assert result.returncode == 1
+    assert "bad.yaml:4: models.smol.parsers.tool_calls: unknown tool-call parser" in result.stderr

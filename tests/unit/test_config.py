@@ -527,3 +527,31 @@ def test_load_config_reports_the_path(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert caught.value.message == f"{path}:2: server.port: must be >= 1 (got -1)"
+
+
+def test_unknown_parser_names_point_at_their_line_with_a_suggestion():
+    errors = errors_of(
+        """\
+        models:
+          smol:
+            source: hf://org/repo
+            parsers:
+              tool_calls: hermez
+              reasoning: nonsense
+        """
+    )
+    assert errors[0].startswith(
+        "models.yaml:5: models.smol.parsers.tool_calls: unknown tool-call parser 'hermez' "
+        "(did you mean 'hermes'?); valid: auto, hermes"
+    )
+    assert errors[1].startswith(
+        "models.yaml:6: models.smol.parsers.reasoning: unknown reasoning parser 'nonsense'; "
+        "valid: think"
+    )
+
+
+def test_tool_calls_default_to_auto_and_null_turns_them_off():
+    on = parse("models: {smol: {source: hf://org/repo}}")
+    off = parse("models: {smol: {source: hf://org/repo, parsers: {tool_calls: null}}}")
+    assert on.models["smol"].parsers.tool_calls == "auto"
+    assert off.models["smol"].parsers.tool_calls is None

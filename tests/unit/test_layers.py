@@ -12,9 +12,10 @@ import mlxd
 PACKAGE = Path(mlxd.__file__).parent
 
 # Lowest first. A module may import from its own layer and the ones below it.
+# `parsers` sits at the bottom with `config`, which checks parser names against its registry.
 LAYERS: list[set[str]] = [
-    {"types", "errors", "config", "settings", "accel", "logs"},
-    {"cache", "scheduler", "models", "constrain", "parsers", "media"},
+    {"types", "errors", "config", "settings", "accel", "logs", "process_exit", "parsers"},
+    {"cache", "scheduler", "models", "constrain", "media"},
     {"engines"},
     {"registry"},
     {"daemon"},

@@ -8,7 +8,8 @@ from mlxd.types import Finished, TokenLogprob
 
 def test_reasoning_text_and_tool_call_deltas():
     choice = _chat_choices()
-    assert choice(ReasoningPart("hmm"))["delta"] == {"reasoning_content": "hmm"}
+    # Both names clients read reasoning under.
+    assert choice(ReasoningPart("hmm"))["delta"] == {"reasoning_content": "hmm", "reasoning": "hmm"}
     assert choice(TextPart("Let me check."))["delta"] == {"content": "Let me check."}
     start = choice(ToolCallStart(0, "call_1", "get_weather"))["delta"]["tool_calls"][0]
     assert start == {

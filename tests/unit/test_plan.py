@@ -66,6 +66,8 @@ ROUTING_CHANGES: dict[str, Any] = {
     "idle_ttl": 60.0,
     "truncate": False,
     "max_inputs": 16,
+    "chat_template_kwargs": {"enable_thinking": False},
+    "rate_limit": {"requests_per_minute": 5},
 }
 
 

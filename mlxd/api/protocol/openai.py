@@ -54,8 +54,15 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_context_size: int | None = Field(default=None, ge=1)
     logit_bias: dict[int, float] | None = None
     user: str | None = None
+    # swift-mlx-server's fields mlxd refuses (see api/generation.py UNHONOURED_FIELDS): named
+    # here so that setting one is seen, not dropped with the unknown extras.
+    kv_bits: Any = None
+    kv_group_size: Any = None
+    kv_quantization_start: Any = None
+    resize: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -82,6 +89,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # vLLM's extension (the openai SDK sends it through `extra_body`).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -115,6 +124,7 @@ class EmbeddingRequest(_Lenient):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+    batch_size: Any = None  # swift-mlx-server's; refused (see UNHONOURED_FIELDS)
 
     @field_validator("input")
     @classmethod

