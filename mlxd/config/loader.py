@@ -13,7 +13,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -269,10 +270,18 @@ def _field_names(section: Loc) -> list[str]:
         if get_origin(annotation) is dict and parts:  # `models.<name>`: skip the name
             annotation = get_args(annotation)[1]
             parts.pop(0)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        # An optional section (`distributed: X | None`): its fields are X's.
+        sections = [arg for arg in get_args(annotation) if _is_model(arg)]
+        if get_origin(annotation) in (Union, UnionType) and len(sections) == 1:
+            annotation = sections[0]
+        if not _is_model(annotation):
             return []
         model = annotation
     return list(model.model_fields)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _show(value: Any) -> str:

@@ -8,14 +8,22 @@ sampling, aborts) and every rank applies it.
 MLX has no broadcast op, so this is an all_sum in which only rank 0 contributes: first the
 payload's length, then its bytes as uint8 (the other ranks add zeros). Two collectives per
 step, whatever the payload; on the CPU ring backend each costs a round of the ring.
+
+The broadcast must run on the stream the model's own collectives run on (the BatchGenerator's
+`stream`). BatchGenerator evaluates step t+1 asynchronously before returning step t; on
+another stream the broadcast's all_sum could overlap step t+1's all_sums in a different order
+on different ranks, and the bytes arrive mixed with hidden states (seen here: unpickling
+garbage on the second step). mlx_lm.server shares one stream for the same reason.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, TypeVar
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 T = TypeVar("T")
 
@@ -38,17 +46,21 @@ def is_leader(group: mx.distributed.Group | None = None) -> bool:
     return rank(group) == 0
 
 
-def broadcast_bytes(data: bytes | None, group: mx.distributed.Group | None = None) -> bytes:
-    """Rank 0's `data` on every rank (the others pass None). Every rank must call it."""
+def broadcast_bytes(
+    data: bytes | None,
+    group: mx.distributed.Group | None = None,
+    *,
+    stream: mx.Stream | None = None,
+) -> bytes:
+    """Rank 0's `data` on every rank (the others pass None). Every rank must call it, on the
+    stream its model computes on (`stream`, default mlx-lm's generation stream)."""
     group = group_or_world(group)
     if group.size() == 1:
         return data or b""
     leader = group.rank() == 0
     if leader and data is None:
         raise ValueError("rank 0 must pass the bytes to broadcast")
-    # The CPU backend runs collectives on its own stream; pin them there so a caller inside
-    # `with mx.stream(gpu)` (Metal) still works.
-    with mx.stream(mx.cpu):
+    with mx.stream(stream if stream is not None else generation_stream):
         length = mx.array([len(data) if leader else 0], dtype=mx.int64)
         length = int(mx.distributed.all_sum(length, group=group).item())
         if length == 0:
@@ -62,13 +74,27 @@ def broadcast_bytes(data: bytes | None, group: mx.distributed.Group | None = Non
     return bytes(memoryview(payload))
 
 
-def broadcast_object(obj: T | None, group: mx.distributed.Group | None = None) -> T:
+def broadcast_object(
+    obj: T | None,
+    group: mx.distributed.Group | None = None,
+    *,
+    stream: mx.Stream | None = None,
+) -> T:
     """Rank 0's picklable `obj` on every rank (the others pass None). Every rank must call
-    it, in the same order. Only for ranks of one trusted group: this unpickles what rank 0
-    sent."""
+    it, in the same order, on its model's stream (see broadcast_bytes). Only for ranks of one
+    trusted group: this unpickles what rank 0 sent."""
     group = group_or_world(group)
     if group.size() == 1:
         return obj  # type: ignore[return-value]
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if group.rank() == 0 else None
-    result: Any = pickle.loads(broadcast_bytes(data, group))
+    result: Any = pickle.loads(broadcast_bytes(data, group, stream=stream))
     return result
+
+
+def shared_seed(
+    group: mx.distributed.Group | None = None, *, stream: mx.Stream | None = None
+) -> int:
+    """Rank 0's random seed, for every rank to `mx.random.seed` with: samplers at temperature
+    > 0 must draw the same numbers on every rank or the ranks pick different tokens."""
+    seed = int.from_bytes(os.urandom(8), "little") if is_leader(group) else None
+    return broadcast_object(seed, group, stream=stream)
