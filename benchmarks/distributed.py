@@ -73,7 +73,9 @@ def mlxd_command(model_dir: Path, port: int, workdir: Path, block: DistributedCo
     return [sys.executable, "-m", "mlxd", "--config", str(config_path)]
 
 
-def baseline_command(model_dir: Path, port: int, workdir: Path, block: DistributedConfig) -> list[str]:
+def baseline_command(
+    model_dir: Path, port: int, workdir: Path, block: DistributedConfig
+) -> list[str]:
     """mlx_lm.server on every rank (it loads with sharded_load; rank 0 serves HTTP)."""
     server_args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     return launch_argv(

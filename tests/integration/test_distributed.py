@@ -54,7 +54,12 @@ def run_rank_script(argv: list[str], out: Path) -> dict[str, Any]:
     hangs is killed whole (its own session) so no rank outlives the test."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
-        argv, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        argv,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         output, _ = process.communicate(timeout=GROUP_TIMEOUT_S)
