@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from mlxd.distributed.broadcast import broadcast_object, is_leader
+from mlxd.distributed.broadcast import broadcast_object, is_leader, shared_seed
 from mlxd.distributed.shard import load_rank
 from mlxd.models.loader import load_llm
 
@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prefill_batch_size=4,
         completion_batch_size=8,
     )
+    # Unused at temperature 0, but the worker must do it: samplers draw from the global RNG.
+    mx.random.seed(shared_seed(group, stream=generator.stream))
     uid_of: dict[int, int | None] = {}  # prompt index -> BatchGenerator uid while running
     tokens: dict[int, list[int]] = {}
     broadcast_s: list[float] = []
@@ -120,7 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": step,
         "step_ms": [round(s * 1000, 3) for s in step_s],
         "broadcast_ms": [round(s * 1000, 3) for s in broadcast_s],
-        "comm_ms": communication_ms(loaded.config, args.strategy, group, batch=3),
+        "comm_ms": communication_ms(loaded.config, args.strategy, group, batch=3)
+        if args.time_comm
+        else None,
     }
 
 
@@ -163,10 +167,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument(
+        "--time-comm", action="store_true", help="also time one decode step's collectives alone"
+    )
     args = parser.parse_args()
     result = run(args)
-    if result["rank"] == 0:
-        Path(args.out).write_text(json.dumps(result), encoding="utf-8")
+    # Every rank reports, so a test can check they all generated the same tokens.
+    out = Path(args.out)
+    if result["rank"] != 0:
+        out = out.with_suffix(f".rank{result['rank']}.json")
+    out.write_text(json.dumps(result), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,10 @@ def run_group(smol_dir: Path, tmp_path: Path, strategy: str, ranks: int) -> dict
     )
     result = run_rank_script(argv, out)
     assert result["size"] == ranks
+    for rank in range(1, ranks):
+        # Every rank sampled the same tokens: the ranks stayed in lockstep.
+        other = json.loads(out.with_suffix(f".rank{rank}.json").read_text())
+        assert other["tokens"] == result["tokens"], f"rank {rank} diverged"
     return result
 
 
