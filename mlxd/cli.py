@@ -132,9 +132,11 @@ def _levels(text: str) -> list[int]:
 
 def _check(args: argparse.Namespace) -> int:
     from mlxd.config import load_config
+    from mlxd.distributed.config import check_distributed
 
     try:
-        registry = load_config(args.file)
+        # Beyond the schema: a distributed model's rank count against its heads and layers.
+        registry = load_config(args.file, extra_checks=check_distributed)
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 1

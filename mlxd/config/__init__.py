@@ -4,6 +4,7 @@ from mlxd.config.loader import load_config, parse_config
 from mlxd.config.schema import (
     BatchConfig,
     CacheConfig,
+    DistributedConfig,
     ModelConfig,
     ParsersConfig,
     Registry,
@@ -14,6 +15,7 @@ from mlxd.config.schema import (
 __all__ = [
     "BatchConfig",
     "CacheConfig",
+    "DistributedConfig",
     "ModelConfig",
     "ParsersConfig",
     "Registry",

@@ -10,10 +10,11 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -23,6 +24,9 @@ from mlxd.config.schema import Registry
 from mlxd.errors import ConfigError
 
 Loc = tuple[str | int, ...]
+ExtraCheck = Callable[[Registry], list[tuple[Loc, str]]]
+"""Checks beyond the schema (e.g. against the model's own files) for `mlxd check`: each
+problem is the YAML location it is about and a message."""
 
 _REFERENCE = re.compile(r"\$\$\{|\$\{(?P<body>[^}]*)\}|\$\{")
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -64,7 +68,7 @@ class _InterpolationError(Exception):
     pass
 
 
-def load_config(path: str | Path) -> Registry:
+def load_config(path: str | Path, extra_checks: ExtraCheck | None = None) -> Registry:
     """Read and validate a config file. Raises ConfigError with every problem found."""
     path = Path(path).expanduser()
     try:
@@ -73,14 +77,18 @@ def load_config(path: str | Path) -> Registry:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    return parse_config(text, filename=str(path))
+    return parse_config(text, filename=str(path), extra_checks=extra_checks)
 
 
 def parse_config(
-    text: str, filename: str = "<string>", env: Mapping[str, str] | None = None
+    text: str,
+    filename: str = "<string>",
+    env: Mapping[str, str] | None = None,
+    extra_checks: ExtraCheck | None = None,
 ) -> Registry:
     """Validate config text. Relative model sources are anchored to `filename`'s directory
-    (the current directory for a pseudo-name such as `<string>`)."""
+    (the current directory for a pseudo-name such as `<string>`). `extra_checks` runs on a
+    registry that passed the schema; its problems are reported with their lines too."""
     reader = _TreeReader(os.environ if env is None else env)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -108,6 +116,9 @@ def parse_config(
             # A value whose interpolation failed was already reported; its raw text is noise.
             if problem.path not in reader.failed:
                 problems.append(problem)
+    else:
+        for loc, message in extra_checks(registry) if extra_checks and not problems else ():
+            problems.append(_Problem(_line_of(loc, reader.lines), loc, message))
     if problems:
         unique = dict.fromkeys(problems)  # dedupe, keeping pydantic's order within a line
         ordered = sorted(unique, key=lambda problem: problem.line)
@@ -212,6 +223,13 @@ def _interpolate(text: str, env: Mapping[str, str]) -> str:
     return _REFERENCE.sub(expand, text)
 
 
+def _line_of(loc: Loc, lines: dict[Loc, int]) -> int:
+    """The line of `loc`, or of its closest ancestor written in the file (defaults are not)."""
+    while loc not in lines and loc:
+        loc = loc[:-1]
+    return lines.get(loc, 1)
+
+
 def _from_pydantic(error: ErrorDetails, lines: dict[Loc, int]) -> _Problem:
     # Keep the loc parts that name real YAML locations; that drops pydantic's internal tags
     # such as `[key]` or union member names.
@@ -252,10 +270,18 @@ def _field_names(section: Loc) -> list[str]:
         if get_origin(annotation) is dict and parts:  # `models.<name>`: skip the name
             annotation = get_args(annotation)[1]
             parts.pop(0)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        # An optional section (`distributed: X | None`): its fields are X's.
+        sections = [arg for arg in get_args(annotation) if _is_model(arg)]
+        if get_origin(annotation) in (Union, UnionType) and len(sections) == 1:
+            annotation = sections[0]
+        if not _is_model(annotation):
             return []
         model = annotation
     return list(model.model_fields)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _show(value: Any) -> str:

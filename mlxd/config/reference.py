@@ -61,6 +61,11 @@ def _section(path: str, model: type[BaseModel], description: str | None) -> list
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             nested += _section(f"{path}.{name}", field.annotation, field.description)
             continue
+        if section := _optional_section(field.annotation):
+            # `distributed: X | None`: X's keys in their own table, the whole block optional.
+            optional = f"{field.description} Optional (default null)."
+            nested += _section(f"{path}.{name}", section, optional)
+            continue
         rows.append(
             f"| `{name}` | {_type(field.annotation, field)} | {_default(field)} "
             f"| {_cell(field.description or '')} |"
@@ -69,6 +74,16 @@ def _section(path: str, model: type[BaseModel], description: str | None) -> list
     if rows:
         lines += ["| Key | Type | Default | Description |", "|---|---|---|---|", *rows, ""]
     return lines + nested
+
+
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """X for an `X | None` field whose X is a section model."""
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return None
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
 
 
 def _type(annotation: Any, field: FieldInfo | None = None) -> str:

@@ -267,6 +267,66 @@ class SamplingDefaults(_Section):
     )
 
 
+class DistributedConfig(_Section):
+    """One model split over a group of ranks started by `mlx.launch` (see docs/distributed.md)."""
+
+    backend: Literal["ring", "jaccl", "mpi"] = Field(
+        "ring",
+        description="mx.distributed backend: ring (TCP, e.g. over Thunderbolt), jaccl (RDMA "
+        "over Thunderbolt 5; needs a hostfile with rdma devices) or mpi.",
+    )
+    hosts: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="One entry per rank, rank 0 first (the machine running mlxd); hosts are "
+        "reached over ssh as mlx.launch does; 127.0.0.1 repeated runs ranks on this machine. "
+        "Give hosts or hostfile, not both.",
+    )
+    hostfile: Path | None = Field(
+        None,
+        description="An mlx.launch hostfile (JSON, e.g. made by mlx.distributed_config); "
+        "relative to the config file.",
+    )
+    strategy: Literal["tensor", "pipeline"] = Field(
+        "tensor",
+        description="tensor: every rank holds a slice of every layer (the rank count must "
+        "divide the attention and KV heads); pipeline: every rank holds a run of whole layers "
+        "(at most one rank per layer).",
+    )
+
+    @field_validator("hostfile")
+    @classmethod
+    def _anchor_hostfile(cls, hostfile: Path | None, info: ValidationInfo) -> Path | None:
+        if hostfile is None:
+            return None
+        hostfile = hostfile.expanduser()
+        base_dir = (info.context or {}).get("base_dir")
+        if not hostfile.is_absolute() and base_dir is not None:
+            hostfile = Path(base_dir) / hostfile
+        return Path(os.path.normpath(hostfile))
+
+    @field_validator("hosts")
+    @classmethod
+    def _no_blank_hosts(cls, hosts: list[str] | None) -> list[str] | None:
+        if hosts is not None and any(not host.strip() for host in hosts):
+            raise PydanticCustomError("blank_host", "host names must not be empty")
+        return hosts
+
+    @model_validator(mode="after")
+    def _one_host_list(self) -> DistributedConfig:
+        if (self.hosts is None) == (self.hostfile is None):
+            raise PydanticCustomError(
+                "hosts_or_hostfile", "give either hosts (a list) or hostfile (a path)"
+            )
+        if self.backend == "jaccl" and self.hostfile is None:
+            raise PydanticCustomError(
+                "jaccl_hostfile",
+                "backend jaccl needs a hostfile naming each host's rdma devices "
+                "(make one with mlx.distributed_config)",
+            )
+        return self
+
+
 class ModelConfig(_Section):
     """One served model: where its weights come from and how it is run."""
 
@@ -324,6 +384,11 @@ class ModelConfig(_Section):
         description="Embedding models: cut inputs longer than the model's maximum length "
         "(true) or reject them with 400 (false).",
     )
+    distributed: DistributedConfig | None = Field(
+        None,
+        description="Split this llm over several ranks (machines, or processes on loopback); "
+        "null runs it in one process.",
+    )
     max_inputs: int = Field(
         2048,
         ge=1,
@@ -339,6 +404,14 @@ class ModelConfig(_Section):
                 "render_argument", f"may not set {', '.join(reserved)}: mlxd sets it"
             )
         return kwargs
+
+    @model_validator(mode="after")
+    def _distributed_llm_only(self) -> ModelConfig:
+        if self.distributed is not None and self.kind != "llm":
+            raise PydanticCustomError(
+                "distributed_kind", f"distributed runs llm models only (this model is {self.kind})"
+            )
+        return self
 
     @field_validator("aliases")
     @classmethod

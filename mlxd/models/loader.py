@@ -7,6 +7,7 @@ one. Metal and CUDA have fast quantized kernels, so there the stored weights are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,19 @@ def check_model_dir(path: Path, dtype: str, model_name: str) -> Path:
     return path
 
 
-def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel:
+def load_llm(
+    path: Path,
+    *,
+    dtype: str = "auto",
+    model_name: str,
+    before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
+) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
     dtype: "auto" (float32 on the CPU backend, as stored elsewhere), "keep", or a float dtype
-    (quantized weights are dequantized first). Raises ModelLoadError naming `model_name`.
+    (quantized weights are dequantized first). `before_eval(model, config)` may replace the
+    model while its weights are still lazy (a distributed rank keeps only its shard, so only
+    that part is ever read). Raises ModelLoadError naming `model_name`.
     """
     path = check_model_dir(path, dtype, model_name)
     try:
@@ -98,6 +107,8 @@ def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel
             model.set_dtype(FLOAT_DTYPES[target])
             config.pop("quantization", None)  # describe the weights as they now are
             config.pop("quantization_config", None)
+        if before_eval is not None:
+            model = before_eval(model, config)
         mx.eval(model.parameters())
     except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind
         raise ModelLoadError(

@@ -38,10 +38,7 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
     """
     if source.startswith("hf://"):
         return _check_model_dir(_hf_snapshot(source, model_name), source, model_name)
-    if source.startswith("pkg://"):
-        path = _package_path(source, model_name)
-    else:
-        path = Path(source).expanduser().resolve()
+    path = package_or_local_path(source, model_name=model_name)
     if path.is_dir():
         return _check_model_dir(path, source, model_name)
     if path.is_file() and path.suffix == ".gguf":
@@ -52,6 +49,13 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
             "nor a .gguf file"
         )
     raise ModelLoadError(f"model '{model_name}': source {source!r} does not exist ({path})")
+
+
+def package_or_local_path(source: str, *, model_name: str) -> Path:
+    """The file or directory a pkg:// or local source names, before any GGUF conversion."""
+    if source.startswith("pkg://"):
+        return _package_path(source, model_name)
+    return Path(source).expanduser().resolve()
 
 
 def _check_model_dir(path: Path, source: str, model_name: str) -> Path:

@@ -18,7 +18,16 @@ from pydantic import BaseModel
 from mlxd.config import ModelConfig
 
 # Changing any of these needs a new engine; the rest only changes how requests reach it.
-ENGINE_FIELDS = ("kind", "source", "dtype", "batch", "cache", "context_length", "max_prompt_tokens")
+ENGINE_FIELDS = (
+    "kind",
+    "source",
+    "dtype",
+    "batch",
+    "cache",
+    "context_length",
+    "max_prompt_tokens",
+    "distributed",
+)
 ROUTING_FIELDS = (
     "aliases",
     "api_keys",

@@ -15,7 +15,7 @@ PACKAGE = Path(mlxd.__file__).parent
 # `parsers` sits at the bottom with `config`, which checks parser names against its registry.
 LAYERS: list[set[str]] = [
     {"types", "errors", "config", "settings", "accel", "logs", "process_exit", "parsers"},
-    {"cache", "scheduler", "models", "constrain", "media"},
+    {"cache", "scheduler", "models", "constrain", "media", "distributed"},
     {"engines"},
     {"registry"},
     {"daemon"},

@@ -11,6 +11,7 @@ import pytest
 from mlxd.config import (
     BatchConfig,
     CacheConfig,
+    DistributedConfig,
     ModelConfig,
     ParsersConfig,
     Registry,
@@ -56,6 +57,7 @@ ENGINE_CHANGES: dict[str, Any] = {
     "cache": CacheConfig(kv_bits=8),
     "context_length": 4096,
     "max_prompt_tokens": 1024,
+    "distributed": DistributedConfig(hosts=["127.0.0.1"] * 3),
 }
 ROUTING_CHANGES: dict[str, Any] = {
     "aliases": ["x"],
