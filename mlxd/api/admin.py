@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from quart import Blueprint, Response, current_app
+from quart import Blueprint, Response
 
 from mlxd import accel
+from mlxd.api.context import current_app
 from mlxd.api.metrics import CONTENT_TYPE
 from mlxd.registry.plan import describe
 

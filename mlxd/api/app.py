@@ -9,7 +9,8 @@ from typing import Any
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from quart import Quart, Response, request
+from quart import request
+from quart.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
 from mlxd.api import (
@@ -28,6 +29,7 @@ from mlxd.api import (
     responses,
     shutdown,
 )
+from mlxd.api.context import App
 from mlxd.api.errors import anthropic_error, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
@@ -40,8 +42,8 @@ log = logging.getLogger("mlxd.api")
 LISTEN_BACKLOG = 2048
 
 
-def create_app(daemon: Daemon) -> Quart:
-    app = Quart("mlxd")
+def create_app(daemon: Daemon) -> App:
+    app = App("mlxd")
     app.daemon = daemon
     server = daemon.registry.server
     app.config.update(
@@ -106,7 +108,7 @@ def create_app(daemon: Daemon) -> Quart:
     return app
 
 
-def _render(error: MlxdError) -> Response:
+def _render(error: MlxdError) -> ResponseReturnValue:
     # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
     observe.failed(error.message)
     if request.path.startswith("/v1/messages"):
@@ -116,7 +118,7 @@ def _render(error: MlxdError) -> Response:
     return openai_error(error), error.status, error.headers
 
 
-async def serve(app: Quart, host: str, port: int) -> None:
+async def serve(app: App, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see `shutdown`)."""
     config = HypercornConfig()
     # server.ollama_port: the same app also where Ollama clients look (11434 by convention).

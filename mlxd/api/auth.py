@@ -15,8 +15,10 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from quart import Quart, current_app, g, request
+from quart import Quart, g, request
+from werkzeug.datastructures import Headers
 
+from mlxd.api.context import current_app
 from mlxd.config import ModelConfig, Registry
 from mlxd.errors import Forbidden, NotFound, Unauthorized
 
@@ -44,7 +46,7 @@ class Caller:
 OPEN = Caller(admin=True)
 
 
-def presented_key(headers: Mapping[str, str]) -> str | None:
+def presented_key(headers: Headers | Mapping[str, str]) -> str | None:
     """The key from `Authorization: Bearer …` (OpenAI clients) or `x-api-key` (Anthropic's)."""
     scheme, _, token = headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
@@ -104,7 +106,8 @@ def install(app: Quart) -> None:
 async def _requested_models() -> list[str]:
     """Model ids the request names: the path's (/v1/models/<id>), the body's `model`, and each
     message batch request's `params.model`. A body that is not JSON is the route's 400."""
-    ids = [request.view_args["model_id"]] if "model_id" in (request.view_args or {}) else []
+    path_args = request.view_args or {}
+    ids = [path_args["model_id"]] if "model_id" in path_args else []
     if request.method != "POST":
         return ids
     try:

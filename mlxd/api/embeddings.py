@@ -7,9 +7,10 @@ import time
 from typing import Any
 
 import numpy as np
-from quart import Blueprint, current_app
+from quart import Blueprint
 
 from mlxd.api import observe
+from mlxd.api.context import current_app
 from mlxd.api.generation import parse_body, refuse_unhonoured
 from mlxd.api.protocol.openai import EmbeddingRequest
 from mlxd.errors import InvalidRequest
@@ -22,11 +23,15 @@ async def embeddings() -> Any:
     body = await parse_body(EmbeddingRequest)
     refuse_unhonoured(body)
     result, _ = await embed_texts(body.model, body.inputs(), dimensions=body.dimensions)
-    encode = _base64 if body.encoding_format == "base64" else np.ndarray.tolist
+    as_base64 = body.encoding_format == "base64"
     return {
         "object": "list",
         "data": [
-            {"object": "embedding", "index": index, "embedding": encode(vector)}
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _base64(vector) if as_base64 else vector.tolist(),
+            }
             for index, vector in enumerate(result.vectors)
         ],
         "model": body.model,

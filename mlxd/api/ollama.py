@@ -13,17 +13,18 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from quart import Blueprint, current_app, make_response
+from quart import Blueprint, Response, make_response
 
 from mlxd.api import auth, embeddings
+from mlxd.api.context import current_app
 from mlxd.api.generation import (
     Logprobs,
-    Part,
+    Parts,
     generation_engine,
     new_id,
     parse_body,
@@ -187,8 +188,8 @@ def _data_url(image: str) -> str:
 
 
 async def message_chunks(
-    parts: AsyncIterator[Part], timing: Timing, *, think: bool
-) -> AsyncIterator[dict[str, Any]]:
+    parts: Parts, timing: Timing, *, think: bool
+) -> AsyncGenerator[dict[str, Any], None]:
     """The parsed parts as Ollama message deltas: `content`, `thinking`, complete
     `tool_calls` (Ollama sends each call whole, arguments as an object), `logprobs`; then
     the final stats (a `Finished` becomes `done: true` and the durations)."""
@@ -234,7 +235,7 @@ def _logprob(item: Any) -> dict[str, Any]:
 
 async def _respond(
     head: dict[str, Any],
-    chunks: AsyncIterator[dict[str, Any]],
+    chunks: AsyncGenerator[dict[str, Any], None],
     render: Any,
     stream: bool,
     after: Any,
@@ -259,7 +260,8 @@ async def _respond(
             return
         await after()
 
-    response = await make_response(lines(), 200, {"Content-Type": NDJSON})
+    # Quart's own Response (the stub's union also admits werkzeug's, which has no timeout).
+    response = cast(Response, await make_response(lines(), 200, {"Content-Type": NDJSON}))
     response.timeout = None
     return response
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
-from quart import Blueprint, current_app
+from quart import Blueprint
 
 from mlxd.api import auth
+from mlxd.api.context import current_app
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
     Completion,
@@ -62,7 +63,7 @@ def _generation_request(
             logit_bias=body.logit_bias,
             top_logprobs=top_logprobs,
         ),
-        stop=body.stop or [],
+        stop=cast(list[str], body.stop or []),  # a list: the field's validator makes it one
         chat_template_kwargs=template_kwargs(entry, requested_kwargs),
         **prompt,
     )
@@ -136,8 +137,13 @@ async def chat_completions() -> Any:
         **head,
         "object": "chat.completion",
         "choices": [_chat_choice(index, result, top) for index, result in enumerate(results)],
-        "usage": total_usage([r.finished for r in results], body.n),
+        "usage": total_usage([_finished(r) for r in results], body.n),
     }
+
+
+def _finished(result: Completion) -> Finished:
+    assert result.finished is not None  # every sequence's parts end with its Finished
+    return result.finished
 
 
 def _chat_choice(index: int, result: Completion, top: int | None) -> dict[str, Any]:
@@ -155,7 +161,7 @@ def _chat_choice(index: int, result: Completion, top: int | None) -> dict[str, A
         "index": index,
         "message": message,
         "logprobs": _chat_logprobs(result.logprobs) if top is not None else None,
-        "finish_reason": _finish_reason(result.finished, bool(result.tool_calls)),
+        "finish_reason": _finish_reason(_finished(result), bool(result.tool_calls)),
     }
 
 
@@ -225,7 +231,7 @@ async def completions() -> Any:
         generations.extend(copies(generation, body.n))
     streams = await _start(model_id, generations, body.n, parse=False)
     # Choice i answers prompt i // n (OpenAI's order: every choice of a prompt together).
-    echoes = [p if body.echo else "" for p in prompts for _ in range(body.n)]
+    echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts for _ in range(body.n)]
     head = {"id": new_id("cmpl-"), "created": int(time.time()), "model": model_id}
 
     if body.stream:
@@ -253,7 +259,7 @@ async def completions() -> Any:
             "logprobs": (
                 _completion_logprobs(result.logprobs) if body.logprobs is not None else None
             ),
-            "finish_reason": result.finished.reason,
+            "finish_reason": _finished(result).reason,
         }
         for index, result in enumerate(results)
     ]
@@ -261,7 +267,7 @@ async def completions() -> Any:
         **head,
         "object": "text_completion",
         "choices": choices,
-        "usage": total_usage([r.finished for r in results], body.n),
+        "usage": total_usage([_finished(r) for r in results], body.n),
     }
 
 

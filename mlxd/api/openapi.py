@@ -151,9 +151,8 @@ def document() -> dict[str, Any]:
     )
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
-        paths.setdefault(route.path, {})[route.method] = _operation(
-            route, refs.get((route.body, "validation"))
-        )
+        schema = refs.get((route.body, "validation")) if route.body is not None else None
+        paths.setdefault(route.path, {})[route.method] = _operation(route, schema)
     return {
         "openapi": "3.1.0",
         "info": {

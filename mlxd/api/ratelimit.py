@@ -17,9 +17,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from quart import Quart, Response, current_app, g, request
+from quart import Quart, Response, g, request
 
 from mlxd.api.auth import OPEN_PATHS, _requested_models, presented_key
+from mlxd.api.context import current_app
 from mlxd.config.schema import RateLimitConfig
 from mlxd.errors import Overloaded
 
@@ -159,8 +160,8 @@ def install(app: Quart) -> None:
 async def _limits() -> dict[str, RateLimitConfig]:
     """{scope: limit} for this request: the server's, and each named model's own."""
     daemon = current_app.daemon
-    names = [daemon.routes.ids.get(model_id) for model_id in await _requested_models()]
-    names = [name for name in names if name is not None]
+    found = [daemon.routes.ids.get(model_id) for model_id in await _requested_models()]
+    names = [name for name in found if name is not None]
     if not names:
         return {}
     limits = {}

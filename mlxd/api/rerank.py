@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from quart import Blueprint, current_app
+from quart import Blueprint
 
 from mlxd.api import observe
+from mlxd.api.context import current_app
 from mlxd.api.generation import new_id, parse_body
 from mlxd.api.protocol.rerank import RerankRequest
 from mlxd.errors import InvalidRequest

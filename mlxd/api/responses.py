@@ -13,12 +13,13 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from quart import Blueprint, current_app, request
+from quart import Blueprint, request
 
 from mlxd.api.auth import presented_key
+from mlxd.api.context import current_app
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
     Part,
@@ -145,7 +146,7 @@ async def response_events(
     parts: AsyncIterator[Part],
     response: dict[str, Any],
     save: Callable[[dict[str, Any]], Awaitable[None]],
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Every event of one response, lifecycle included, without sequence numbers. The last
     is `response.completed` (or `.incomplete`) carrying the whole Response, stored first by
     `save` (so a client that reads it can retrieve it at once). Failures raise MlxdError."""
@@ -203,7 +204,9 @@ async def create_response() -> Any:
     return last["response"]
 
 
-async def _stream(events: AsyncIterator[Event], response: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _stream(
+    events: AsyncGenerator[Event, None], response: dict[str, Any]
+) -> AsyncIterator[bytes]:
     """The SSE stream, numbered in order. A failure after the headers went out is an `error`
     event and then `response.failed`, as the API does."""
     numbers = itertools.count()

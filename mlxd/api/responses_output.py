@@ -104,7 +104,7 @@ class OutputItems:
 
     def _open_text(self, kind: str) -> list[Event]:
         if kind == "message":
-            item = {
+            item: dict[str, Any] = {
                 "id": new_id("msg_"),
                 "type": "message",
                 "status": "in_progress",

@@ -12,8 +12,10 @@ import os
 import signal
 from typing import Any
 
-from quart import Quart, request
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+from quart import request
 
+from mlxd.api.context import App
 from mlxd.daemon import Daemon
 from mlxd.errors import Unavailable
 
@@ -32,7 +34,9 @@ class InFlight:
         self.daemon = daemon
         self.count = 0
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
         if scope["type"] != "http" or self.daemon.draining:
             await self.app(scope, receive, send)
             return
@@ -43,10 +47,10 @@ class InFlight:
             self.count -= 1
 
 
-def install(app: Quart) -> InFlight:
-    daemon: Daemon = app.daemon
+def install(app: App) -> InFlight:
+    daemon = app.daemon
     inflight = InFlight(app.asgi_app, daemon)
-    app.asgi_app = inflight
+    app.asgi_app = inflight  # type: ignore[method-assign]  # Quart's documented middleware hook
 
     @app.before_request
     async def refuse_while_draining() -> None:

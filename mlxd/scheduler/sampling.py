@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -68,12 +69,14 @@ def make_sequence_processors(params: SamplingParams, max_tokens: int) -> list[Lo
 
 def token_logprob(logprobs: mx.array, token: int, top: int, decode) -> TokenLogprob:
     """The sampled token's log-probability and, when asked, the `top` most likely tokens."""
-    chosen = logprobs[token].item()
+    # mlx types item() as any scalar and tolist() as any nesting: here floats, flat lists.
+    chosen = cast(float, logprobs[token].item())
     alternatives: list[tuple[str, float]] = []
     if top > 0:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
         values = logprobs[ids]
         order = mx.argsort(-values)
-        ids, values = ids[order].tolist(), values[order].tolist()
-        alternatives = [(decode(i), v) for i, v in zip(ids, values, strict=True)]
+        top_ids = cast(list[int], ids[order].tolist())
+        top_values = cast(list[float], values[order].tolist())
+        alternatives = [(decode(i), v) for i, v in zip(top_ids, top_values, strict=True)]
     return TokenLogprob(token=decode(token), logprob=chosen, top=alternatives)

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 from importlib.resources import files
 from typing import Any
 
-from quart import Blueprint, Quart, Response, current_app, request, stream_with_context
+from quart import Blueprint, Response, request, stream_with_context
 
 from mlxd.api import admin
+from mlxd.api.context import App, current_app
 from mlxd.api.dashboard.history import History, RequestLog, Sample
 from mlxd.api.metrics import Metrics
 from mlxd.errors import NotFound
@@ -38,7 +39,7 @@ EVENT_INTERVAL_S = 2.0
 CHANGE_POLL_S = 0.2
 
 
-def install(app: Quart, metrics: Metrics) -> None:
+def install(app: App, metrics: Metrics) -> None:
     """Keep the history and request log for `app`, and sample while it serves."""
     history, requests = History(), RequestLog()
     app.extensions["mlxd_dashboard"] = (history, requests)
@@ -53,7 +54,7 @@ def install(app: Quart, metrics: Metrics) -> None:
         app.extensions["mlxd_dashboard_sampler"].cancel()
 
 
-async def _sample(app: Quart, history: History) -> None:
+async def _sample(app: App, history: History) -> None:
     metrics: Metrics = app.extensions["mlxd_metrics"]
     while True:
         try:

@@ -3,7 +3,7 @@ such as Open WebUI send extras; known fields are checked strictly."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -114,7 +114,8 @@ class CompletionRequest(SamplingFields):
         value = self.prompt
         if isinstance(value, list) and value and isinstance(value[0], str | list):
             return list(value)
-        return [value]
+        # One prompt: a string or a token list (mypy cannot narrow lists by their first item).
+        return [cast(str | list[int], value)]
 
 
 class EmbeddingRequest(_Lenient):
@@ -140,6 +141,9 @@ class EmbeddingRequest(_Lenient):
     def inputs(self) -> list[str] | list[list[int]]:
         """The inputs as a list: one string or one token list becomes a list of one."""
         value = self.input
-        if isinstance(value, str) or (value and isinstance(value[0], int)):
+        if isinstance(value, str):
             return [value]
-        return value
+        if value and isinstance(value[0], int):
+            return [value]
+        # Strings or token lists (mypy cannot narrow lists by their first item).
+        return cast(list[str] | list[list[int]], value)
