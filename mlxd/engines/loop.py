@@ -71,7 +71,6 @@ class ModelLoop(Generic[Item, Output]):
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_inbox = 0  # adds not yet taken by the thread; guarded by _lock
-        self._core_waiting = 0  # the core's waiting count after its last step
         self.failure: str | None = None  # why the thread died, if it did
         self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
         self._thread.start()
@@ -86,7 +85,7 @@ class ModelLoop(Generic[Item, Output]):
                     f"model '{self.name}' is restarting after a failure: {self.failure}",
                     headers={"Retry-After": "5"},
                 )
-            queued = self._in_inbox + self._core_waiting
+            queued = self.waiting
             if queued >= self._max_queue:
                 raise Overloaded(
                     f"model '{self.name}' has {queued} requests waiting "
@@ -106,7 +105,9 @@ class ModelLoop(Generic[Item, Output]):
 
     @property
     def waiting(self) -> int:
-        return self._in_inbox + self._core_waiting
+        """Added and not running yet. The core's count is read live (a length, safe to read
+        from another thread): a long step must not keep counting what it already admitted."""
+        return self._in_inbox + self.core.waiting
 
     # -- the model thread ----------------------------------------------------------------
 
@@ -116,7 +117,6 @@ class ModelLoop(Generic[Item, Output]):
             core.start()
             while self._take(block=not core.has_work) and self._hold():
                 outputs = core.step()
-                self._core_waiting = core.waiting
                 if outputs:
                     self._deliver(outputs)
         except BaseException as exc:
@@ -129,7 +129,7 @@ class ModelLoop(Generic[Item, Output]):
                         command, item = self._inbox.get_nowait()
                         if command == "add":
                             core.add(item)
-                self._in_inbox = self._core_waiting = 0
+                self._in_inbox = 0
             message = f"model '{self.name}' failed ({self.failure}); it is being restarted"
             self._deliver_quietly(core.fail_all(message))
             return
@@ -164,10 +164,9 @@ class ModelLoop(Generic[Item, Output]):
         if command == "close":
             return False
         if command == "add":
+            self.core.add(item)  # first: for a moment it counts twice, never not at all
             with self._lock:
                 self._in_inbox -= 1
-            self.core.add(item)
-            self._core_waiting = self.core.waiting
         elif command == "abort":
             outputs = self.core.abort(item)
             if outputs:

@@ -269,3 +269,34 @@ def test_a_dead_model_thread_fails_what_it_held_and_refuses_new_work():
     assert delivered == [("held", f"model 't' failed ({loop.failure}); it is being restarted")]
     with pytest.raises(Unavailable, match="restarting"):
         loop.submit("late")
+
+
+class SlowStepCore(CountingCore):
+    """Admits its first item, then takes a long step (a long prefill) until released."""
+
+    def __init__(self, release: threading.Event):
+        super().__init__()
+        self.release = release
+        self.running: list[str] = []
+
+    def step(self) -> list[tuple[str, str]]:
+        if self.items:
+            self.running.append(self.items.pop(0))
+        self.release.wait(10)
+        return []
+
+
+def test_an_item_admitted_in_a_long_step_no_longer_counts_as_waiting():
+    release = threading.Event()
+    core = SlowStepCore(release)
+    loop = ModelLoop("t", core, lambda outputs: None, max_queue=1)
+    try:
+        loop.submit("first")
+        wait_until(lambda: core.running == ["first"])  # admitted; its step still runs
+        assert loop.waiting == 0
+        loop.submit("second")  # room for one waiting item: not refused
+        with pytest.raises(Overloaded):
+            loop.submit("third")
+    finally:
+        release.set()
+        loop.close()
