@@ -1,9 +1,10 @@
-"""Anthropic dialect: /v1/messages and /v1/messages/count_tokens.
+"""Anthropic dialect: /v1/messages, /v1/messages/count_tokens and /v1/messages/batch.
 
 Requests become the same `GenerationRequest` as the OpenAI routes' and answers are rendered
 from the same parsed parts. Both responses are built from one sequence of Anthropic stream
 events, so a streamed and a non-streamed answer agree by construction. The `x-api-key` header
-Anthropic clients send is checked by `auth`; `anthropic-version` changes nothing.
+Anthropic clients send is checked by `auth`; `anthropic-version` and `anthropic-beta` change
+nothing (every beta field mlxd knows is accepted without its header).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from quart import Blueprint
+from pydantic import ValidationError
+from quart import Blueprint, request
 
-from mlxd.api.errors import anthropic_error
+from mlxd.api.errors import anthropic_error, from_validation_error
 from mlxd.api.generation import (
     Part,
     event_stream,
@@ -25,9 +27,16 @@ from mlxd.api.generation import (
     sampling_params,
     start,
 )
-from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest, prompt_fields
-from mlxd.errors import MlxdError
+from mlxd.api.protocol.anthropic import (
+    CountTokensRequest,
+    MessagesRequest,
+    prefill_text,
+    prompt_fields,
+)
+from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
+from mlxd.parsers.reasoning import CLOSE as THINK_CLOSE
+from mlxd.parsers.reasoning import OPEN as THINK_OPEN
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest
 
@@ -36,6 +45,9 @@ blueprint = Blueprint("anthropic", __name__)
 # Proxies and clients drop connections that stay silent; prefilling a long prompt can.
 PING_INTERVAL_S = 10.0
 PING = {"type": "ping"}
+# /v1/messages/batch: how many of one request's messages are in the engines at once.
+BATCH_CONCURRENCY = 16
+BATCH_MAX_REQUESTS = 1000
 
 
 def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> GenerationRequest:
@@ -48,8 +60,37 @@ def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> 
         ),
         stop=body.stop_sequences or [],
         priority=priority,
+        response_format=body.response_format(),
         **prompt_fields(body),
     )
+
+
+async def _begin(
+    body: MessagesRequest, priority: int = 0, *, count: bool = False
+) -> tuple[AsyncIterator[Part], int]:
+    """Submit `body`; its parsed parts, and its prompt's size when `count` (a stream reports
+    it in message_start, before the first token exists)."""
+    entry, engine = await generation_engine(body.model)
+    generation = _generation(body, entry, priority)
+    input_tokens = await asyncio.to_thread(engine.count_prompt_tokens, generation) if count else 0
+    parts = await start(
+        entry, engine, generation, reasoning_open=_prefill_opens_reasoning(generation)
+    )
+    return (parts if body.shows_thinking() else _without_reasoning(parts)), input_tokens
+
+
+def _prefill_opens_reasoning(generation: GenerationRequest) -> bool:
+    """A prefill that opened a think block and did not close it: the output starts inside."""
+    text = prefill_text(generation.messages or [])
+    return text is not None and text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+
+
+async def _without_reasoning(parts: AsyncIterator[Part]) -> AsyncIterator[Part]:
+    """`thinking` disabled or `display: omitted`: the model may still reason (whether it does
+    is its own); its reasoning is not sent."""
+    async for part in parts:
+        if not isinstance(part, ReasoningPart):
+            yield part
 
 
 def _head(body: MessagesRequest) -> dict[str, Any]:
@@ -58,8 +99,7 @@ def _head(body: MessagesRequest) -> dict[str, Any]:
 
 async def create_message(body: MessagesRequest, *, priority: int = 0) -> dict[str, Any]:
     """One non-streamed Message for `body` (also how message batches run their requests)."""
-    entry, engine = await generation_engine(body.model)
-    parts = await start(entry, engine, _generation(body, entry, priority))
+    parts, _ = await _begin(body, priority)
     *block_events, end = [event async for event in message_events(parts)]
     return {**_head(body), "content": fold(block_events), **end["delta"], "usage": end["usage"]}
 
@@ -69,11 +109,7 @@ async def messages() -> Any:
     body = await parse_body(MessagesRequest)
     if not body.stream:
         return await create_message(body)
-    entry, engine = await generation_engine(body.model)
-    generation = _generation(body, entry)
-    # message_start reports the prompt's size before the first token exists.
-    input_tokens = await asyncio.to_thread(engine.count_prompt_tokens, generation)
-    parts = await start(entry, engine, generation)
+    parts, input_tokens = await _begin(body, count=True)
     chunks = _stream(parts, _head(body), input_tokens)
     return await event_stream(_keep_alive(chunks, PING_INTERVAL_S))
 
@@ -86,6 +122,46 @@ async def count_tokens() -> Any:
         request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
     )
     return {"input_tokens": await asyncio.to_thread(engine.count_prompt_tokens, generation)}
+
+
+@blueprint.post("/v1/messages/batch")
+async def message_batch() -> Any:
+    """The MLX Anthropic server's batch shape: a JSON list of Messages requests in,
+    `{"results": [...]}` out in the same order, run concurrently through the batcher. A
+    request that fails has an Anthropic error object in its place; the others still run."""
+    items = await _json_list()
+    slots = asyncio.Semaphore(BATCH_CONCURRENCY)
+
+    async def one(index: int, item: Any) -> dict[str, Any]:
+        async with slots:
+            try:
+                return await create_message(_batch_item(index, item))
+            except MlxdError as exc:
+                return anthropic_error(exc)
+
+    return {"results": await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))}
+
+
+async def _json_list() -> list[Any]:
+    try:
+        items = json.loads(await request.get_data())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(items, list) or not items:
+        raise InvalidRequest("request body must be a non-empty JSON list of Messages requests")
+    if len(items) > BATCH_MAX_REQUESTS:
+        raise InvalidRequest(f"at most {BATCH_MAX_REQUESTS} requests per batch")
+    return items
+
+
+def _batch_item(index: int, item: Any) -> MessagesRequest:
+    try:
+        body = MessagesRequest.model_validate(item)
+    except ValidationError as exc:
+        raise InvalidRequest(f"{index}: {from_validation_error(exc).message}") from exc
+    if body.stream:
+        raise InvalidRequest(f"{index}: stream is not allowed in a batch", param="stream")
+    return body
 
 
 async def message_events(parts: AsyncIterator[Part]) -> AsyncIterator[dict[str, Any]]:

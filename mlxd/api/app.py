@@ -13,7 +13,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from mlxd.api import admin, anthropic, auth, batches, embeddings, observe, openai, openapi, shutdown
-from mlxd.api.errors import anthropic_error, openai_error
+from mlxd.api.errors import anthropic_error, anthropic_status, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
@@ -89,7 +89,8 @@ def _render(error: MlxdError) -> Response:
     # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
     observe.failed(error.message)
     if request.path.startswith("/v1/messages"):
-        return anthropic_error(error, observe.request_id()), error.status, error.headers
+        status = anthropic_status(error)
+        return anthropic_error(error, observe.request_id()), status, error.headers
     return openai_error(error), error.status, error.headers
 
 

@@ -138,9 +138,12 @@ class Completion:
     finished: Finished | None = None
 
 
-def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest) -> StreamParser:
+def output_parser(
+    entry: ModelEntry, engine: Engine, request: GenerationRequest, reasoning_open: bool = False
+) -> StreamParser:
     """How this response's text is read: tool calls (when the request offers tools) and
-    reasoning, per the model's `parsers` settings (routing-level: they apply without reload)."""
+    reasoning, per the model's `parsers` settings (routing-level: they apply without reload).
+    `reasoning_open`: the prompt (a prefill) left a think block open."""
     tool = None
     if request.tools:
         template = getattr(engine, "chat_template", None)
@@ -152,7 +155,7 @@ def output_parser(entry: ModelEntry, engine: Engine, request: GenerationRequest)
         else:
             name = entry.config.parsers.tool_calls or "auto"
         tool = make_tool_parser(name, template)
-    return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning))
+    return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning, reasoning_open))
 
 
 async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> AsyncIterator[Part]:
@@ -171,7 +174,12 @@ async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> A
 
 
 async def start(
-    entry: ModelEntry, engine: Engine, request: GenerationRequest, *, parse: bool = True
+    entry: ModelEntry,
+    engine: Engine,
+    request: GenerationRequest,
+    *,
+    parse: bool = True,
+    reasoning_open: bool = False,
 ) -> AsyncIterator[Part]:
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
     text when `parse` is False: raw completions). Interactive requests are bounded by
@@ -182,7 +190,9 @@ async def start(
     events = observe.observed(entry.name, await engine.submit(request))
     if request.priority >= 0:
         events = _until(deadline, timeout, events)
-    parser = output_parser(entry, engine, request) if parse else compose(None, None)
+    parser = (
+        output_parser(entry, engine, request, reasoning_open) if parse else compose(None, None)
+    )
     return parsed_events(parser, events)
 
 
