@@ -101,7 +101,8 @@ def install(app: Quart) -> None:
 
 async def _requested_models() -> list[str]:
     """Model ids the request names: the path's (/v1/models/<id>), the body's `model`, each
-    message batch request's `params.model`, and each `model` of a /v1/messages/batch list. A body that is not JSON is the route's 400."""
+    message batch request's `params.model`, and each `model` of a /v1/messages/batch list.
+    A body that is not JSON is the route's 400."""
     ids = [request.view_args["model_id"]] if "model_id" in (request.view_args or {}) else []
     if request.method != "POST":
         return ids

@@ -190,9 +190,7 @@ async def start(
     events = observe.observed(entry.name, await engine.submit(request))
     if request.priority >= 0:
         events = _until(deadline, timeout, events)
-    parser = (
-        output_parser(entry, engine, request, reasoning_open) if parse else compose(None, None)
-    )
+    parser = output_parser(entry, engine, request, reasoning_open) if parse else compose(None, None)
     return parsed_events(parser, events)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
 from mlxd.errors import InvalidRequest
 
@@ -173,6 +173,11 @@ class MessagesRequest(CountTokensRequest):
         """Whether reasoning the model does comes back as thinking blocks."""
         thinking = self.thinking
         return thinking is None or (thinking.type != "disabled" and thinking.display != "omitted")
+
+
+class MessagesBatchList(RootModel[list[MessagesRequest]]):
+    """`POST /v1/messages/batch`: a JSON list of Messages requests (documentation only: the
+    route validates each item on its own, so one bad item fails alone)."""
 
 
 def prompt_fields(body: CountTokensRequest) -> dict[str, Any]:
