@@ -73,6 +73,26 @@ def test_system_role_messages_stay_in_order_after_the_system_prompt():
     assert roles == [("system", "top"), ("user", "a"), ("system", "mid"), ("user", "b")]
 
 
+def test_system_message_cleared_at_the_next_user_turn_is_left_out():
+    body = request(
+        messages=[
+            {"role": "user", "content": "a"},
+            {"role": "system", "content": "once", "clear_at": "next_user_message"},
+            {"role": "system", "content": "always", "clear_at": "never"},
+            {"role": "system", "output_config": {"effort": "low"}},
+            {"role": "user", "content": "b"},
+            {"role": "system", "content": "still shown", "clear_at": "next_user_message"},
+        ]
+    )
+    texts = [m["content"] for m in internal_messages(body.system, body.messages)]
+    assert texts == ["a", "always", "b", "still shown"]
+
+
+def test_only_system_messages_may_omit_content():
+    with pytest.raises(ValueError, match="content"):
+        request(messages=[{"role": "user"}])
+
+
 def test_system_role_message_with_an_image_is_invalid():
     image = {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}
     body = request(messages=[{"role": "system", "content": [image]}])

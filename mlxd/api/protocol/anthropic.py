@@ -69,7 +69,16 @@ ContentBlock = Annotated[
 class Message(_Lenient):
     # "system" messages may stand anywhere among the turns (the SDK's SystemMessageParam).
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    # Only a system message may omit it (the beta's per-turn output_config-only message).
+    content: str | list[ContentBlock] | None = None
+    # Beta, system messages: "next_user_message" shows it only until the next user turn.
+    clear_at: Literal["next_user_message", "never"] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> Message:
+        if self.content is None and self.role != "system":
+            raise ValueError("content: Field required")
+        return self
 
 
 class Tool(_Lenient):
@@ -208,7 +217,9 @@ def internal_messages(
         result.append({"role": "system", "content": system_text})
     for index, message in enumerate(messages):
         if message.role == "system":
-            result.append({"role": "system", "content": _system_text(message.content, index)})
+            text = _system_text(message.content, index)
+            if text and not _cleared(message, messages[index + 1 :]):
+                result.append({"role": "system", "content": text})
         elif isinstance(message.content, str):
             result.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
@@ -234,9 +245,13 @@ def _text(content: str | list[TextBlock] | None) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content or [])
 
 
-def _system_text(content: str | list[ContentBlock], index: int) -> str:
-    if isinstance(content, str):
-        return content
+def _cleared(message: Message, later: list[Message]) -> bool:
+    return message.clear_at == "next_user_message" and any(m.role == "user" for m in later)
+
+
+def _system_text(content: str | list[ContentBlock] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
     if any(not isinstance(block, TextBlock) for block in content):
         raise InvalidRequest(
             "system messages hold text blocks only", param=f"messages.{index}.content"
