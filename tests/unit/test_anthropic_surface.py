@@ -170,3 +170,29 @@ def test_thinking_says_whether_reasoning_is_shown(thinking: dict | None, shown: 
 def test_overload_is_529_overloaded_error(error: Exception, status: int, kind: str):
     assert anthropic_status(error) == status
     assert anthropic_error(error)["error"]["type"] == kind
+
+
+def test_text_documents_are_read_as_text():
+    document = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "Paris is in France."},
+        "title": "Atlas",
+        "cache_control": CACHE,
+        "citations": {"enabled": True},
+    }
+    body = request(
+        messages=[{"role": "user", "content": [document, {"type": "text", "text": "?"}]}]
+    )
+    (message,) = internal_messages(body.system, body.messages)
+    assert message["content"][0] == {"type": "text", "text": "Atlas\nParis is in France."}
+
+
+def test_pdf_documents_are_refused_with_a_reason():
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"},
+    }
+    body = request(messages=[{"role": "user", "content": [pdf]}])
+    with pytest.raises(InvalidRequest, match="PDF") as caught:
+        internal_messages(body.system, body.messages)
+    assert caught.value.param == "messages.0.content.0"

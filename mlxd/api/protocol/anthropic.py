@@ -60,8 +60,36 @@ class ThinkingBlock(_Lenient):
     type: Literal["thinking", "redacted_thinking"]
 
 
+class DocumentBlock(_Lenient):
+    """A document: plain text (`text` source, or `content` text blocks) is read as text;
+    PDFs (`base64` / `url` sources) need a document parser mlxd does not have."""
+
+    type: Literal["document"]
+    source: dict[str, Any]
+    title: str | None = None
+    context: str | None = None
+
+    def text(self, param: str) -> str:
+        kind = self.source.get("type")
+        if kind == "text" and isinstance(self.source.get("data"), str):
+            body = self.source["data"]
+        elif kind == "content" and isinstance(self.source.get("content"), (str, list)):
+            content = self.source["content"]
+            body = (
+                content
+                if isinstance(content, str)
+                else "\n".join(b.get("text", "") for b in content if isinstance(b, dict))
+            )
+        else:
+            raise InvalidRequest(
+                f"documents with a '{kind}' source (PDF) are not supported; send the text",
+                param=param,
+            )
+        return "\n".join(part for part in (self.title, self.context, body) if part)
+
+
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | DocumentBlock,
     Field(discriminator="type"),
 ]
 
@@ -292,6 +320,9 @@ def _user(blocks: list[ContentBlock], index: int) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ImageBlock):
             parts.append(_image_part(block, f"messages[{index}].content[{position}]"))
+        elif isinstance(block, DocumentBlock):
+            text = block.text(f"messages.{index}.content.{position}")
+            parts.append({"type": "text", "text": text})
         elif isinstance(block, ToolResultBlock):
             if parts:
                 result.append({"role": "user", "content": parts})
