@@ -10,6 +10,7 @@ nothing (every beta field mlxd knows is accepted without its header).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -54,7 +55,7 @@ def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> 
     return GenerationRequest(
         request_id=new_id(""),
         model=entry.name,
-        max_tokens=body.max_tokens,
+        max_tokens=max(body.max_tokens, 1),  # 0 (cache pre-warm): one token, not sent
         sampling=sampling_params(
             entry.config.defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k
         ),
@@ -76,7 +77,17 @@ async def _begin(
     parts = await start(
         entry, engine, generation, reasoning_open=_prefill_opens_reasoning(generation)
     )
+    if body.max_tokens == 0:
+        return _prefill_only(parts), input_tokens
     return (parts if body.shows_thinking() else _without_reasoning(parts)), input_tokens
+
+
+async def _prefill_only(parts: AsyncIterator[Part]) -> AsyncIterator[Part]:
+    """`max_tokens: 0`: the prompt was prefilled (and so cached); the token generated to get
+    there is not part of the answer."""
+    async for part in parts:
+        if isinstance(part, Finished):
+            yield dataclasses.replace(part, reason="length", completion_tokens=0, stop_string=None)
 
 
 def _prefill_opens_reasoning(generation: GenerationRequest) -> bool:

@@ -129,6 +129,15 @@ def test_assistant_prefill_continues_the_turn(client: anthropic.Anthropic):
         assert "".join(stream.text_stream) == text_of(reply)
 
 
+def test_max_tokens_0_prefills_the_prompt_and_answers_nothing(client: anthropic.Anthropic):
+    warm = client.messages.create(model="smol", max_tokens=0, messages=FRANCE)
+    assert warm.content == [] and warm.stop_reason == "max_tokens"
+    assert warm.usage.output_tokens == 0 and warm.usage.input_tokens > 5
+    with client.messages.stream(model="smol", max_tokens=0, messages=FRANCE) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content == [] and streamed.usage.output_tokens == 0
+
+
 def test_beta_endpoint_headers_and_fields_are_accepted(client: anthropic.Anthropic):
     reply = client.beta.messages.create(
         model="smol",

@@ -229,7 +229,7 @@ def test_tool_choice_must_match_tools(tools: Any, choice: dict, needle: str):
     ("fields", "loc"),
     [
         ({"max_tokens": None}, "max_tokens"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": 1.5}, "temperature"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "role"),

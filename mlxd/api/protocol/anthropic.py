@@ -189,7 +189,8 @@ class CountTokensRequest(_Lenient):
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`."""
 
-    max_tokens: int = Field(ge=1)
+    # 0 pre-warms the prompt cache: the prompt is prefilled, nothing is generated.
+    max_tokens: int = Field(ge=0)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
