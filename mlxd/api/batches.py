@@ -126,7 +126,8 @@ async def resume() -> None:
 async def pause() -> None:
     """Stop running batches before the engines close (so no request fails for that), without
     ending them: the next start resumes them."""
-    tasks = list(current_app.extensions["message_batches"].tasks.values())
+    batches = current_app.extensions.get("message_batches")
+    tasks = list(batches.tasks.values()) if batches else []
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
