@@ -17,7 +17,7 @@ from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 pytestmark = pytest.mark.integration
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "claude_code_request.json"
-AGENT_MODEL = "claude-sonnet-4-5-20250929"  # the id the fixture asks for: an alias here
+AGENT_MODEL = "claude-sonnet-5-5"  # the id the fixture asks for: an alias here
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PLACE = {
     "type": "object",
