@@ -51,6 +51,7 @@ fuzz: bootstrap
 lint: bootstrap
 	$(BIN)/ruff check mlxd tests benchmarks
 	$(BIN)/ruff format --check mlxd tests benchmarks
+	$(BIN)/mypy mlxd
 
 fmt: bootstrap
 	$(BIN)/ruff format mlxd tests benchmarks

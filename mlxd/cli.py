@@ -13,7 +13,7 @@ from typing import Any
 from mlxd import accel
 from mlxd.errors import ConfigError
 
-COMMANDS = ("serve", "check", "ps", "reload", "bench")
+COMMANDS = ("serve", "check", "ps", "reload", "load", "unload", "bench")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -74,6 +74,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     _client_options(reload)
     reload.set_defaults(run=_reload)
+
+    for verb, what in (
+        ("load", "load a declared model now; it stays loaded until unloaded or idle"),
+        ("unload", "unload a model now; it stays declared and its next request loads it"),
+    ):
+        command = commands.add_parser(
+            verb,
+            help=what,
+            description=f"POST /admin/models/NAME/{verb} on a running daemon: {what}. "
+            "Goes through the reconciler; the YAML file is not touched.",
+        )
+        command.add_argument("model", help="model name or alias")
+        _client_options(command)
+        command.set_defaults(run=_load_or_unload, verb=verb)
 
     bench = commands.add_parser(
         "bench",
@@ -136,7 +150,8 @@ def _ps(args: argparse.Namespace) -> int:
     except DaemonError as exc:
         print(exc.message, file=sys.stderr)
         return 1
-    header = ("NAME", "KIND", "STATE", "ALIASES", "MEMORY", "QUEUE", "RUNNING", "TOK/S")
+    header: tuple[str, ...] = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE")
+    header += ("QUEUE", "RUNNING", "TOK/S")
     rows = [header] + [_ps_row(name, row) for name, row in status["models"].items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
@@ -145,18 +160,24 @@ def _ps(args: argparse.Namespace) -> int:
 
 
 def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
-    memory = row.get("memory_bytes")
     loaded = "running" in row
+    estimate = row.get("memory_estimate_bytes", row.get("memory_bytes"))
     return (
         name,
         row.get("kind", "-"),
         row["state"],
         ",".join(row.get("aliases") or []) or "-",
-        f"{memory / 2**20:.0f} MiB" if memory else "-",
+        str(row.get("pid") or "-"),
+        _mib(row.get("rss_bytes")),
+        _mib(estimate),
         str(row.get("queue_depth", 0)) if loaded else "-",
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",
     )
+
+
+def _mib(size: int | None) -> str:
+    return f"{size / 2**20:.0f}MiB" if size else "-"
 
 
 def _reload(args: argparse.Namespace) -> int:
@@ -171,6 +192,18 @@ def _reload(args: argparse.Namespace) -> int:
     print(f"config generation {result['config']['generation']}:")
     for action in actions:
         print(f"  {action}")
+    return 0
+
+
+def _load_or_unload(args: argparse.Namespace) -> int:
+    from mlxd.client import DaemonClient, DaemonError
+
+    try:
+        result = DaemonClient(args.url, args.api_key).model_action(args.model, args.verb)
+    except DaemonError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    print(f"{result['model']}: {result['state']}")
     return 0
 
 
@@ -195,7 +228,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings()
     if not settings.no_reexec:
         accel.ensure_optimized_blas()
-    setup_logging(args.log_level or settings.log_level, args.log_format or settings.log_format)
+    level, fmt = args.log_level or settings.log_level, args.log_format or settings.log_format
+    setup_logging(level, fmt)
+    # Worker processes inherit the environment: they log at the same level, in the same format.
+    os.environ.update(MLXD_LOG_LEVEL=level, MLXD_LOG_FORMAT=fmt)
     log = logging.getLogger("mlxd")
     from mlxd.api.app import create_app, serve
     from mlxd.api.auth import log_access

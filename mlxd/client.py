@@ -27,6 +27,10 @@ class DaemonClient:
     def reload(self) -> dict[str, Any]:
         return self._call("POST", "/admin/reload")
 
+    def model_action(self, model: str, verb: str) -> dict[str, Any]:
+        """POST /admin/models/MODEL/{load,unload}."""
+        return self._call("POST", f"/admin/models/{model}/{verb}")
+
     def _call(self, method: str, path: str) -> dict[str, Any]:
         try:
             response = self._http.request(method, path)

@@ -18,7 +18,8 @@ from mlxd.registry.routes import RouteTable
 
 log = logging.getLogger("mlxd")
 
-IDLE_SWEEP_S = 1.0
+# How often lifecycle facts (deaths, idleness, ended backoffs) are reconciled.
+TICK_S = 1.0
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Daemon:
         self.reloads: Counter[str] = Counter()  # by outcome: applied | rejected
         self.reconciler = Reconciler(registry.server, self._set_routes)
         self._reload_lock = asyncio.Lock()
-        self._sweeper: asyncio.Task | None = None
+        self._ticker: asyncio.Task | None = None
 
     def _set_routes(self, routes: RouteTable) -> None:
         self.routes = routes  # one assignment: readers see the old table or the new one
@@ -48,7 +49,7 @@ class Daemon:
     async def start(self) -> None:
         """Reconcile the initial config and wait for its eager models (failures are kept)."""
         self._apply(self.registry)
-        self._sweeper = asyncio.create_task(self._sweep_idle())
+        self._ticker = asyncio.create_task(self._tick())
         loads = [rt.loading for rt in self.reconciler.models.values() if rt.loading]
         await asyncio.gather(*loads, return_exceptions=True)
         self.ready = True
@@ -56,6 +57,8 @@ class Daemon:
     async def reload(self) -> list[Action]:
         """Re-read the config file and converge on it. A file that fails to parse or validate
         is rejected whole (ConfigError): what runs keeps running."""
+        if self.config_path is None:
+            raise ConfigError("the daemon was started without a config file: nothing to reload")
         async with self._reload_lock:
             try:
                 registry = await asyncio.to_thread(load_config, self.config_path)
@@ -89,13 +92,25 @@ class Daemon:
         entry = self.routes.entry(model_id)
         return entry.engine or await self.reconciler.engine_for(entry.name)
 
-    async def _sweep_idle(self) -> None:
+    async def load_model(self, model_id: str) -> None:
+        """Load `model_id` (a name or alias) now; it stays declared as it is in the YAML."""
+        await self.reconciler.load_now(self.routes.entry(model_id).name)
+
+    async def unload_model(self, model_id: str) -> None:
+        """Unload `model_id` now, once its requests finish; its next request loads it again."""
+        await self.reconciler.unload_now(self.routes.entry(model_id).name)
+
+    def set_keep_alive(self, model_id: str, seconds: float | None) -> None:
+        """A client's keep-alive for `model_id`: idle seconds before it unloads (math.inf:
+        never), over its YAML idle_ttl. Never written to the YAML."""
+        self.reconciler.set_keep_alive(self.routes.entry(model_id).name, seconds)
+
+    async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(IDLE_SWEEP_S)
-            self.reconciler.unload_idle(time.monotonic())
-            self.reconciler.restart_dead()
+            await asyncio.sleep(TICK_S)
+            self.reconciler.tick()
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        if self._ticker is not None:
+            self._ticker.cancel()
         await self.reconciler.close()

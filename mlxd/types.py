@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -72,6 +74,31 @@ class Finished:
     completion_tokens: int
     stop_string: str | None = None
     error: str | None = None
+    # The HTTP status an error maps to: 500 for a failed generation, 503 when the model's
+    # worker died under the request (it is being restarted: retrying later works).
+    error_status: int = 500
 
 
 Event = Delta | Finished
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What preparing a request found out, known before its first event: what the API side
+    needs to read and announce the response without rendering the prompt again."""
+
+    prompt_tokens: int
+    # The output calls tools in Hermes syntax whatever the model's own format: mlxd prompted
+    # them that way (a template without tool support) or a grammar forces the call.
+    hermes_tools: bool = False
+    # The prompt already opened a reasoning block (`<think>` at its end): output starts inside.
+    reasoning_open: bool = False
+
+
+EmbeddingInput = list[str] | list[list[int]]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: np.ndarray  # (inputs, dimensions) float32
+    prompt_tokens: int  # every token the model read, special tokens included

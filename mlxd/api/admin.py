@@ -43,6 +43,7 @@ async def health() -> Any:
 @blueprint.get("/v1/status")
 async def status() -> Any:
     daemon = current_app.daemon
+    await daemon.reconciler.refresh_stats()
     models = daemon.reconciler.status()
     return {
         "uptime_s": round(time.time() - daemon.started_at, 1),
@@ -67,8 +68,27 @@ def _model_status(name: str, row: dict[str, Any]) -> dict[str, Any]:
 @blueprint.get("/metrics")
 async def metrics() -> Any:
     """Prometheus text format."""
+    await current_app.daemon.reconciler.refresh_stats()
     body = current_app.extensions["mlxd_metrics"].render()
     return Response(body, content_type=CONTENT_TYPE)
+
+
+@blueprint.post("/admin/models/<path:model>/load")
+async def load_model(model: str) -> Any:
+    """Load a declared model now (name or alias), through the reconciler."""
+    daemon = current_app.daemon
+    await daemon.load_model(model)
+    name = daemon.routes.entry(model).name
+    return {"model": name, "state": daemon.reconciler.models[name].state}
+
+
+@blueprint.post("/admin/models/<path:model>/unload")
+async def unload_model(model: str) -> Any:
+    """Unload a model now; it stays declared and its next request loads it again."""
+    daemon = current_app.daemon
+    await daemon.unload_model(model)
+    name = daemon.routes.entry(model).name
+    return {"model": name, "state": daemon.reconciler.models[name].state}
 
 
 @blueprint.post("/admin/reload")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,13 +31,10 @@ from mlxd.api.generation import (
 from mlxd.api.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,
-    prefill_text,
     prompt_fields,
 )
 from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
-from mlxd.parsers.reasoning import CLOSE as THINK_CLOSE
-from mlxd.parsers.reasoning import OPEN as THINK_OPEN
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest
 
@@ -66,23 +63,19 @@ def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> 
     )
 
 
-async def _begin(
-    body: MessagesRequest, priority: int = 0, *, count: bool = False
-) -> tuple[AsyncIterator[Part], int]:
-    """Submit `body`; its parsed parts, and its prompt's size when `count` (a stream reports
-    it in message_start, before the first token exists)."""
+async def _begin(body: MessagesRequest, priority: int = 0) -> tuple[AsyncIterable[Part], int]:
+    """Submit `body`; its parsed parts, and its prompt's size (a stream reports it in
+    message_start, before the first token exists). A prefill that opens a think block is seen
+    by the engine (`admission.reasoning_open`): the answer then starts in the reasoning."""
     entry, engine = await generation_engine(body.model)
-    generation = _generation(body, entry, priority)
-    input_tokens = await asyncio.to_thread(engine.count_prompt_tokens, generation) if count else 0
-    parts = await start(
-        entry, engine, generation, reasoning_open=_prefill_opens_reasoning(generation)
-    )
+    parts = await start(entry, engine, _generation(body, entry, priority))
+    input_tokens = parts.admission.prompt_tokens
     if body.max_tokens == 0:
         return _prefill_only(parts), input_tokens
     return (parts if body.shows_thinking() else _without_reasoning(parts)), input_tokens
 
 
-async def _prefill_only(parts: AsyncIterator[Part]) -> AsyncIterator[Part]:
+async def _prefill_only(parts: AsyncIterable[Part]) -> AsyncIterator[Part]:
     """`max_tokens: 0`: the prompt was prefilled (and so cached); the token generated to get
     there is not part of the answer."""
     async for part in parts:
@@ -90,13 +83,7 @@ async def _prefill_only(parts: AsyncIterator[Part]) -> AsyncIterator[Part]:
             yield dataclasses.replace(part, reason="length", completion_tokens=0, stop_string=None)
 
 
-def _prefill_opens_reasoning(generation: GenerationRequest) -> bool:
-    """A prefill that opened a think block and did not close it: the output starts inside."""
-    text = prefill_text(generation.messages or [])
-    return text is not None and text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
-
-
-async def _without_reasoning(parts: AsyncIterator[Part]) -> AsyncIterator[Part]:
+async def _without_reasoning(parts: AsyncIterable[Part]) -> AsyncIterator[Part]:
     """`thinking` disabled or `display: omitted`: the model may still reason (whether it does
     is its own); its reasoning is not sent."""
     async for part in parts:
@@ -120,7 +107,7 @@ async def messages() -> Any:
     body = await parse_body(MessagesRequest)
     if not body.stream:
         return await create_message(body)
-    parts, input_tokens = await _begin(body, count=True)
+    parts, input_tokens = await _begin(body)
     chunks = _stream(parts, _head(body), input_tokens)
     return await event_stream(_keep_alive(chunks, PING_INTERVAL_S))
 
@@ -132,7 +119,7 @@ async def count_tokens() -> Any:
     generation = GenerationRequest(
         request_id=new_id(""), model=entry.name, max_tokens=1, **prompt_fields(body)
     )
-    return {"input_tokens": await asyncio.to_thread(engine.count_prompt_tokens, generation)}
+    return {"input_tokens": await engine.count_prompt_tokens(generation)}
 
 
 @blueprint.post("/v1/messages/batch")
@@ -175,7 +162,7 @@ def _batch_item(index: int, item: Any) -> MessagesRequest:
     return body
 
 
-async def message_events(parts: AsyncIterator[Part]) -> AsyncIterator[dict[str, Any]]:
+async def message_events(parts: AsyncIterable[Part]) -> AsyncIterator[dict[str, Any]]:
     """The content-block events of one answer, then its `message_delta` (stop reason, usage).
     Failures raise `MlxdError`."""
     blocks = ContentBlocks()
@@ -277,7 +264,7 @@ def fold(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def _stream(
-    parts: AsyncIterator[Part], head: dict[str, Any], input_tokens: int
+    parts: AsyncIterable[Part], head: dict[str, Any], input_tokens: int
 ) -> AsyncIterator[bytes]:
     """Anthropic's SSE sequence; a failure after the headers went out becomes an error event."""
     message = {

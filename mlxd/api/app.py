@@ -12,7 +12,19 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import admin, anthropic, auth, batches, embeddings, observe, openai, openapi, shutdown
+from mlxd.api import (
+    admin,
+    anthropic,
+    auth,
+    batches,
+    embeddings,
+    observe,
+    ollama,
+    openai,
+    openapi,
+    responses,
+    shutdown,
+)
 from mlxd.api.errors import anthropic_error, anthropic_status, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
@@ -37,9 +49,11 @@ def create_app(daemon: Daemon) -> Quart:
     app.inflight = shutdown.install(app)
     auth.install(app)
     app.register_blueprint(openai.blueprint)
+    app.register_blueprint(responses.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
+    app.register_blueprint(ollama.blueprint)
     app.register_blueprint(admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)
@@ -91,13 +105,18 @@ def _render(error: MlxdError) -> Response:
     if request.path.startswith("/v1/messages"):
         status = anthropic_status(error)
         return anthropic_error(error, observe.request_id()), status, error.headers
+    if request.path.startswith("/api/"):
+        return {"error": error.message}, error.status, error.headers  # Ollama's shape
     return openai_error(error), error.status, error.headers
 
 
 async def serve(app: Quart, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see `shutdown`)."""
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # server.ollama_port: the same app also where Ollama clients look (11434 by convention).
+    ollama_port = app.daemon.registry.server.ollama_port
+    ports = [port] + ([ollama_port] if ollama_port and ollama_port != port else [])
+    config.bind = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
     config.backlog = LISTEN_BACKLOG
     config.accesslog = None  # mlxd logs one line per request itself (api/observe.py)
     config.errorlog = logging.getLogger("hypercorn.error")  # through mlxd's log format

@@ -116,6 +116,8 @@ async def _requested_models() -> list[str]:
     if not isinstance(body, dict):
         return ids
     ids.append(body.get("model"))
+    if request.path == "/api/show":
+        ids.append(body.get("name"))  # older Ollama clients name the model so
     batch = body.get("requests")
     for item in batch if isinstance(batch, list) else []:
         if isinstance(item, dict) and isinstance(item.get("params"), dict):
@@ -124,7 +126,9 @@ async def _requested_models() -> list[str]:
 
 
 def _check_model(who: Caller, model_id: str) -> None:
-    name = current_app.daemon.routes.ids.get(model_id)
+    ids = current_app.daemon.routes.ids
+    # Ollama clients tag names (`smol:latest`); the Ollama routes accept that for a known id.
+    name = ids.get(model_id) or ids.get(model_id.removesuffix(":latest"))
     if name is None:
         # The route's own 404 would list every model; this key sees only its own.
         routes = current_app.daemon.routes.ids

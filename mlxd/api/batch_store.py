@@ -4,13 +4,12 @@ One folder per batch under `<server.cache_dir>/message-batches/`: `batch.json` h
 batch is (its requests as sent, its owner, status and times) and is replaced atomically on
 every change of status; `results.jsonl` gets one line per finished request, appended and
 flushed as each finishes. A request that was running when the daemon stopped has no line, so
-it runs again at the next start. The owner is a SHA-256 of the API key that made the batch:
-the key itself is never written.
+it runs again at the next start. The owner is `response_store.owner_of` the API key that made
+the batch (a SHA-256, as stored responses use): the key itself is never written.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,11 +22,6 @@ from typing import Any, Literal
 log = logging.getLogger("mlxd.batches")
 
 Status = Literal["in_progress", "canceling", "ended"]
-
-
-def owner_of(key: str | None) -> str:
-    """Who a batch belongs to: a digest of the caller's key ('' when it sent none)."""
-    return hashlib.sha256((key or "").encode()).hexdigest()
 
 
 @dataclass
@@ -115,7 +109,7 @@ class BatchStore:
 
 def _results(path: Path) -> dict[str, dict[str, Any]]:
     """The results file's lines; a torn last line (a crash mid-append) is not a result."""
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     if not path.exists():
         return results
     for line in path.read_text().splitlines():

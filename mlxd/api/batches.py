@@ -17,14 +17,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from quart import Blueprint, Quart, Response, current_app, request
+from quart import Blueprint, Response, current_app, request
 
 from mlxd.api.anthropic import create_message
 from mlxd.api.auth import presented_key
-from mlxd.api.batch_store import BatchStore, StoredBatch, owner_of
+from mlxd.api.batch_store import BatchStore, StoredBatch
 from mlxd.api.errors import anthropic_error, from_validation_error
 from mlxd.api.generation import new_id, parse_body
 from mlxd.api.protocol.anthropic import MessagesRequest
+from mlxd.api.response_store import owner_of
 from mlxd.errors import InvalidRequest, MlxdError, NotFound
 
 log = logging.getLogger("mlxd.batches")
@@ -57,7 +58,7 @@ class Batches:
         self.all: dict[str, StoredBatch] = {b.id: b for b in store.load()}
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def run(self, batch: StoredBatch, app: Quart) -> None:
+    def run(self, batch: StoredBatch, app: Any) -> None:
         self.tasks[batch.id] = asyncio.create_task(_run(batch, app, self))
 
 
@@ -93,7 +94,7 @@ def _batches() -> Batches:
 
 
 def _caller() -> str:
-    return owner_of(presented_key(request.headers))
+    return owner_of(presented_key(request.headers))  # type: ignore[arg-type]
 
 
 def _get(batch_id: str) -> StoredBatch:
@@ -106,7 +107,7 @@ def _get(batch_id: str) -> StoredBatch:
 @blueprint.before_app_serving
 async def resume() -> None:
     """Load every batch from disk; run what a previous daemon left unfinished."""
-    app = current_app._get_current_object()
+    app: Any = current_app._get_current_object()  # type: ignore[attr-defined]
     batches = Batches(BatchStore(app.daemon.registry.server.cache_dir / "message-batches"))
     app.extensions["message_batches"] = batches
     for batch in batches.all.values():
@@ -149,7 +150,7 @@ async def create() -> Any:
     batches = _batches()
     batches.store.save(batch)
     batches.all[batch.id] = batch
-    batches.run(batch, current_app._get_current_object())
+    batches.run(batch, current_app._get_current_object())  # type: ignore[attr-defined]
     return to_json(batch)
 
 
@@ -161,7 +162,7 @@ def _validated(params: dict[str, Any], index: int) -> MessagesRequest:
         raise InvalidRequest(f"requests.{index}.params: {error.message}") from exc
 
 
-async def _run(batch: StoredBatch, app: Quart, batches: Batches) -> None:
+async def _run(batch: StoredBatch, app: Any, batches: Batches) -> None:
     slots = asyncio.Semaphore(PER_BATCH_CONCURRENCY)
 
     async def one(custom_id: str, params: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from typing import Any
 
 import numpy as np
@@ -18,22 +19,7 @@ blueprint = Blueprint("embeddings", __name__)
 @blueprint.post("/v1/embeddings")
 async def embeddings() -> Any:
     body = await parse_body(EmbeddingRequest)
-    entry = current_app.daemon.routes.entry(body.model)
-    if entry.config.kind != "embedding":
-        raise InvalidRequest(
-            f"model '{body.model}' is of kind '{entry.config.kind}'; /v1/embeddings needs a "
-            "model of kind 'embedding'",
-            param="model",
-        )
-    inputs = body.inputs()
-    if len(inputs) > entry.config.max_inputs:
-        raise InvalidRequest(
-            f"input has {len(inputs)} items; model '{body.model}' takes at most "
-            f"{entry.config.max_inputs} per request (max_inputs)",
-            param="input",
-        )
-    engine = await current_app.daemon.engine(body.model)
-    result = await engine.embed(inputs, truncate=entry.config.truncate, dimensions=body.dimensions)
+    result, _ = await embed_texts(body.model, body.inputs(), dimensions=body.dimensions)
     encode = _base64 if body.encoding_format == "base64" else np.ndarray.tolist
     return {
         "object": "list",
@@ -44,6 +30,36 @@ async def embeddings() -> Any:
         "model": body.model,
         "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
     }
+
+
+async def embed_texts(
+    model_id: str,
+    inputs: list[str] | list[list[int]],
+    *,
+    dimensions: int | None = None,
+    truncate: bool | None = None,
+    param: str = "input",
+) -> tuple[Any, int]:
+    """Embed `inputs` with `model_id` (shared by the OpenAI and Ollama routes); returns the
+    engine's result and `time.monotonic_ns()` once the model was loaded. `truncate` None
+    follows the model's YAML setting."""
+    entry = current_app.daemon.routes.entry(model_id)
+    if entry.config.kind != "embedding":
+        raise InvalidRequest(
+            f"model '{model_id}' is of kind '{entry.config.kind}'; embeddings need a "
+            "model of kind 'embedding'",
+            param="model",
+        )
+    if len(inputs) > entry.config.max_inputs:
+        raise InvalidRequest(
+            f"{param} has {len(inputs)} items; model '{model_id}' takes at most "
+            f"{entry.config.max_inputs} per request (max_inputs)",
+            param=param,
+        )
+    engine = await current_app.daemon.engine(model_id)
+    loaded = time.monotonic_ns()
+    truncate = entry.config.truncate if truncate is None else truncate
+    return await engine.embed(inputs, truncate=truncate, dimensions=dimensions), loaded
 
 
 def _base64(vector: np.ndarray) -> str:

@@ -16,8 +16,7 @@ from mlxd.api import observe
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import Engine
-from mlxd.engines.prompt import template_supports_tools
-from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut
+from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut, Unavailable
 from mlxd.parsers.base import (
     OutputPart,
     ReasoningPart,
@@ -29,6 +28,7 @@ from mlxd.parsers.base import (
 from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import (
+    Admission,
     Delta,
     Event,
     Finished,
@@ -112,6 +112,38 @@ def sampling_params(
     )
 
 
+def tool_choice(
+    choice: str | None, named: str | None, names: set[str], *, required_word: str = "required"
+) -> str | dict[str, Any] | None:
+    """A dialect's tool_choice in the internal form: `choice` is the mode ("auto", "none",
+    `required_word`) or `named` the one tool to call, which must be among `names`."""
+    if named is not None:
+        if named not in names:
+            raise InvalidRequest(
+                f"tool_choice names '{named}', which is not in tools", param="tool_choice"
+            )
+        return {"name": named}
+    if choice == required_word:
+        if not names:
+            raise InvalidRequest(f"tool_choice '{choice}' needs tools", param="tool_choice")
+        return "required"
+    return choice
+
+
+def constrained_output(
+    kind: str | None, schema: Any, param: str, schema_field: str
+) -> dict[str, Any] | None:
+    """The internal `response_format` (what the constrained decoder enforces) for a dialect's
+    structured-output setting: None for free text, json_object, or json_schema with `schema`."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param} json_schema needs {schema_field}", param=param)
+    return {"type": "json_schema", "schema": schema}
+
+
 @dataclass(frozen=True)
 class Logprobs:
     """Token log-probabilities riding alongside the parsed parts."""
@@ -139,23 +171,17 @@ class Completion:
 
 
 def output_parser(
-    entry: ModelEntry, engine: Engine, request: GenerationRequest, reasoning_open: bool = False
+    entry: ModelEntry, engine: Engine, request: GenerationRequest, admission: Admission
 ) -> StreamParser:
     """How this response's text is read: tool calls (when the request offers tools) and
-    reasoning, per the model's `parsers` settings (routing-level: they apply without reload).
-    `reasoning_open`: the prompt (a prefill) left a think block open."""
+    reasoning, per the model's `parsers` settings (routing-level: they apply without reload)
+    and what preparing the request found (`admission`)."""
     tool = None
     if request.tools:
-        template = getattr(engine, "chat_template", None)
-        forced = request.tool_choice not in (None, "auto")
-        # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
-        # template that cannot render tools (mlxd prompts those in Hermes style).
-        if forced or not template_supports_tools(template):
-            name = "hermes"
-        else:
-            name = entry.config.parsers.tool_calls or "auto"
-        tool = make_tool_parser(name, template)
-    return compose(tool, make_reasoning_parser(entry.config.parsers.reasoning, reasoning_open))
+        name = "hermes" if admission.hermes_tools else entry.config.parsers.tool_calls or "auto"
+        tool = make_tool_parser(name, getattr(engine, "chat_template", None))
+    reasoning = make_reasoning_parser(entry.config.parsers.reasoning, admission.reasoning_open)
+    return compose(tool, reasoning)
 
 
 async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> AsyncIterator[Part]:
@@ -173,25 +199,40 @@ async def parsed_events(parser: StreamParser, events: AsyncIterator[Event]) -> A
             yield event
 
 
+class Parts:
+    """A response's parsed parts, and its `admission` (the prompt's size, known up front)."""
+
+    def __init__(self, admission: Admission, parts: AsyncIterator[Part]):
+        self.admission = admission
+        self._parts = parts
+
+    def __aiter__(self) -> AsyncIterator[Part]:
+        return self._parts
+
+
 async def start(
-    entry: ModelEntry,
-    engine: Engine,
-    request: GenerationRequest,
-    *,
-    parse: bool = True,
-    reasoning_open: bool = False,
-) -> AsyncIterator[Part]:
+    entry: ModelEntry, engine: Engine, request: GenerationRequest, *, parse: bool = True
+) -> Parts:
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
     text when `parse` is False: raw completions). Interactive requests are bounded by
     `server.request_timeout`, queueing included; batch work (priority < 0) waits behind them
     by design and is not."""
     timeout = current_app.daemon.registry.server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
-    events = observe.observed(entry.name, await engine.submit(request))
+    stream = await engine.submit(request)
+    try:
+        parser = (
+            output_parser(entry, engine, request, stream.admission)
+            if parse
+            else compose(None, None)
+        )
+    except BaseException:
+        await stream.aclose()  # submitted: cancel it, or it would run to max_tokens
+        raise
+    events: AsyncIterator[Event] = observe.observed(entry.name, stream)
     if request.priority >= 0:
         events = _until(deadline, timeout, events)
-    parser = output_parser(entry, engine, request, reasoning_open) if parse else compose(None, None)
-    return parsed_events(parser, events)
+    return Parts(stream.admission, parsed_events(parser, events))
 
 
 async def _until(
@@ -203,8 +244,8 @@ async def _until(
     try:
         while True:
             try:
-                # Timing out cancels the wait inside the engine's iterator, which cancels
-                # the sequence in the batcher.
+                # Timing out cancels the wait inside the engine's stream, which cancels
+                # the sequence.
                 event = await asyncio.wait_for(anext(events), max(deadline - loop.time(), 0))
             except StopAsyncIteration:
                 return
@@ -219,7 +260,8 @@ async def _until(
 
 def raise_if_failed(finished: Finished) -> None:
     if finished.reason == "error":
-        raise GenerationFailed(finished.error or "generation failed")
+        failure = Unavailable if finished.error_status == 503 else GenerationFailed
+        raise failure(finished.error or "generation failed")
 
 
 async def collect(parts: AsyncIterator[Part]) -> Completion:

@@ -174,7 +174,13 @@ def _model_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         "mlxd_batch_occupancy", "Running sequences / max_batch_size.", labels=["model"]
     )
     memory = GaugeMetricFamily(
-        "mlxd_model_memory_bytes", "Weights plus KV budget of the loaded engine.", labels=["model"]
+        "mlxd_model_memory_bytes",
+        "What the memory budget counts for the loaded engine: its estimate (weights plus KV "
+        "budget) or, once larger, its worker's resident memory.",
+        labels=["model"],
+    )
+    rss = GaugeMetricFamily(
+        "mlxd_worker_rss_bytes", "Resident memory of the model's worker process.", labels=["model"]
     )
     hits = CounterMetricFamily(
         "mlxd_cache_hits", "Prompt-cache hits by tier.", labels=["model", "tier"]
@@ -195,6 +201,8 @@ def _model_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         if row.get("max_batch_size"):
             occupancy.add_metric([name], row["running"] / row["max_batch_size"])
         memory.add_metric([name], row.get("memory_bytes", 0))
+        if row.get("rss_bytes") is not None:
+            rss.add_metric([name], row["rss_bytes"])
         cache = row.get("cache")
         if not cache:
             continue
@@ -205,4 +213,5 @@ def _model_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             evictions.add_metric([name, tier], count)
         for tier, count in cache.get("bytes", {}).items():
             cache_bytes.add_metric([name, tier], count)
-    yield from (state, queue, running, occupancy, memory, hits, misses, evictions, cache_bytes)
+    yield from (state, queue, running, occupancy, memory, rss)
+    yield from (hits, misses, evictions, cache_bytes)

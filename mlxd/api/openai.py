@@ -12,18 +12,19 @@ from quart import Blueprint, current_app
 from mlxd.api import auth
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
+    Completion,
     Logprobs,
     Part,
-    collect,
+    constrained_output,
     event_stream,
     generation_engine,
     new_id,
     parse_body,
     sampling_params,
-    start,
-    usage,
+    tool_choice,
 )
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mlxd.api.sequences import Interleaved, collect_all, copies, start_many, total_usage
 from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallStart
 from mlxd.registry.routes import ModelEntry
@@ -63,40 +64,29 @@ def _generation_request(
 
 
 async def _start(
-    model_id: str, generation: GenerationRequest, *, parse: bool = True
-) -> AsyncIterator[Part]:
+    model_id: str, generations: list[GenerationRequest], *, parse: bool = True
+) -> Interleaved:
     entry, engine = await generation_engine(model_id)
-    return await start(entry, engine, generation, parse=parse)
+    return await start_many(entry, engine, generations, parse=parse)
 
 
 def _tool_choice(body: ChatCompletionRequest) -> str | dict[str, Any] | None:
     """OpenAI's tool_choice in the internal form; a named tool must be one of `tools`."""
     choice = body.tool_choice
+    names = {t.get("function", {}).get("name") for t in body.tools or []}
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        names = {t.get("function", {}).get("name") for t in body.tools or []}
-        if name not in names:
-            raise InvalidRequest(
-                f"tool_choice names '{name}', which is not in tools", param="tool_choice"
-            )
-        return {"name": name}
-    if choice == "required" and not body.tools:
-        raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
-    return choice
+        return tool_choice(None, (choice.get("function") or {}).get("name") or "", names)
+    return tool_choice(choice, None, names)
 
 
 def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
     response_format = body.response_format
-    if response_format is None or response_format.type == "text":
+    if response_format is None:
         return None
-    if response_format.type == "json_object":
-        return {"type": "json_object"}
     spec = response_format.json_schema or {}
-    if not isinstance(spec.get("schema"), dict):
-        raise InvalidRequest(
-            "response_format json_schema needs json_schema.schema", param="response_format"
-        )
-    return {"type": "json_schema", "schema": spec["schema"]}
+    return constrained_output(
+        response_format.type, spec.get("schema"), "response_format", "json_schema.schema"
+    )
 
 
 @blueprint.post("/v1/chat/completions")
@@ -117,22 +107,34 @@ async def chat_completions() -> Any:
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body),
     )
-    parts = await _start(model_id, generation)
+    streams = await _start(model_id, copies(generation, body.n))
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": model_id}
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        opening = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
+        openings = [
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for index in range(body.n)
+        ]
         head = {**head, "object": "chat.completion.chunk"}
-        chunks = _stream(parts, head, include_usage, _chat_choices(), opening)
+        chunks = _stream(streams, head, include_usage, _chat_choices, body.n, openings)
         return await event_stream(chunks)
 
-    result = await collect(parts)
+    results = await collect_all(streams, body.n)
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": [_chat_choice(index, result, top) for index, result in enumerate(results)],
+        "usage": total_usage([r.finished for r in results], body.n),
+    }
+
+
+def _chat_choice(index: int, result: Completion, top: int | None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": result.text or None}
     if result.reasoning:
         message["reasoning_content"] = result.reasoning
@@ -143,17 +145,11 @@ async def chat_completions() -> Any:
         ]
     elif message["content"] is None:
         message["content"] = ""
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": _chat_logprobs(result.logprobs) if top is not None else None,
         "finish_reason": _finish_reason(result.finished, bool(result.tool_calls)),
-    }
-    return {
-        **head,
-        "object": "chat.completion",
-        "choices": [choice],
-        "usage": usage(result.finished),
     }
 
 
@@ -203,31 +199,57 @@ def _chat_choices() -> Callable[[Part], dict[str, Any] | None]:
 @blueprint.post("/v1/completions")
 async def completions() -> Any:
     body = await parse_body(CompletionRequest)
-    if body.echo or body.suffix:
-        raise InvalidRequest("echo and suffix are not supported", param="echo")
-    model_id, generation = _generation_request(body, body.logprobs, prompt=body.prompt)
-    parts = await _start(model_id, generation, parse=False)
+    if body.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    prompts = body.prompts()
+    if body.echo and any(not isinstance(p, str) for p in prompts):
+        raise InvalidRequest("echo needs text prompts, not token ids", param="echo")
+    if body.echo and body.logprobs is not None:
+        # OpenAI would score the prompt's tokens too; mlxd has only the completion's.
+        raise InvalidRequest("echo with logprobs is not supported", param="echo")
+    generations = []
+    for prompt in prompts:
+        model_id, generation = _generation_request(body, body.logprobs, prompt=prompt)
+        generations.extend(copies(generation, body.n))
+    streams = await _start(model_id, generations, parse=False)
+    # Choice i answers prompt i // n (OpenAI's order: every choice of a prompt together).
+    echoes = [p if body.echo else "" for p in prompts for _ in range(body.n)]
     head = {"id": new_id("cmpl-"), "created": int(time.time()), "model": model_id}
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        openings = [
+            {"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+            for i, echo in enumerate(echoes)
+            if echo
+        ]
         chunks = _stream(
-            parts, {**head, "object": "text_completion"}, include_usage, _completion_choice
+            streams,
+            {**head, "object": "text_completion"},
+            include_usage,
+            lambda: _completion_choice,
+            body.n,
+            openings,
         )
         return await event_stream(chunks)
 
-    result = await collect(parts)
-    choice = {
-        "index": 0,
-        "text": result.text,
-        "logprobs": _completion_logprobs(result.logprobs) if body.logprobs is not None else None,
-        "finish_reason": result.finished.reason,
-    }
+    results = await collect_all(streams, len(generations))
+    choices = [
+        {
+            "index": index,
+            "text": echoes[index] + result.text,
+            "logprobs": (
+                _completion_logprobs(result.logprobs) if body.logprobs is not None else None
+            ),
+            "finish_reason": result.finished.reason,
+        }
+        for index, result in enumerate(results)
+    ]
     return {
         **head,
         "object": "text_completion",
-        "choices": [choice],
-        "usage": usage(result.finished),
+        "choices": choices,
+        "usage": total_usage([r.finished for r in results], body.n),
     }
 
 
@@ -243,27 +265,35 @@ def _completion_choice(part: Part) -> dict[str, Any] | None:
 
 
 async def _stream(
-    parts: AsyncIterator[Part],
+    streams: Interleaved,
     head: dict,
     include_usage: bool,
-    choice: Callable[[Part], dict | None],
-    opening: dict | None = None,
+    choices: Callable[[], Callable[[Part], dict | None]],
+    per_prompt: int,
+    openings: list[dict],
 ) -> AsyncIterator[bytes]:
-    """OpenAI's SSE framing, shared by chat and text completions: one chunk per part, the
-    usage chunk when asked for, then `[DONE]`. A failure after the headers went out becomes
-    an error event."""
+    """OpenAI's SSE framing, shared by chat and text completions: the opening chunks, one
+    chunk per part of any sequence (its choice index set), the usage chunk when asked for,
+    then `[DONE]`. A failure after the headers went out becomes an error event (and every
+    sequence is cancelled, as when the client leaves)."""
     extra = {"usage": None} if include_usage else {}
-    if opening is not None:
+    for opening in openings:
         yield _sse({**head, "choices": [opening], **extra})
+    renderers: dict[int, Callable[[Part], dict | None]] = {}
+    finished: dict[int, Finished] = {}
     try:
-        async for part in parts:
-            rendered = choice(part)
+        async for index, part in streams:
+            rendered = renderers.setdefault(index, choices())(part)
             if rendered is not None:
-                yield _sse({**head, "choices": [rendered], **extra})
-            if isinstance(part, Finished) and include_usage:
-                yield _sse({**head, "choices": [], "usage": usage(part)})
+                yield _sse({**head, "choices": [{**rendered, "index": index}], **extra})
+            if isinstance(part, Finished):
+                finished[index] = part
     except MlxdError as exc:
         yield _sse(openai_error(exc))
+    else:
+        if include_usage:
+            ordered = [finished[i] for i in sorted(finished)]
+            yield _sse({**head, "choices": [], "usage": total_usage(ordered, per_prompt)})
     yield b"data: [DONE]\n\n"
 
 

@@ -18,11 +18,19 @@ from quart import Blueprint
 
 from mlxd.api.batches import CreateBatch
 from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesBatchList, MessagesRequest
+from mlxd.api.protocol.ollama import (
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+    ShowRequest,
+)
 from mlxd.api.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
 )
+from mlxd.api.protocol.responses import ResponseCreateRequest
 
 blueprint = Blueprint("openapi", __name__)
 
@@ -42,6 +50,12 @@ ROUTES = (
     Route("post", "/v1/chat/completions", "Chat completion", "openai", ChatCompletionRequest, True),
     Route("post", "/v1/completions", "Text completion", "openai", CompletionRequest, True),
     Route("post", "/v1/embeddings", "Embeddings", "openai", EmbeddingRequest),
+    Route("post", "/v1/responses", "Create a response (Responses API)", "openai",
+          ResponseCreateRequest, True),
+    Route("get", "/v1/responses/{response_id}", "A stored response", "openai"),
+    Route("delete", "/v1/responses/{response_id}", "Delete a stored response", "openai"),
+    Route("get", "/v1/responses/{response_id}/input_items", "A stored response's input items",
+          "openai"),
     Route("get", "/v1/models", "List model ids (names and aliases)", "openai"),
     Route("get", "/v1/models/{model_id}", "One model id", "openai"),
     Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),
@@ -56,11 +70,29 @@ ROUTES = (
     Route("delete", "/v1/messages/batches/{batch_id}", "Delete an ended batch", "anthropic"),
     Route("get", "/v1/messages/batches/{batch_id}/results", "Batch results (JSONL)", "anthropic",
           content_type="application/x-jsonl"),
+    Route("post", "/api/chat", "Chat (NDJSON unless stream: false)", "ollama", ChatRequest,
+          content_type="application/x-ndjson"),
+    Route("post", "/api/generate", "Generate (NDJSON unless stream: false)", "ollama",
+          GenerateRequest, content_type="application/x-ndjson"),
+    Route("post", "/api/embed", "Embeddings", "ollama", EmbedRequest),
+    Route("post", "/api/embeddings", "One embedding (older route)", "ollama", EmbeddingsRequest),
+    Route("get", "/api/tags", "Declared models", "ollama"),
+    Route("get", "/api/ps", "Loaded models", "ollama"),
+    Route("post", "/api/show", "One model", "ollama", ShowRequest),
+    Route("get", "/api/version", "Ollama API version", "ollama"),
+    Route("post", "/api/pull", "501: models are declared in the YAML", "ollama"),
+    Route("post", "/api/push", "501: models are declared in the YAML", "ollama"),
+    Route("post", "/api/create", "501: models are declared in the YAML", "ollama"),
+    Route("post", "/api/copy", "501: models are declared in the YAML", "ollama"),
+    Route("post", "/api/delete", "501: models are declared in the YAML", "ollama"),
+    Route("delete", "/api/delete", "501: models are declared in the YAML", "ollama"),
     Route("get", "/health", "Liveness and readiness", "operations"),
     Route("get", "/v1/status", "Models, queues, throughput, cache, config", "operations"),
     Route("get", "/metrics", "Prometheus metrics", "operations",
           content_type="text/plain"),
     Route("post", "/admin/reload", "Re-read the config file", "operations"),
+    Route("post", "/admin/models/{model}/load", "Load a declared model now", "operations"),
+    Route("post", "/admin/models/{model}/unload", "Unload a model now", "operations"),
     Route("get", "/openapi.json", "This document", "operations"),
 )  # fmt: skip
 
@@ -94,6 +126,12 @@ _ANTHROPIC_ERROR = {
     },
 }
 
+_OLLAMA_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
+
 
 @cache
 def document() -> dict[str, Any]:
@@ -121,6 +159,7 @@ def document() -> dict[str, Any]:
                 **schemas.get("$defs", {}),
                 "OpenAIError": _OPENAI_ERROR,
                 "AnthropicError": _ANTHROPIC_ERROR,
+                "OllamaError": _OLLAMA_ERROR,
             },
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
@@ -136,7 +175,12 @@ def _operation(route: Route, body_schema: dict[str, Any] | None) -> dict[str, An
     success: dict[str, Any] = {route.content_type: {"schema": {}}}
     if route.streams:
         success["text/event-stream"] = {"schema": {"type": "string"}}
-    error = "AnthropicError" if route.path.startswith("/v1/messages") else "OpenAIError"
+    if route.path.startswith("/v1/messages"):
+        error = "AnthropicError"
+    elif route.path.startswith("/api/"):
+        error = "OllamaError"
+    else:
+        error = "OpenAIError"
     error_content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}
     operation: dict[str, Any] = {
         "summary": route.summary,

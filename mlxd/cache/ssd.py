@@ -18,11 +18,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 from safetensors import safe_open
 
 from mlxd.cache.blocks import Block
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger("mlxd.cache")
 
@@ -43,7 +47,8 @@ def checksum(arrays: dict[str, mx.array]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
         digest.update(name.encode())
-        digest.update(memoryview(arrays[name]))
+        # mx.array has the buffer protocol; its stub does not declare it.
+        digest.update(memoryview(cast("Buffer", arrays[name])))
     return digest.hexdigest()
 
 
@@ -81,14 +86,17 @@ class SsdTier:
             self._pending.add(block.key)
         self._queue.put(block)
 
-    def load(self, key: str, parent: str, tokens: list[int]) -> Block | None:
+    def load(self, key: str, parent: str, tokens: list[int] | tuple[int, ...]) -> Block | None:
         """The block stored under `key` if its file is intact and holds this very prefix."""
         with self._lock:
             entry = self._index.get(key)
         if entry is None:
             return None
         try:
-            arrays, meta = mx.load(str(entry.path), return_metadata=True)
+            loaded = mx.load(str(entry.path), return_metadata=True)
+            # mx.load's return type covers every format; with metadata it is (arrays, metadata).
+            assert isinstance(loaded, tuple)
+            arrays, meta = loaded
             mx.eval(arrays)  # read the file here, on the caller's thread, not the model's
             stored = arrays.pop("tokens")
             intact = (
@@ -103,7 +111,9 @@ class SsdTier:
         if not intact:
             self._forget(key, delete=True)
             return None
-        block = Block(key, meta["parent"], tuple(stored.tolist()), arrays, source="ssd")
+        # tolist() is typed as any nesting of scalars; "tokens" is a 1-D int32 array.
+        stored_tokens = tuple(cast(list[int], stored.tolist()))
+        block = Block(key, meta["parent"], stored_tokens, arrays, source="ssd")
         if not block.matches(parent, tokens):
             return None  # a hash collision: another prefix owns this key
         now = time.time()

@@ -59,6 +59,13 @@ class ServerConfig(_Section):
 
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 exposes the LAN.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    ollama_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also listen on this port (e.g. 11434, Ollama's) for clients that assume "
+        "Ollama's address; the same API is served on both ports. Null: only `port`.",
+    )
     api_keys: ApiKeys = Field(
         default_factory=list,
         description="Keys accepted for every model (Bearer or x-api-key). Empty means open; "
@@ -68,6 +75,12 @@ class ServerConfig(_Section):
         Path("~/.cache/mlxd"),
         validate_default=True,
         description="Directory for converted weights and the SSD KV-cache tier (`~` expanded).",
+    )
+    responses_ttl: Duration = Field(
+        30 * 86400.0,
+        gt=0,
+        description="How long stored Responses API answers (`store: true`, kept under "
+        "cache_dir/responses/ for retrieval and `previous_response_id`) are kept.",
     )
     memory_budget: ByteSize | None = Field(
         None,
@@ -89,6 +102,12 @@ class ServerConfig(_Section):
     )
     max_request_bytes: ByteSize = Field(
         10 * 1024**2, description="Largest accepted HTTP request body (images included)."
+    )
+    workers: Literal["process", "inline"] = Field(
+        "process",
+        description="Where each model runs: `process`, its own worker process (a crash costs "
+        "the other models nothing; unloading returns its memory to the system), or `inline`, a "
+        "thread of the daemon (for debugging and measuring the boundary). Needs a restart.",
     )
     media_dirs: list[Path] = Field(
         default_factory=list,

@@ -7,7 +7,7 @@ sequence (that is where an invalid schema surfaces, as ValueError).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -15,16 +15,19 @@ from llguidance import LLMatcher
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
+
 # JSON as `json.dumps` writes it, on one line. With llguidance's default (any whitespace between
 # tokens) small models can emit newlines or spaces until max_tokens instead of closing the object.
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
 }
 # Client tool schemas are documentation first: enforce what llguidance can, ignore the rest
 # (e.g. an unsupported `format`) rather than refusing a forced tool call.
-TOOL_ARGUMENT_OPTIONS: dict[str, Any] = {**JSON_OPTIONS, "lenient": True}
+TOOL_ARGUMENT_OPTIONS: JsonCompileOptions = {**JSON_OPTIONS, "lenient": True}
 
 TOOL_CALL_FORMATS = ("hermes",)
 
@@ -120,7 +123,9 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     functions: dict[str, dict[str, Any]] = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict):
+            function = {}  # no name: rejected below
+        name = function.get("name")
         if not isinstance(name, str) or not name:
             raise ValueError("every tool needs a function with a name")
         parameters = function.get("parameters") or {"type": "object"}

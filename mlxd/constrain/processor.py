@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import cast
 
 import llguidance
 import mlx.core as mx
@@ -50,7 +51,8 @@ class GrammarProcessor:
         # mlx-lm passes the whole context, prompt included; the first call comes before any
         # generated token, and each later one brings the token(s) sampled since.
         if self._seen is not None and not self._ended:
-            new = tokens[self._seen :].tolist()
+            # tolist() is typed as any nesting of scalars; `tokens` is 1-D token ids.
+            new = cast(list[int], tokens[self._seen :].tolist())
             # mlx-lm steps a sequence once more with its EOS before dropping it (that step's
             # output is discarded); the matcher, possibly already stopped, must not see it.
             self._ended = not self._eos_set.isdisjoint(new)

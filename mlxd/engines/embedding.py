@@ -1,31 +1,27 @@
-"""An embedding model: mlx-embeddings weights behind a request-coalescing batcher."""
+"""An embedding model: mlx-embeddings weights behind a request-coalescing core."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from mlxd.config import CacheConfig, ModelConfig
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.engines.base import EventStream
+from mlxd.engines.embedding_core import EmbeddingCore, EmbeddingJob, deliver
+from mlxd.engines.loop import ModelLoop
 from mlxd.errors import InvalidRequest
 from mlxd.models.embedding import LoadedEmbedding, load_embedding
-from mlxd.scheduler.embedding_batcher import EmbeddingBatcher, EmbeddingJob
-
-EmbeddingInput = list[str] | list[list[int]]
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    vectors: np.ndarray  # (inputs, dimensions) float32
-    prompt_tokens: int  # every token the model read, special tokens included
+from mlxd.types import EmbeddingInput, Embeddings, GenerationRequest
 
 
 class EmbeddingEngine:
     kind = "embedding"
+    chat_template: str | None = None  # encoders have none
 
     def __init__(self, name: str, config: ModelConfig, loaded: LoadedEmbedding):
         self.name = name
@@ -34,21 +30,32 @@ class EmbeddingEngine:
         # context_length, when set, lowers (or raises) the model's own input limit.
         self.max_length = config.context_length or loaded.max_length
         self.dimensions = loaded.dimensions
-        self.batcher = EmbeddingBatcher(
+        self.core = EmbeddingCore(
             name, loaded.forward, config.batch, arriving=lambda: self._submitting
         )
+        self.loop = ModelLoop(name, self.core, deliver, config.batch.max_queue)
         self.memory_bytes = loaded.nbytes
         self.last_used = time.monotonic()
-        self._submitting = 0
+        self._submitting = 0  # being tokenized
+        self._open = 0  # from embed()'s first line until it returns
 
     @classmethod
-    async def load(cls, name: str, config: ModelConfig, path: Path) -> EmbeddingEngine:
+    async def load(
+        cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
+    ) -> EmbeddingEngine:
+        """Load weights from a resolved model directory (`server` is unused: encoders keep
+        no SSD tier and read no media)."""
         loaded = await asyncio.to_thread(load_embedding, path, dtype=config.dtype, model_name=name)
         return cls(name, config, loaded)
 
     @property
     def idle(self) -> bool:
-        return self._submitting == 0 and self.batcher.open_requests == 0
+        return self._open == 0
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model thread died, if it did (the reconciler then restarts the engine)."""
+        return self.loop.failure
 
     async def embed(
         self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
@@ -61,36 +68,44 @@ class EmbeddingEngine:
                 param="dimensions",
             )
         # Counted from the first line: a drain must see a request that already holds the engine.
-        self._submitting += 1
+        self._open += 1
         self.last_used = time.monotonic()
         try:
-            token_ids = await asyncio.to_thread(self.tokenize, inputs, truncate)
-            loop = asyncio.get_running_loop()
-            job = EmbeddingJob(token_ids, loop, loop.create_future())
-            self.batcher.submit(job)
+            vectors, tokens = await self._embed(inputs, truncate)
         finally:
-            self._submitting -= 1
-        try:
-            vectors = await job.future
-        finally:
-            # The caller went away: the batcher skips its inputs.
-            job.cancelled = job.future.cancelled() or not job.future.done()
+            self._open -= 1
             self.last_used = time.monotonic()
         if dimensions is not None and dimensions < vectors.shape[1]:
             vectors = vectors[:, :dimensions]
             if self.loaded.pooling.normalize:
                 norms = np.linalg.norm(vectors, axis=1, keepdims=True)
                 vectors = vectors / np.maximum(norms, 1e-12)
-        return Embeddings(vectors, sum(map(len, token_ids)))
+        return Embeddings(vectors, tokens)
+
+    async def _embed(self, inputs: EmbeddingInput, truncate: bool) -> tuple[np.ndarray, int]:
+        self._submitting += 1
+        try:
+            token_ids = await asyncio.to_thread(self.tokenize, inputs, truncate)
+            loop = asyncio.get_running_loop()
+            job = EmbeddingJob(token_ids, loop, loop.create_future())
+            self.loop.submit(job)
+        finally:
+            self._submitting -= 1
+        try:
+            return await job.future, sum(map(len, token_ids))
+        finally:
+            # The caller went away (its wait cancelled the future): its inputs are skipped.
+            if job.future.cancelled() or not job.future.done():
+                self.loop.abort(job)
 
     def tokenize(self, inputs: EmbeddingInput, truncate: bool) -> list[list[int]]:
         """Model inputs with special tokens, each at most `max_length` tokens; blocking."""
         loaded = self.loaded
         if inputs and isinstance(inputs[0], str):
             encodings = loaded.tokenizer.encode_batch(inputs, add_special_tokens=False)
-            contents = [e.ids for e in encodings]
+            contents: list[list[int]] = [e.ids for e in encodings]
         else:
-            contents = inputs
+            contents = cast(list[list[int]], inputs)  # not strings: token id lists
             vocab = loaded.tokenizer.get_vocab_size()
             for position, ids in enumerate(contents):
                 if any(not 0 <= t < vocab for t in ids):
@@ -111,7 +126,7 @@ class EmbeddingEngine:
         return [[*loaded.prefix, *ids[:room], *loaded.suffix] for ids in contents]
 
     def stats(self) -> dict[str, Any]:
-        s = self.batcher.stats
+        s = self.core.stats
         return {
             "kind": self.kind,
             "dtype": self.loaded.dtype,
@@ -122,7 +137,7 @@ class EmbeddingEngine:
             "pooling": "+".join(self.loaded.pooling.modes)
             + ("+normalize" if self.loaded.pooling.normalize else ""),
             "max_batch_size": self.config.batch.max_batch_size,
-            "in_flight": self.batcher.open_requests,  # requests taken and not yet answered
+            "in_flight": self._open,  # requests taken and not yet answered
             "requests": s.requests,
             "inputs": s.inputs,
             "forward_passes": s.forward_passes,
@@ -135,9 +150,25 @@ class EmbeddingEngine:
             "failed": s.failed,
         }
 
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        raise _cannot_generate(self.name)
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        raise _cannot_generate(self.name)
+
+    async def refresh_stats(self) -> None:
+        """In process, `stats()` is always current."""
+
     def resize_cache(self, cache: CacheConfig) -> None:
         """Encoders keep no KV: a cache-only reload just records the new settings."""
         self.config = self.config.model_copy(update={"cache": cache})
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.batcher.close)
+        await asyncio.to_thread(self.loop.close)
+
+
+def _cannot_generate(name: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"model '{name}' is of kind 'embedding': it serves /v1/embeddings, not text generation",
+        param="model",
+    )

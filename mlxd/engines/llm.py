@@ -3,27 +3,51 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mlxd.cache import PrefixCache, open_prefix_cache
-from mlxd.config import CacheConfig, ModelConfig
+from mlxd.cache.lease import PrefixLease
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
-from mlxd.engines.prompt import render_chat
+from mlxd.engines.base import EventStream
+from mlxd.engines.core import LLMCore, MediaPrefill, Output, Sequence
+from mlxd.engines.loop import ModelLoop
+from mlxd.engines.prompt import render_chat, template_supports_tools
 from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
-from mlxd.scheduler.batcher import ContinuousBatcher, Sequence
+from mlxd.parsers.reasoning import prompt_opens_reasoning
 from mlxd.scheduler.faults import fault_processors, faults_from_env
-from mlxd.types import Event, Finished, GenerationRequest
+from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
 
 log = logging.getLogger("mlxd.engine")
 
 DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class Prepared:
+    """Everything a request needs from its model before it can queue, worked out once, off
+    the event loop: the prompt, its processors, its media prefill and its `Admission`."""
+
+    prompt_ids: list[int]
+    processors: list[GrammarProcessor]
+    admission: Admission
+    prefill: MediaPrefill | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Where a sequence's events go: a queue on the event loop that submitted it."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event]
 
 
 class LLMEngine:
@@ -44,12 +68,11 @@ class LLMEngine:
             loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
         )
         self.prefix_cache = prefix_cache
-        self.batcher = ContinuousBatcher(
-            name, loaded.model, loaded.tokenizer, config.batch, prefix_cache
-        )
+        self.core = LLMCore(name, loaded.model, loaded.tokenizer, config.batch)
+        self.loop = ModelLoop(name, self.core, _deliver, config.batch.max_queue)
         self.memory_bytes = loaded.nbytes + config.cache.ram
         self.last_used = time.monotonic()
-        self._submitting = 0
+        self._open = 0  # requests from submit() until their stream ends
         self.chat_template: str | None = getattr(loaded.tokenizer, "chat_template", None)
         self._constrainer_instance: Constrainer | None = None
         self._constrainer_lock = threading.Lock()
@@ -57,58 +80,67 @@ class LLMEngine:
 
     @classmethod
     async def load(
-        cls, name: str, config: ModelConfig, path: Path, cache_dir: Path | None = None
+        cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
     ) -> LLMEngine:
         """Load weights from a resolved model directory (see models.sources.resolve_source);
-        the SSD KV tier lives under `cache_dir`."""
+        the SSD KV tier lives under the server's cache_dir."""
         loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
+        identity = _identity(config, loaded)
+        cache_dir = server().cache_dir
         prefix_cache = await asyncio.to_thread(
-            open_prefix_cache, loaded.model, _identity(config, loaded), config.cache, cache_dir
+            open_prefix_cache, loaded.model, identity, config.cache, cache_dir
         )
         return cls(name, config, loaded, prefix_cache)
 
     @property
     def idle(self) -> bool:
-        """Nothing submitted or in the batcher: the engine can be closed without cutting anyone."""
-        return self._submitting == 0 and self.batcher.running == 0 and self.batcher.waiting == 0
+        """No request between submit() and the end of its stream: the engine can be closed
+        without cutting anyone (counted from submit's first line, so a request that looked
+        this engine up just before a route flip is seen by the drain)."""
+        return self._open == 0
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        # Counted from the first (synchronous) line: a request that looked this engine up just
-        # before a route flip is seen by the drain until the batcher holds it.
-        self._submitting += 1
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        self._open += 1
         self.last_used = time.monotonic()
         try:
-            prompt_ids, processors, prefill = await asyncio.to_thread(self._prepare, request)
-            max_tokens = self._admissible_max_tokens(request, prompt_ids)
-            request = replace(request, max_tokens=max_tokens)
-            sequence = Sequence(request, prompt_ids, asyncio.get_running_loop(), asyncio.Queue())
-            sequence.processors = processors
-            sequence.prefill = prefill
-            if self.prefix_cache is not None and prefill is None:
-                sequence.cache_keys = await asyncio.to_thread(self._prefetch, prompt_ids)
-            self.batcher.submit(sequence)
-        finally:
-            self._submitting -= 1
-        return self._events(sequence)
+            prepared = await asyncio.to_thread(self.prepare, request)
+            request = replace(request, max_tokens=self._admissible_max_tokens(request, prepared))
+            reply = Reply(asyncio.get_running_loop(), asyncio.Queue())
+            sequence = Sequence(request, prepared.prompt_ids, reply)
+            sequence.processors = prepared.processors
+            sequence.prefill = prepared.prefill
+            if self.prefix_cache is not None and prepared.prefill is None:
+                cache = self.prefix_cache
+                keys = await asyncio.to_thread(_prefetch, cache, prepared.prompt_ids)
+                sequence.lease = PrefixLease(cache, prepared.prompt_ids, keys)
+            self.loop.submit(sequence)
+        except BaseException:
+            self._ended()
+            raise
+        return EventStream(
+            reply.events, prepared.admission, lambda: self.loop.abort(sequence), self._ended
+        )
 
-    async def _events(self, sequence: Sequence) -> AsyncIterator[Event]:
-        try:
-            while True:
-                event = await sequence.events.get()
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            self.last_used = time.monotonic()
-            if not sequence.done:  # the caller went away: free the slot at the next step
-                self.batcher.cancel(sequence)
+    def _ended(self) -> None:
+        self._open -= 1
+        self.last_used = time.monotonic()
 
-    def _prepare(
-        self, request: GenerationRequest
-    ) -> tuple[list[int], list[GrammarProcessor], Callable[[], Any] | None]:
-        """Prompt ids, the sequence's grammar processor and its own prefill (None: the batcher
-        prefills the ids); all can take a while."""
-        return self.encode(request), self._processors(request), None
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """The prompt ids, the sequence's grammar processor, and what the API side needs to
+        know; blocking (templates, tokenizing, grammars can take a while)."""
+        prompt_ids = self.encode(request)
+        return Prepared(prompt_ids, self._processors(request), self._admission(request, prompt_ids))
+
+    def _admission(self, request: GenerationRequest, prompt_ids: list[int]) -> Admission:
+        forced = request.tool_choice not in (None, "auto")
+        return Admission(
+            prompt_tokens=len(prompt_ids),
+            # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
+            # template that cannot render tools (mlxd prompts those in Hermes style).
+            hermes_tools=bool(request.tools)
+            and (forced or not template_supports_tools(self.chat_template)),
+            reasoning_open=prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-4:])),
+        )
 
     def _processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
         vocab = len(self.tokenizer)
@@ -127,13 +159,6 @@ class LLMEngine:
             param = "tool_choice" if request.tools else "response_format"
             raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
         return processors + fault_processors(self._faults, request)
-
-    def _prefetch(self, prompt_ids: list[int]) -> list[str]:
-        """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
-        worker thread, so the model thread never waits for the disk."""
-        keys = self.prefix_cache.keys(prompt_ids)
-        self.prefix_cache.prefetch(prompt_ids, keys)
-        return keys
 
     def resize_cache(self, cache: CacheConfig) -> None:
         """New cache budgets without reloading the weights (see registry.plan.Resize)."""
@@ -167,10 +192,22 @@ class LLMEngine:
     @property
     def failure(self) -> str | None:
         """Why the model thread died, if it did (the reconciler then restarts the engine)."""
-        return self.batcher.failure
+        return self.loop.failure
 
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        return len(self.encode(request))
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(await asyncio.to_thread(self.encode, request))
+
+    async def refresh_stats(self) -> None:
+        """In process, `stats()` is always current."""
+
+    async def embed(
+        self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
+    ) -> Embeddings:
+        raise InvalidRequest(
+            f"model '{self.name}' is of kind '{self.kind}'; /v1/embeddings needs a model of "
+            "kind 'embedding'",
+            param="model",
+        )
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
@@ -187,7 +224,8 @@ class LLMEngine:
             raise InvalidRequest("prompt is empty", param="prompt")
         return ids
 
-    def _admissible_max_tokens(self, request: GenerationRequest, prompt_ids: list[int]) -> int:
+    def _admissible_max_tokens(self, request: GenerationRequest, prepared: Prepared) -> int:
+        prompt_ids = prepared.prompt_ids
         limit = self.config.max_prompt_tokens
         if limit is not None and len(prompt_ids) > limit:
             raise InvalidRequest(
@@ -205,7 +243,7 @@ class LLMEngine:
         return min(request.max_tokens, room)
 
     def stats(self) -> dict[str, Any]:
-        s = self.batcher.stats
+        s = self.core.stats
         return {
             "kind": self.kind,
             "dtype": self.loaded.dtype,
@@ -213,8 +251,8 @@ class LLMEngine:
             "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,
             "max_batch_size": self.config.batch.max_batch_size,
-            "running": self.batcher.running,
-            "waiting": self.batcher.waiting,
+            "running": self.core.running,
+            "waiting": self.loop.waiting,
             "decode_steps": s.steps,
             "multi_sequence_steps": s.multi_sequence_steps,
             "max_batch_seen": s.max_batch_seen,
@@ -227,9 +265,33 @@ class LLMEngine:
         }
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.batcher.close)
+        await asyncio.to_thread(self.loop.close)
         if self.prefix_cache is not None:
             await asyncio.to_thread(self.prefix_cache.close)  # finishes queued SSD writes
+
+
+def _prefetch(cache: PrefixCache, prompt_ids: list[int]) -> list[str]:
+    """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
+    worker thread, so the model thread never waits for the disk."""
+    keys = cache.keys(prompt_ids)
+    cache.prefetch(prompt_ids, keys)
+    return keys
+
+
+def _deliver(outputs: list[Output]) -> None:
+    """On the model thread: one call per event loop for a whole step's events."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Output]] = {}
+    for sequence, event in outputs:
+        by_loop.setdefault(sequence.reply.loop, []).append((sequence, event))
+    for loop, items in by_loop.items():
+        # A closed loop (shutdown) raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[Output]) -> None:
+    for sequence, event in items:
+        sequence.reply.events.put_nowait(event)
 
 
 _NO_CACHE: dict[str, Any] = {

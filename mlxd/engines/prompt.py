@@ -30,7 +30,7 @@ HERMES_SYSTEM = (
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and "tools" in chat_template
+    return chat_template is not None and "tools" in chat_template
 
 
 def render_chat(

@@ -17,14 +17,15 @@ import asyncio
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.engines.llm import LLMEngine
+from mlxd.engines.llm import LLMEngine, Prepared
 from mlxd.engines.prompt import render_chat
 from mlxd.errors import ModelLoadError
 from mlxd.media import MediaPolicy, has_images, load_images
@@ -104,9 +105,10 @@ def load_vlm(path: Path, *, dtype: str, model_name: str) -> tuple[LoadedModel, A
     tokenizer = TokenizerWrapper(
         processor.tokenizer, eos_token_ids=eos if isinstance(eos, list) else [eos]
     )
-    params = tree_flatten(vlm.parameters())
+    params = cast(list[tuple[str, mx.array]], tree_flatten(vlm.parameters()))
     loaded = LoadedModel(
-        model=LanguageDecoder(vlm),
+        # Duck-typed: the batch generator calls it and reads its layers and make_cache.
+        model=cast(nn.Module, LanguageDecoder(vlm)),
         tokenizer=tokenizer,
         path=Path(path),
         dtype=str(params[0][1].dtype).removeprefix("mlx.core.") if not quantized else "quantized",
@@ -135,7 +137,7 @@ class VLMEngine(LLMEngine):
 
     @classmethod
     async def load(
-        cls, name: str, config: ModelConfig, path: Path, *, server: Callable[[], ServerConfig]
+        cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
     ) -> VLMEngine:
         loaded, vlm, processor = await asyncio.to_thread(
             load_vlm, path, dtype=config.dtype, model_name=name
@@ -146,16 +148,18 @@ class VLMEngine(LLMEngine):
         inputs = self._vision_inputs(request)
         return super().encode(request) if inputs is None else _ids(inputs)
 
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], list[Any], Any]:
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """Images are read and processed once, here; their prefill runs on the model thread."""
         inputs = self._vision_inputs(request)
         if inputs is None:
-            return super()._prepare(request)
+            return super().prepare(request)
+        ids = _ids(inputs)
         prefill = functools.partial(self._prefill_images, inputs)
-        return _ids(inputs), self._processors(request), prefill
+        return Prepared(ids, self._processors(request), self._admission(request, ids), prefill)
 
     def _vision_inputs(self, request: GenerationRequest) -> dict[str, Any] | None:
         """Processor outputs (ids with image tokens, pixel values, grids); None without images."""
-        if not has_images(request.messages):
+        if request.messages is None or not has_images(request.messages):
             return None
         from mlx_vlm.utils import prepare_inputs
 

@@ -17,7 +17,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_embeddings.utils import load
 from mlx_lm.utils import dequantize_model
 from tokenizers import Tokenizer
@@ -25,7 +24,13 @@ from tokenizers import Tokenizer
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_gelu
-from mlxd.models.loader import FLOAT_DTYPES, _stored_dtype, _target_dtype, check_model_dir
+from mlxd.models.loader import (
+    FLOAT_DTYPES,
+    _stored_dtype,
+    _target_dtype,
+    check_model_dir,
+    flat_parameters,
+)
 
 log = logging.getLogger("mlxd.models")
 
@@ -174,7 +179,7 @@ def load_embedding(path: Path, *, dtype: str = "auto", model_name: str) -> Loade
             pooling=pooling,
             dimensions=0,
             dtype=target or _stored_dtype(model),
-            nbytes=sum(a.nbytes for _, a in tree_flatten(model.parameters())),
+            nbytes=sum(a.nbytes for _, a in flat_parameters(model)),
         )
         # One tiny pass: proves the model runs and tells its output size.
         loaded.dimensions = loaded.forward([[*prefix, *suffix] or [loaded.pad_id]]).shape[-1]

@@ -119,10 +119,12 @@ def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
     if not isinstance(value, mx.array):
         return value
+    item = value.item()
     if value.dtype == mx.float32:
+        assert isinstance(item, float)  # item() is typed as any scalar
         # The shortest decimal of the float32 (1e-05, not 9.999999747378752e-06) reads better.
-        return float(str(np.float32(value.item())))
-    return value.item()
+        return float(str(np.float32(item)))
+    return item
 
 
 def _token_id(metadata: dict[str, Any], role: str) -> int | None:
@@ -197,7 +199,7 @@ def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     )
     tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
     tokenizer.decoder = decoders.ByteLevel()
-    post = [processors.ByteLevel(trim_offsets=False)]
+    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
     bos = _token_id(metadata, "bos")
     if _scalar(metadata, "tokenizer.ggml.add_bos_token", False) and bos is not None:
         post.append(
@@ -266,9 +268,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """
     with tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step", disable=None) as bar:
         try:
-            raw, metadata = mx.load(str(gguf_path), return_metadata=True)
+            loaded = mx.load(str(gguf_path), return_metadata=True)
         except (RuntimeError, ValueError) as exc:
             raise GGUFError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+        # mx.load's return type covers every format; with metadata it is (arrays, metadata).
+        assert isinstance(loaded, tuple)
+        raw, metadata = loaded
         arch = metadata.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(

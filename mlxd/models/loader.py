@@ -41,6 +41,14 @@ def _target_dtype(dtype: str) -> str | None:
     return None if dtype == "keep" else dtype
 
 
+def flat_parameters(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """The model's parameters as (dotted name, array) pairs."""
+    flat = tree_flatten(model.parameters())
+    # tree_flatten returns a dict only when given one as `destination`.
+    assert isinstance(flat, list)
+    return flat
+
+
 def _stored_dtype(model: nn.Module) -> str:
     """Describe weights kept as stored: quantized bit widths, else the dominant float dtype."""
     bits = sorted(
@@ -49,7 +57,7 @@ def _stored_dtype(model: nn.Module) -> str:
     if bits:
         return "/".join(f"q{b}" for b in bits)
     sizes: dict[str, int] = {}
-    for _, array in tree_flatten(model.parameters()):
+    for _, array in flat_parameters(model):
         if mx.issubdtype(array.dtype, mx.floating):
             name = str(array.dtype).removeprefix("mlx.core.")
             sizes[name] = sizes.get(name, 0) + array.nbytes
@@ -78,7 +86,10 @@ def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel
     path = check_model_dir(path, dtype, model_name)
     try:
         # Lazy: when casting, the stored weights are only read while computing the cast ones.
-        model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+        loaded = load(str(path), lazy=True, return_config=True)
+        # load's return type also covers return_config=False (no config).
+        assert len(loaded) == 3
+        model, tokenizer, config = loaded
         target = _target_dtype(dtype)
         if target is not None:
             # Scales in float32 first: the CPU dequantizes ~3x faster from float32 than float16.
@@ -97,6 +108,6 @@ def load_llm(path: Path, *, dtype: str = "auto", model_name: str) -> LoadedModel
         tokenizer=tokenizer,
         path=path,
         dtype=target or _stored_dtype(model),
-        nbytes=sum(array.nbytes for _, array in tree_flatten(model.parameters())),
+        nbytes=sum(array.nbytes for _, array in flat_parameters(model)),
         config=config,
     )

@@ -105,18 +105,25 @@ def _hf_snapshot(source: str, model_name: str) -> Path:
         os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
     )
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-    kwargs = {
-        "revision": revision or None,
-        "cache_dir": cache,
-        "allow_patterns": DEFAULT_ALLOW_PATTERNS,
-    }
+
+    def download(local_files_only: bool) -> Path:
+        return Path(
+            snapshot_download(
+                repo,
+                local_files_only=local_files_only,
+                revision=revision or None,
+                cache_dir=cache,
+                allow_patterns=DEFAULT_ALLOW_PATTERNS,
+            )
+        )
+
     try:
-        return Path(snapshot_download(repo, local_files_only=offline, **kwargs))
+        return download(local_files_only=offline)
     except Exception as exc:  # network, auth and hub errors alike
         error = exc
     if not offline:
         with suppress(Exception):
-            path = Path(snapshot_download(repo, local_files_only=True, **kwargs))
+            path = download(local_files_only=True)
             log.warning("fetching %s failed (%s); using cached snapshot %s", source, error, path)
             return path
     where = "offline (HF_HUB_OFFLINE)" if offline else "from the hub"

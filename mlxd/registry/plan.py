@@ -1,7 +1,10 @@
 """Reconcile planning: the actions that turn the running models into the configured ones.
 
-Pure: it compares configs and states and returns a list of actions; executing them (loading
-engines, draining, flipping routes) is the caller's job, which keeps every decision testable.
+Pure: it compares configs and observed facts and returns a list of actions; executing them
+(loading engines, draining, flipping routes) is the caller's job, which keeps every decision
+testable. Like a controller-runtime `Reconcile`, it runs again on every config change and on a
+periodic tick, so lifecycle facts (a dead worker, an engine idle past its TTL, a backoff that
+has run out) become actions the same way a YAML edit does.
 """
 
 from __future__ import annotations
@@ -29,19 +32,37 @@ ROUTING_FIELDS = (
 )
 # Cache settings a loaded engine can take in place; the others change what a block holds.
 CACHE_BUDGET_FIELDS = ("ram", "ssd", "ssd_ttl")
+_ALL = ENGINE_FIELDS + ROUTING_FIELDS
 # Secrets: a log line says that they changed, never what to.
 _SECRET_FIELDS = frozenset({"api_keys"})
 
-State = Literal["loaded", "loading", "unloaded", "failed"]
-"""A model's engine right now; "unloaded" is a lazy model with no engine."""
+State = Literal["loaded", "loading", "unloaded", "parked", "failed", "dead"]
+"""A model's engine right now. "unloaded": a lazy model with no engine; "parked": unloaded on
+demand or for idleness, declared still, loaded again by its next request; "failed": its last
+load failed; "dead": its worker died (its requests have failed; a restart is due)."""
+
+# Restart backoff: 1 s, 2 s, 4 s … doubling up to this, while a model keeps failing.
+MAX_BACKOFF_S = 60.0
+
+
+def backoff(failures: int) -> float:
+    """Seconds to wait before retrying a model that failed `failures` times in a row."""
+    return min(MAX_BACKOFF_S, 2.0 ** max(failures - 1, 0))
 
 
 @dataclass(frozen=True)
 class Actual:
-    """What runs under a name: the config its engine runs (or is loading) with, and its state."""
+    """What runs under a name: the config its engine runs (or is loading) with, its state, and
+    the lifecycle facts plan() decides on."""
 
     config: ModelConfig
     state: State
+    # Seconds a loaded engine has been idle (None: busy), and the idle TTL in force (the YAML
+    # idle_ttl or a client's keep-alive; None: never unloaded for idleness).
+    idle_for: float | None = None
+    idle_ttl: float | None = None
+    # failed / dead: seconds until the retry backoff has run out (<= 0: retry now).
+    retry_in: float = 0.0
 
 
 # `changes` on the actions below is for describe() only, so it takes no part in equality.
@@ -60,6 +81,22 @@ class Unload:
     """Drain, then close the engine; the route goes away."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class Park:
+    """Idle past its TTL: drain and close the engine; the model stays routable and its next
+    request loads it again."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The worker died: load the model again in a fresh one (its backoff has run out)."""
+
+    name: str
+    config: ModelConfig
 
 
 @dataclass(frozen=True)
@@ -98,7 +135,7 @@ class Rename:
     config: ModelConfig
 
 
-Action = Load | Unload | Swap | Retarget | Resize | Rename
+Action = Load | Unload | Park | Restart | Swap | Retarget | Resize | Rename
 
 
 def engine_settings(config: ModelConfig) -> tuple[Any, ...]:
@@ -119,15 +156,18 @@ def _routing_settings(config: ModelConfig) -> tuple[Any, ...]:
 def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> list[Action]:
     """The actions that take `actual` to `desired`, in the order they should run.
 
-    Unloads come first so their memory is freed before anything loads, then renames,
-    retargets, resizes, swaps and loads. Within a kind, names follow `desired`'s order (removals
-    follow `actual`'s), so the same inputs always give the same plan.
+    Unloads and parks come first so their memory is freed before anything loads, then
+    renames, retargets, resizes, swaps, restarts and loads. Within a kind, names follow
+    `desired`'s order (removals follow `actual`'s), so the same inputs always give the same
+    plan.
     """
     removed = [name for name in actual if name not in desired]
     # Only a loaded engine can move; a loading, failed or engine-less one is cheaper to redo.
     movable = [name for name in removed if actual[name].state == "loaded"]
 
     renames: list[Rename] = []
+    parks: list[Park] = []
+    restarts: list[Restart] = []
     retargets: list[Retarget] = []
     resizes: list[Resize] = []
     swaps: list[Swap] = []
@@ -143,14 +183,24 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
                 movable.remove(old)
                 renames.append(Rename(old, name, config))
         elif current.state == "failed":
-            # Retried on every reconcile: the weights may have been fixed without a YAML change.
-            loads.append(Load(name, config))
-        elif current.state == "unloaded":
-            if config.load == "eager":
+            # Retried once its backoff runs out (a config change retries at once): the weights
+            # may have been fixed without a YAML change.
+            if current.retry_in <= 0:
+                loads.append(Load(name, config))
+        elif current.state == "dead":
+            if current.retry_in <= 0:
+                restarts.append(Restart(name, config))
+            if config != current.config:
+                retargets.append(Retarget(name, config, _diff(current.config, config, _ALL)))
+        elif _idle_expired(current):
+            parks.append(Park(name))
+            if config != current.config:  # the next load takes the new settings
+                retargets.append(Retarget(name, config, _diff(current.config, config, _ALL)))
+        elif current.state in ("unloaded", "parked"):
+            if config.load == "eager" and current.state == "unloaded":
                 loads.append(Load(name, config))
             elif config != current.config:
-                fields = ENGINE_FIELDS + ROUTING_FIELDS
-                retargets.append(Retarget(name, config, _diff(current.config, config, fields)))
+                retargets.append(Retarget(name, config, _diff(current.config, config, _ALL)))
         else:
             if engine_settings(config) != engine_settings(current.config):
                 changes = _diff(current.config, config, ENGINE_FIELDS)
@@ -166,7 +216,41 @@ def plan(desired: Mapping[str, ModelConfig], actual: Mapping[str, Actual]) -> li
 
     renamed = {rename.old for rename in renames}
     unloads = [Unload(name) for name in removed if name not in renamed]
-    return [*unloads, *renames, *retargets, *resizes, *swaps, *loads]
+    return [*unloads, *parks, *renames, *retargets, *resizes, *swaps, *restarts, *loads]
+
+
+def _idle_expired(current: Actual) -> bool:
+    return (
+        current.state == "loaded"
+        and current.idle_ttl is not None
+        and current.idle_for is not None
+        and current.idle_for >= current.idle_ttl
+    )
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A loaded engine the memory budget may evict: its name, bytes, and whether it is idle."""
+
+    name: str
+    memory_bytes: int
+    last_used: float
+    idle: bool
+
+
+def evictions(need: int, budget: int | None, residents: list[Resident]) -> list[str] | None:
+    """The idle engines to unload, least recently used first, so that `need` more bytes fit
+    `budget`; None when even evicting every idle one is not enough."""
+    if budget is None:
+        return []
+    in_use = sum(r.memory_bytes for r in residents)
+    chosen: list[str] = []
+    for resident in sorted((r for r in residents if r.idle), key=lambda r: r.last_used):
+        if in_use + need <= budget:
+            break
+        chosen.append(resident.name)
+        in_use -= resident.memory_bytes
+    return chosen if in_use + need <= budget else None
 
 
 def _diff(
@@ -203,6 +287,10 @@ def describe(action: Action) -> str:
             return f"load {name!r} ({config.load})"
         case Unload(name):
             return f"unload {name!r}"
+        case Park(name):
+            return f"unload idle {name!r}"
+        case Restart(name, _):
+            return f"restart {name!r}"
         case Rename(old, new, _):
             return f"rename {old!r} -> {new!r}"
         case Swap(name, _, changes) | Retarget(name, _, changes) | Resize(name, _, changes):

@@ -12,81 +12,39 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
-from mlxd.engines.embedding import EmbeddingEngine
-from mlxd.engines.llm import LLMEngine
-from mlxd.engines.vlm import VLMEngine
-from mlxd.errors import MlxdError, ModelLoadError, Unavailable
-from mlxd.models.estimate import estimate_model_bytes
-from mlxd.models.sources import resolve_source
+from mlxd.engines.client import WorkerEngine
+from mlxd.engines.factory import load_engine, locate
+from mlxd.errors import MlxdError, Unavailable
 from mlxd.registry.plan import (
-    ENGINE_FIELDS,
     Action,
-    Actual,
     Load,
+    Park,
     Rename,
+    Resident,
     Resize,
+    Restart,
     Retarget,
     Swap,
     Unload,
     describe,
+    evictions,
     plan,
 )
 from mlxd.registry.routes import ModelEntry, RouteTable
+from mlxd.registry.runtime import ModelRuntime
 
 log = logging.getLogger("mlxd.reconcile")
 
-ENGINES: Mapping[str, type] = {"llm": LLMEngine, "vlm": VLMEngine, "embedding": EmbeddingEngine}
 DRAIN_POLL_S = 0.05
-
-
-@dataclass
-class ModelRuntime:
-    """One declared model's live state. `config` is the latest desired config: its routing
-    settings apply at once; `built` is the config the serving `engine` was built with."""
-
-    name: str
-    config: ModelConfig
-    engine: Engine | None = None
-    built: ModelConfig | None = None
-    error: str | None = None
-    loading: asyncio.Task | None = None
-    draining: list[Engine] = field(default_factory=list)
-    restarts: int = 0  # engines replaced after their model thread died
-    restarting: bool = False
-
-    def observed(self) -> Actual:
-        if self.loading is not None:
-            return Actual(self.config, "loading")
-        if self.engine is not None:
-            # A swap that failed leaves the old engine: its settings are what actually runs.
-            engine_fields = {f: getattr(self.built, f) for f in ENGINE_FIELDS}
-            return Actual(self.config.model_copy(update=engine_fields), "loaded")
-        if self.error is not None:
-            return Actual(self.config, "failed")
-        return Actual(self.config, "unloaded")
-
-    @property
-    def state(self) -> str:
-        if self.engine is not None:
-            return "restarting" if _dead(self.engine) else "loaded"
-        if self.loading is not None:
-            return "restarting" if self.restarting else "loading"
-        return "failed" if self.error is not None else "unloaded"
-
-
-def _dead(engine: Engine) -> bool:
-    # Only engines with a model thread have a `failure`.
-    return getattr(engine, "failure", None) is not None
 
 
 class Reconciler:
     def __init__(self, server: ServerConfig, on_routes: Callable[[RouteTable], None]):
         self.server = server
+        self.desired: Mapping[str, ModelConfig] = {}
         self.models: dict[str, ModelRuntime] = {}
         self._publish_to = on_routes
         self._retiring: set[asyncio.Task] = set()
@@ -97,14 +55,43 @@ class Reconciler:
     # -- reconcile ---------------------------------------------------------------------
 
     def apply(self, desired: Mapping[str, ModelConfig], server: ServerConfig) -> list[Action]:
-        """Start converging on `desired`; returns the actions taken (loads continue after)."""
-        self.server = server
-        actions = plan(desired, {name: rt.observed() for name, rt in self.models.items()})
+        """Start converging on a new config; returns the actions taken (loads continue after).
+        Failed models are retried at once: the change may have fixed them."""
+        self.desired, self.server = desired, server
+        for runtime in self.models.values():
+            if runtime.engine is None and runtime.error is not None:
+                runtime.retry_at = 0.0
+        return self.tick()
+
+    def tick(self) -> list[Action]:
+        """Converge on the current config again: also what turns deaths, idleness and ended
+        backoffs into actions (the daemon calls this every second)."""
+        now = time.monotonic()
+        self._count_deaths(now)
+        actual = {name: runtime.observed(now) for name, runtime in self.models.items()}
+        actions = plan(self.desired, actual)
         for action in actions:
             log.info("reconcile: %s", describe(action))
             self._apply(action)
         self._publish()
         return actions
+
+    def _count_deaths(self, now: float) -> None:
+        for runtime in self.models.values():
+            engine = runtime.engine
+            failure = engine.failure if engine is not None else None
+            if failure is None or runtime.death_seen is engine:
+                continue
+            runtime.death_seen = engine
+            runtime.restarting = True
+            runtime.record_failure(failure, now)
+            log.error(
+                "model '%s': %s; restarting it in %.0fs (failure %d in a row)",
+                runtime.name,
+                failure,
+                runtime.retry_at - now,
+                runtime.failures,
+            )
 
     def _apply(self, action: Action) -> None:
         if isinstance(action, Unload):
@@ -117,15 +104,29 @@ class Reconciler:
         elif isinstance(action, Rename):
             runtime = self.models.pop(action.old)
             runtime.name, runtime.config = action.new, action.config
-            runtime.engine.name = action.new
+            if runtime.engine is not None:  # plan() moves loaded engines only
+                runtime.engine.name = action.new
             self.models[action.new] = runtime
         elif isinstance(action, Retarget):
             self.models[action.name].config = action.config
+        elif isinstance(action, Park):
+            runtime = self.models[action.name]
+            log.info("model '%s' idle for %.0fs: unloading", action.name, runtime.idle_ttl)
+            self._park(runtime)
+        elif isinstance(action, Restart):
+            runtime = self.models[action.name]
+            runtime.config = action.config
+            runtime.restarts += 1
+            if runtime.engine is not None:
+                self._retire(runtime, runtime.engine)  # its requests have failed already
+            runtime.engine = None
+            self._start_load(runtime)
         elif isinstance(action, Resize):
             runtime = self.models[action.name]
             runtime.config = action.config
-            runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
-            runtime.engine.resize_cache(action.config.cache)
+            if runtime.engine is not None and runtime.built is not None:  # plan(): loaded
+                runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
+                runtime.engine.resize_cache(action.config.cache)
         elif isinstance(action, Swap):
             runtime = self.models[action.name]
             runtime.config = action.config
@@ -161,9 +162,16 @@ class Reconciler:
                 log.exception("model '%s': unexpected load failure", runtime.name)
             if runtime.loading is task:
                 self.loads[runtime.name, "failed"] += 1
-                runtime.loading, runtime.error, runtime.restarting = None, message, False
+                runtime.loading = None
+                runtime.record_failure(message, time.monotonic())
                 kept = "; the previous engine keeps serving" if runtime.engine else ""
-                log.error("model '%s' failed to load%s: %s", runtime.name, kept, message)
+                log.error(
+                    "model '%s' failed to load%s: %s (retry in %.0fs)",
+                    runtime.name,
+                    kept,
+                    message,
+                    runtime.retry_at - time.monotonic(),
+                )
                 self._publish()
             return
         if runtime.loading is not task or self.models.get(runtime.name) is not runtime:
@@ -172,7 +180,7 @@ class Reconciler:
         self.loads[runtime.name, "ok"] += 1
         previous = runtime.engine
         runtime.engine, runtime.built, runtime.error, runtime.loading = engine, config, None, None
-        runtime.restarting = False
+        runtime.restarting, runtime.up_since = False, time.monotonic()
         self._publish()
         log.info(
             "model '%s' %s in %.1fs (%s, %.0f MB)",
@@ -186,52 +194,39 @@ class Reconciler:
             self._retire(runtime, previous)
 
     async def _build(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
-        engine_cls = ENGINES.get(config.kind)
-        if engine_cls is None:
-            raise ModelLoadError(f"model '{runtime.name}': kind '{config.kind}' is not supported")
-        cache_dir = self.server.cache_dir
-        path: Path = await asyncio.to_thread(
-            resolve_source, config.source, model_name=runtime.name, cache_dir=cache_dir
-        )
-        kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
-        need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
-        await self._make_room(need, runtime)
-        # What each kind needs beyond its weights: the SSD KV tier's root, the live media settings.
-        extra = {"llm": {"cache_dir": cache_dir}, "vlm": {"server": lambda: self.server}}
-        return await engine_cls.load(runtime.name, config, path, **extra.get(config.kind, {}))
+        async def make_room(need: int) -> None:
+            await self._make_room(need, runtime)
+
+        if self.server.workers == "process":
+            return await WorkerEngine.start(runtime.name, config, lambda: self.server, make_room)
+        path, need = await locate(runtime.name, config, self.server.cache_dir)
+        await make_room(need)
+        return await load_engine(runtime.name, config, path, lambda: self.server)
 
     async def _make_room(self, need: int, loading: ModelRuntime) -> None:
         """Unload idle models, least recently used first, until `need` fits the budget."""
         budget = self.server.memory_budget
         if budget is None:
             return
-
-        def in_use() -> int:
-            engines = [e for rt in self.models.values() for e in (rt.engine, *rt.draining) if e]
-            return sum(e.memory_bytes for e in engines)
-
-        idle = sorted(
-            (
-                rt
-                for rt in self.models.values()
-                if rt is not loading and rt.engine is not None and rt.engine.idle
-            ),
-            key=lambda rt: rt.engine.last_used,
-        )
-        while in_use() + need > budget and idle:
-            victim = idle.pop(0)
-            log.info("memory budget: unloading idle model '%s' to make room", victim.name)
-            drained = self._retire(victim, victim.engine)
-            victim.engine = None
-            self._publish()
-            await drained  # idle, so it closes at once; its memory counts until then
-        if in_use() + need > budget:
+        draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
+        residents = [
+            Resident(rt.name, rt.engine.memory_bytes, rt.engine.last_used, rt.engine.idle)
+            for rt in self.models.values()
+            if rt is not loading and rt.engine is not None
+        ]
+        victims = evictions(need + draining, budget, residents)
+        if victims is None:
+            in_use = draining + sum(r.memory_bytes for r in residents)
             busy = ", ".join(rt.name for rt in self.models.values() if rt.engine) or "none"
             raise Unavailable(
                 f"model '{loading.name}' needs {need / 2**30:.2f} GiB but server.memory_budget "
-                f"({budget / 2**30:.2f} GiB) has {max(budget - in_use(), 0) / 2**30:.2f} GiB "
+                f"({budget / 2**30:.2f} GiB) has {max(budget - in_use, 0) / 2**30:.2f} GiB "
                 f"free; loaded and busy: {busy}"
             )
+        for name in victims:
+            log.info("memory budget: unloading idle model '%s' to make room", name)
+            # Idle, so it closes at once; its memory is back once its worker has exited.
+            await self._park(self.models[name])
 
     async def engine_for(self, name: str) -> Engine:
         """The serving engine of model `name`, loading it first if it is lazy or still loading.
@@ -240,10 +235,17 @@ class Reconciler:
         replacement; the whole wait is bounded by `server.load_timeout`.
         """
         runtime = self.models[name]
+        runtime.parked = False
         deadline = time.monotonic() + self.server.load_timeout
         while runtime.engine is None:
             if self.models.get(name) is not runtime:
                 raise Unavailable(f"model '{name}' was removed from the config while loading")
+            wait = runtime.retry_at - time.monotonic()
+            if runtime.loading is None and runtime.error is not None and wait > 0:
+                raise Unavailable(
+                    f"model '{name}' failed ({runtime.error}); next try in {wait:.0f}s",
+                    headers={"Retry-After": str(max(int(wait), 1))},
+                )
             loading = runtime.loading or self._start_load(runtime)
             self._publish()
             try:
@@ -261,6 +263,25 @@ class Reconciler:
             if runtime.engine is None and runtime.loading is None:
                 raise Unavailable(f"model '{name}' failed to load: {runtime.error}")
         return runtime.engine
+
+    # -- on demand ---------------------------------------------------------------------
+
+    async def load_now(self, name: str) -> Engine:
+        """Load a declared model now (admin load); it stays loaded until unloaded again."""
+        return await self.engine_for(name)
+
+    async def unload_now(self, name: str) -> None:
+        """Unload a model now (admin unload, Ollama keep_alive 0) after its requests finish.
+        It stays declared: its next request loads it again."""
+        runtime = self.models[name]
+        self._cancel_load(runtime)
+        if runtime.engine is not None:
+            log.info("model '%s' unloaded on demand", name)
+        await self._park(runtime)
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> None:
+        """How long `name` stays loaded once idle, over its YAML idle_ttl (None: back to it)."""
+        self.models[name].keep_alive = seconds
 
     # -- draining ----------------------------------------------------------------------
 
@@ -282,30 +303,17 @@ class Reconciler:
         if not runtime.draining and runtime in self.removed:
             self.removed.remove(runtime)
 
-    def unload_idle(self, now: float) -> None:
-        """Unload engines unused for longer than their model's idle_ttl (they reload lazily)."""
-        for runtime in self.models.values():
-            engine, ttl = runtime.engine, runtime.config.idle_ttl
-            expired = ttl is not None and engine is not None and now - engine.last_used > ttl
-            if expired and engine.idle:
-                log.info("model '%s' idle for %.0fs: unloading", runtime.name, ttl)
-                runtime.engine = None
-                self._retire(runtime, engine)
-                self._publish()
-
-    def restart_dead(self) -> None:
-        """Replace engines whose model thread died (their requests have already failed)."""
-        for runtime in self.models.values():
-            if runtime.engine is None or not _dead(runtime.engine):
-                continue
-            log.error("model '%s': %s; restarting it", runtime.name, runtime.engine.failure)
-            runtime.error = runtime.engine.failure
-            runtime.restarts += 1
-            runtime.restarting = True
-            self._retire(runtime, runtime.engine)
-            runtime.engine = None
-            self._start_load(runtime)
-            self._publish()
+    def _park(self, runtime: ModelRuntime) -> asyncio.Future:
+        """Close the model's engine once idle; it stays declared and routable (parked), and
+        its next request loads it again. Awaitable: done once the engine has closed."""
+        runtime.parked = True
+        engine, runtime.engine = runtime.engine, None
+        self._publish()
+        if engine is None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._retire(runtime, engine)
 
     async def close(self) -> None:
         for runtime in self.models.values():
@@ -328,18 +336,35 @@ class Reconciler:
             )
         )
 
+    async def refresh_stats(self) -> None:
+        """Bring every serving engine's `stats()` up to date (workers are asked at once)."""
+        engines = [rt.engine for rt in self.models.values() if rt.engine is not None]
+        await asyncio.gather(*(engine.refresh_stats() for engine in engines))
+
     def status(self) -> dict[str, dict]:
         """Per model: state, aliases, error, draining engines and the serving engine's stats."""
         rows = {}
+        now = time.monotonic()
         for runtime in [*self.models.values(), *self.removed]:
             removed = runtime in self.removed
+            engine = runtime.engine
             rows[runtime.name] = {
                 "state": "draining" if removed else runtime.state,
                 "kind": runtime.config.kind,
+                "source": runtime.config.source,
+                "load": runtime.config.load,
                 "aliases": [] if removed else list(runtime.config.aliases),
                 "error": runtime.error,
                 "draining": len(runtime.draining),
                 "restarts": runtime.restarts,
+                # Failures in a row (deaths, failed loads) and when the next try is due.
+                "failures": runtime.failures,
+                "next_retry_s": (
+                    round(max(runtime.retry_at - now, 0.0), 1) if runtime.error else None
+                ),
+                # idle_ttl in force (YAML or a client's keep_alive); null: never unloaded idle.
+                "idle_ttl_s": runtime.idle_ttl,
+                "idle_s": round(now - engine.last_used, 1) if engine and engine.idle else 0.0,
                 **(runtime.engine.stats() if runtime.engine is not None else {}),
             }
         return rows

@@ -1,9 +1,10 @@
 """Fault injection for tests only: `MLXD_FAULT_INJECT`, read when an engine starts.
 
-`MLXD_FAULT_INJECT=sequence:MARKER1,thread:MARKER2`: a request whose prompt contains a marker
-gets a logits processor that raises on its AFTER_TOKENS+1-th token. `sequence` raises an ordinary
-exception (that request alone must fail); `thread` raises one that nothing on the model thread
-catches (the engine thread dies and must be restarted). Unset, nothing is added.
+`MLXD_FAULT_INJECT=sequence:MARKER1,thread:MARKER2,load:MODEL`: a request whose prompt contains
+a marker gets a logits processor that raises on its AFTER_TOKENS+1-th token. `sequence` raises an
+ordinary exception (that request alone must fail); `thread` raises one that nothing on the model
+thread catches (the engine thread dies and must be restarted). `load` makes the worker process of
+model MODEL abort (SIGABRT) before it loads, every time. Unset, nothing is added.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def faults_from_env() -> dict[str, str]:
     faults = {}
     for item in os.environ.get(ENV, "").split(","):
         kind, _, marker = item.partition(":")
-        if kind in ("sequence", "thread") and marker:
+        if kind in ("sequence", "thread", "load") and marker:
             faults[kind] = marker
     return faults
 
@@ -37,7 +38,7 @@ def fault_processors(faults: dict[str, str], request: GenerationRequest) -> list
         return []
     prompt = json.dumps(request.messages) if request.messages is not None else str(request.prompt)
     for kind, marker in faults.items():
-        if marker in prompt:
+        if kind in ("sequence", "thread") and marker in prompt:
             return [_raising(RuntimeError if kind == "sequence" else InjectedThreadDeath)]
     return []
 

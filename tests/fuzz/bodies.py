@@ -272,10 +272,158 @@ EMBEDDINGS = body(
     },
 )
 
+_OLLAMA_OPTIONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(0, 100),
+        "num_predict": st.integers(-3, 2),
+        "stop": st.lists(SHORT_TEXT, max_size=3) | SHORT_TEXT,
+        "seed": st.integers(-(2**70), 2**70),
+        "repeat_penalty": st.floats(0.5, 2),
+        "num_ctx": st.integers(-1, 4096),
+        "num_gpu": st.integers(-1, 99),
+    },
+)
+_OLLAMA_COMMON: dict[str, st.SearchStrategy] = {
+    "options": _OLLAMA_OPTIONS,
+    "stream": st.booleans(),
+    "format": st.sampled_from(["", "json", "xml"]) | _schema(),
+    "keep_alive": st.sampled_from([-1, "5m", "1h", "soon", "-1m", 600]),  # never 0: no unloads
+    "think": st.booleans() | st.sampled_from(["low", "max"]),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(-1, 21),
+}
+_OLLAMA_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "user", "assistant", "system", "tool", "x"])},
+    optional={
+        "content": SHORT_TEXT,
+        "images": st.lists(st.sampled_from(["AAAA", "!!", "iVBORw0KGgo="]), max_size=2),
+        "tool_calls": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "function": st.fixed_dictionaries(
+                        {
+                            "name": st.sampled_from(["get_weather", ""]),
+                            "arguments": st.dictionaries(SHORT_TEXT, json_values, max_size=2),
+                        }
+                    )
+                }
+            ),
+            max_size=2,
+        ),
+        "tool_name": SHORT_TEXT,
+    },
+)
+OLLAMA_MODELS = st.sampled_from(["smol", "smol:latest", "default", "minilm", "nope:7b", ""])
+OLLAMA_CHAT = body(
+    {"model": OLLAMA_MODELS, "messages": st.lists(_OLLAMA_MESSAGE, max_size=3)},
+    {**_OLLAMA_COMMON, "tools": st.lists(_OPENAI_TOOL, max_size=2)},
+)
+OLLAMA_GENERATE = body(
+    {"model": OLLAMA_MODELS, "prompt": SHORT_TEXT},
+    {
+        **_OLLAMA_COMMON,
+        "system": SHORT_TEXT,
+        "raw": st.booleans(),
+        "images": st.lists(st.sampled_from(["AAAA", "!!"]), max_size=1),
+        "template": SHORT_TEXT,
+        "suffix": SHORT_TEXT,
+        "context": st.lists(st.integers(0, 5), max_size=2),
+    },
+)
+OLLAMA_EMBED = body(
+    {"model": OLLAMA_MODELS, "input": SHORT_TEXT | st.lists(SHORT_TEXT, max_size=3)},
+    {"truncate": st.booleans(), "dimensions": st.integers(-2, 500), "keep_alive": st.just("5m")},
+)
+
+_RESPONSES_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file", "x"])},
+    optional={
+        "text": SHORT_TEXT | json_values,
+        "image_url": st.sampled_from(["data:image/png;base64,AAAA", "http://x/y.png", "x"]),
+    },
+)
+_RESPONSES_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "user", "assistant", "system", "developer", "x"]),
+            "content": SHORT_TEXT | st.lists(_RESPONSES_PART, max_size=3) | json_values,
+        },
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": SHORT_TEXT,
+            "name": SHORT_TEXT,
+            "arguments": SHORT_TEXT | st.just('{"a": 1}') | json_values,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": SHORT_TEXT,
+            "output": SHORT_TEXT | st.lists(_RESPONSES_PART, max_size=2) | json_values,
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["reasoning", "item_reference", "x"])},
+        optional={"summary": json_values, "id": SHORT_TEXT},
+    ),
+    json_values,
+)
+RESPONSES = body(
+    {"model": MODELS, "input": SHORT_TEXT | st.lists(_RESPONSES_ITEM, max_size=4)},
+    {
+        "instructions": SHORT_TEXT,
+        "max_output_tokens": TOKENS,
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0.01, 1),
+        "stream": st.booleans(),
+        "store": st.booleans(),
+        "previous_response_id": st.sampled_from(["resp_0", "resp_../x", "x"]),
+        "tools": st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["function", "function", "web_search"])},
+                optional={
+                    "name": st.sampled_from(["get_weather", "f", ""]),
+                    "parameters": _schema(),
+                    "strict": st.booleans(),
+                },
+            ),
+            max_size=2,
+        ),
+        "tool_choice": st.sampled_from(["auto", "none", "required", "x"])
+        | st.fixed_dictionaries(
+            {"type": st.just("function"), "name": st.sampled_from(["get_weather", "nope"])}
+        ),
+        "parallel_tool_calls": st.booleans(),
+        "text": st.fixed_dictionaries(
+            {
+                "format": st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+                    optional={"name": SHORT_TEXT, "schema": _schema(), "strict": st.booleans()},
+                )
+            }
+        ),
+        "reasoning": st.fixed_dictionaries(
+            {"effort": st.sampled_from(["low", "high"]), "summary": st.sampled_from(["auto"])}
+        ),
+        "metadata": st.dictionaries(SHORT_TEXT, SHORT_TEXT, max_size=2),
+        "include": st.lists(SHORT_TEXT, max_size=2),
+    },
+)
+
 ENDPOINTS: dict[str, Any] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETION,
+    "/v1/responses": RESPONSES,
     "/v1/messages": MESSAGES,
     "/v1/messages/count_tokens": COUNT_TOKENS,
     "/v1/embeddings": EMBEDDINGS,
+    "/api/chat": OLLAMA_CHAT,
+    "/api/generate": OLLAMA_GENERATE,
+    "/api/embed": OLLAMA_EMBED,
 }

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -48,15 +49,20 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
         "KIND",
         "STATE",
         "ALIASES",
-        "MEMORY",
+        "PID",
+        "RSS",
+        "ESTIMATE",
         "QUEUE",
         "RUNNING",
         "TOK/S",
     ]
     table = {row.split()[0]: row.split() for row in rows}
     assert table["smol"][1:4] == ["llm", "loaded", "default,gpt-4o-mini"]
-    assert table["smol"][5] == "MiB" and int(table["smol"][4]) > 0
-    assert table["spare"][1:5] == ["llm", "unloaded", "-", "-"]
+    # Its own worker process, with its resident memory next to the estimate.
+    assert int(table["smol"][4]) == daemon.status()["models"]["smol"]["pid"]
+    assert table["smol"][5].endswith("MiB") and int(table["smol"][5][:-3]) > 0
+    assert table["smol"][6].endswith("MiB") and int(table["smol"][6][:-3]) > 0
+    assert table["spare"][1:7] == ["llm", "unloaded", "-", "-", "-", "-"]
 
 
 def test_ps_reports_an_unreachable_daemon(daemon: Daemon):
@@ -96,7 +102,35 @@ def test_bench_prints_a_sweep(daemon: Daemon):
     assert [line.split()[:4] for line in lines[1:3]] == [["1", "2", "2", "0"], ["2", "2", "2", "0"]]
 
 
-@pytest.mark.parametrize("command", ["serve", "check", "ps", "reload", "bench"])
+def states(daemon: Daemon) -> dict[str, str]:
+    return {name: row["state"] for name, row in daemon.status()["models"].items()}
+
+
+def test_load_and_unload_on_demand_go_through_the_reconciler(daemon: Daemon):
+    loaded = mlxd("load", "spare", "--url", daemon.url)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "spare: loaded"
+    unloaded = mlxd("unload", "default", "--url", daemon.url)  # an alias names its model
+    assert unloaded.stdout.strip() == "smol: unloaded", unloaded.stderr
+    assert states(daemon) == {"smol": "unloaded", "spare": "loaded"}
+    # An eager model unloaded on demand stays unloaded through a reconcile …
+    assert mlxd("reload", "--url", daemon.url).returncode == 0
+    assert states(daemon)["smol"] == "unloaded"
+    assert "model 'smol' unloaded on demand" in daemon.log()
+    # … until its next request loads it again; the YAML file was not touched.
+    reply = httpx.post(
+        f"{daemon.url}/v1/chat/completions",
+        json={"model": "smol", "messages": [{"role": "user", "content": "Hi"}]},
+        timeout=120,
+    )
+    assert reply.status_code == 200
+    assert states(daemon)["smol"] == "loaded"
+    missing = mlxd("unload", "nope", "--url", daemon.url)
+    assert missing.returncode == 1
+    assert "HTTP 404" in missing.stderr and "does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "check", "ps", "reload", "load", "unload", "bench"])
 def test_every_command_explains_itself(command: str):
     result = mlxd(command, "--help")
     assert result.returncode == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -211,7 +212,7 @@ def test_models_lists_names_and_aliases(client: openai.OpenAI):
             400,
             "temperature",
         ),
-        (b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+        (b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "n": 17}', 400, "n"),
         (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', 404, "smol"),
         (
             b'{"model": "broken", "messages": [{"role": "user", "content": "hi"}]}',
@@ -293,3 +294,118 @@ def test_penalties_are_accepted_and_change_nothing_structural(client: openai.Ope
     )
     assert reply.choices[0].message.content
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+# -- issue 14: n, several prompts, echo, streamed logprobs, every id's model card ---------
+
+
+def test_n_choices_share_one_prompt_in_usage(client: openai.OpenAI):
+    single = client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=6)
+    reply = client.chat.completions.create(
+        model="smol", messages=FRANCE, n=3, temperature=1.0, seed=7, max_tokens=6
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason for c in reply.choices)
+    # The prompt counts once; every choice's tokens count.
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    assert reply.usage.completion_tokens > 6 and reply.usage.completion_tokens <= 18
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # Seeds differ per choice (seed + index): choice 0 is the single seeded request.
+    again = client.chat.completions.create(
+        model="smol", messages=FRANCE, temperature=1.0, seed=7, max_tokens=6
+    )
+    assert reply.choices[0].message.content == again.choices[0].message.content
+
+
+def test_n_streamed_choices_each_finish(client: openai.OpenAI):
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=FRANCE,
+        n=2,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert set(finishes) == {0, 1}
+    assert texts[0] == texts[1] and "Paris" in texts[0]  # greedy: the same answer twice
+    assert usage.completion_tokens == 2 * usage.completion_tokens // 2 > 0
+
+
+def test_several_prompts_times_n_with_echo(client: openai.OpenAI):
+    prompts = ["The capital of France is", "One, two, three,"]
+    reply = client.completions.create(
+        model="smol", prompt=prompts, n=2, max_tokens=4, echo=True, temperature=0
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    for choice in reply.choices:
+        assert choice.text.startswith(prompts[choice.index // 2])
+        assert len(choice.text) > len(prompts[choice.index // 2])
+    alone = [
+        client.completions.create(model="smol", prompt=p, max_tokens=4, temperature=0)
+        for p in prompts
+    ]
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.choices[2].text == prompts[1] + alone[1].choices[0].text
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model="smol", prompt=prompts, max_tokens=4, echo=True, temperature=0, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: reply.choices[0].text, 1: reply.choices[2].text}
+
+
+def test_streamed_chat_logprobs(client: openai.OpenAI):
+    stream = client.chat.completions.create(
+        model="smol", messages=FRANCE, logprobs=True, top_logprobs=2, max_tokens=8, stream=True
+    )
+    text, tokens = "", []
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs and choice.logprobs.content:
+                tokens.extend(choice.logprobs.content)
+    assert len(tokens) == 8
+    assert "".join(t.token for t in tokens).strip().startswith(text.strip()[:5])
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+
+
+def test_model_card_for_every_id(client: openai.OpenAI):
+    for model_id in ("smol", "default", "gpt-4o-mini"):
+        card = client.models.retrieve(model_id)
+        assert card.id == model_id and card.root == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_leaving_an_n_stream_cancels_every_sequence(daemon: Daemon):
+    before = daemon.status()["models"]["smol"]["cancelled"]
+    body = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "max_tokens": 200,
+        "n": 3,
+        "temperature": 0.7,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{daemon.url}/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(14), strict=False) if line) >= 6
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = daemon.status()["models"]["smol"]
+        if stats["cancelled"] >= before + 3 and stats["running"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["cancelled"] == before + 3
+    assert stats["running"] == 0 and stats["waiting"] == 0

@@ -117,6 +117,27 @@ def test_model_key_may_use_its_model_only(daemon: Daemon):
     assert "other" not in caught.value.message
 
 
+def test_ollama_routes_take_bearer_keys_and_tagged_names(daemon: Daemon):
+    import ollama
+
+    def client(key: str | None) -> ollama.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return ollama.Client(host=daemon.url, headers=headers, timeout=60)
+
+    with pytest.raises(ollama.ResponseError) as caught:
+        client(None).chat(model="smol", messages=HI)
+    assert caught.value.status_code == 401
+    # A model key: its model under Ollama's tagged name, and only its model is listed.
+    reply = client(SMOL_KEY).chat(model="smol:latest", messages=HI)
+    assert reply.done and reply.eval_count > 0
+    assert {m.model for m in client(SMOL_KEY).list().models} == {"smol:latest"}
+    for model in ("other:latest", "other"):
+        with pytest.raises(ollama.ResponseError) as caught:
+            client(SMOL_KEY).show(model)
+        assert caught.value.status_code == 403
+    assert {m.model for m in client(SERVER_KEY).list().models} == {"smol:latest", "other:latest"}
+
+
 def test_admin_endpoints_need_a_server_key(daemon: Daemon):
     for key in (SMOL_KEY, OTHER_KEY):
         headers = {"Authorization": f"Bearer {key}"}

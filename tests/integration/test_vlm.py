@@ -253,3 +253,30 @@ def test_aborted_image_stream_frees_its_slot(daemon: Daemon, oai: openai.OpenAI)
     stats = daemon.wait_for_cancel("vlm", cancelled_before)
     assert stats["running"] == 0
     assert stats["cancelled"] == cancelled_before + 1
+
+
+def test_ollama_images_are_the_same_images(daemon: Daemon, oai: openai.OpenAI):
+    """Ollama's base64 `images` reach the model as the OpenAI route's image parts do."""
+    import ollama
+
+    client = ollama.Client(host=daemon.url, timeout=120)
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    for seed in (1, 2):
+        reply = client.chat(
+            model="vlm",
+            messages=[
+                {"role": "user", "content": "Describe the image.", "images": [png_bytes(seed)]}
+            ],
+            options=options,
+        )
+        assert reply.message.content == ask(oai, openai_image(data_url(seed)))
+    generated = client.generate(
+        model="vlm", prompt="Describe the image.", images=[png_bytes(1)], options=options
+    )
+    assert generated.response == ask(oai, openai_image(data_url(1)))
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(
+            model="vlm",
+            messages=[{"role": "user", "content": "?", "images": [b"not an image"]}],
+        )
+    assert caught.value.status_code == 400 and "messages[0].images[0]" in caught.value.error

@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from mlxd.config import parse_config
 from mlxd.config.reference import render
 from mlxd.config.schema import ModelConfig, ServerConfig
 
@@ -65,3 +67,54 @@ def test_claude_code_guide_explains_every_setting():
     settings = json.loads((ROOT / "examples" / "claude-code-settings.json").read_text())
     for name in settings["env"]:
         assert f"`{name}`" in guide, name
+
+
+OLLAMA_NOTES = ["home-assistant-ollama.md", "open-webui-ollama.md"]
+
+
+def _fenced(text: str, language: str) -> list[str]:
+    import re
+
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("name", OLLAMA_NOTES)
+def test_ollama_notes_point_at_a_default_model_on_the_ollama_port(name: str):
+    from urllib.parse import urlparse
+
+    import yaml
+
+    from mlxd.config.loader import load_config
+
+    text = (ROOT / "examples" / name).read_text()
+    blocks = _fenced(text, "json")
+    assert blocks, f"{name} has no ```json connection block"
+    default = load_config(ROOT / "config" / "models.yaml")
+    ollama_port = yaml.safe_load((ROOT / "examples" / "ollama.yaml").read_text())["server"][
+        "ollama_port"
+    ]
+    for block in blocks:
+        connection = json.loads(block)
+        # Ollama clients send `name:latest`; the daemon drops the tag for a known id.
+        assert default.resolve(connection["model"].removesuffix(":latest")) is not None
+        assert urlparse(connection["url"]).port == ollama_port
+    for link in ("ollama.yaml",):
+        assert (ROOT / "examples" / link).exists()
+    for block in _fenced(text, "sh"):
+        assert f":{ollama_port}" in block  # Docker snippets point at the same port
+
+
+def test_codex_example_points_at_the_default_config():
+    codex = tomllib.loads((ROOT / "examples" / "codex" / "config.toml").read_text())
+    default = parse_config((ROOT / "config" / "models.yaml").read_text(), env={})
+    provider = codex["model_providers"][codex["model_provider"]]
+    server = default.server
+    assert provider["wire_api"] == "responses"
+    assert provider["base_url"] == f"http://{server.host}:{server.port}/v1"
+    llm_ids = {
+        model_id
+        for name, model in default.models.items()
+        if model.kind == "llm"
+        for model_id in (name, *model.aliases)
+    }
+    assert codex["model"] in llm_ids

@@ -16,14 +16,16 @@ from pydantic import ValidationError
 
 from mlxd.api.protocol.openai import EmbeddingRequest
 from mlxd.config import BatchConfig
-from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
-from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
-from mlxd.scheduler.embedding_batcher import (
-    EmbeddingBatcher,
+from mlxd.engines.embedding_core import (
+    EmbeddingCore,
     EmbeddingFailed,
     EmbeddingJob,
+    deliver,
     plan_batches,
 )
+from mlxd.engines.loop import ModelLoop
+from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
+from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
 
 
 def test_batches_are_sorted_by_length_and_capped_by_count():
@@ -160,12 +162,17 @@ def test_only_exact_gelu_modules_are_swapped():
     assert [type(layer) for layer in model.layers] == [nn.Linear, RationalGELU, nn.GELU]
 
 
+def embedding_loop(forward, config: BatchConfig, arriving) -> ModelLoop:
+    """The engine's model thread around a stand-in encoder."""
+    return ModelLoop("t", EmbeddingCore("t", forward, config, arriving), deliver, max_queue=8)
+
+
 def _first_token(batch: list[list[int]]) -> np.ndarray:
     """A stand-in encoder whose vector is the input's first token and length."""
     return np.array([[ids[0], len(ids)] for ids in batch], dtype=np.float32)
 
 
-def test_batcher_splits_a_request_across_passes_and_keeps_its_order():
+def test_model_loop_splits_a_request_across_passes_and_keeps_its_order():
     passes: list[int] = []
 
     def forward(batch: list[list[int]]) -> np.ndarray:
@@ -173,39 +180,39 @@ def test_batcher_splits_a_request_across_passes_and_keeps_its_order():
         return _first_token(batch)
 
     config = BatchConfig(max_batch_size=4, prefill_step_size=1000)
-    batcher = EmbeddingBatcher("t", forward, config, arriving=lambda: 0)
+    model_loop = embedding_loop(forward, config, arriving=lambda: 0)
     inputs = [[i] * (10 - i) for i in range(10)]  # longest first: sorting reorders them
 
     async def submit() -> np.ndarray:
         loop = asyncio.get_running_loop()
         job = EmbeddingJob(inputs, loop, loop.create_future())
-        batcher.submit(job)
+        model_loop.submit(job)
         return await job.future
 
     try:
         vectors = asyncio.run(submit())
     finally:
-        batcher.close()
+        model_loop.close()
     assert vectors.tolist() == [[i, 10 - i] for i in range(10)]
     assert passes == [4, 4, 2]
-    assert batcher.stats.forward_passes == 3 and batcher.stats.inputs == 10
-    assert batcher.open_requests == 0
+    assert model_loop.core.stats.forward_passes == 3 and model_loop.core.stats.inputs == 10
+    assert model_loop.core.waiting == 0
 
 
-def test_batcher_close_fails_what_is_still_open():
+def test_model_loop_close_fails_what_is_still_open():
     release = threading.Event()
 
     def forward(batch: list[list[int]]) -> np.ndarray:
         release.wait(5)
         return _first_token(batch)
 
-    batcher = EmbeddingBatcher("t", forward, BatchConfig(max_batch_size=1), arriving=lambda: 0)
+    model_loop = embedding_loop(forward, BatchConfig(max_batch_size=1), arriving=lambda: 0)
 
     async def submit_then_close() -> None:
         loop = asyncio.get_running_loop()
         job = EmbeddingJob([[1], [2], [3]], loop, loop.create_future())
-        batcher.submit(job)
-        closing = asyncio.create_task(asyncio.to_thread(batcher.close))
+        model_loop.submit(job)
+        closing = asyncio.create_task(asyncio.to_thread(model_loop.close))
         await asyncio.sleep(0.05)
         release.set()
         with pytest.raises(EmbeddingFailed, match="unloaded"):
@@ -213,7 +220,7 @@ def test_batcher_close_fails_what_is_still_open():
         await closing
 
     asyncio.run(submit_then_close())
-    assert batcher.stats.failed == 1 and batcher.open_requests == 0
+    assert model_loop.core.stats.failed == 1 and model_loop.core.waiting == 0
 
 
 def test_a_short_request_is_not_held_back_by_a_long_one():
@@ -225,20 +232,20 @@ def test_a_short_request_is_not_held_back_by_a_long_one():
 
     config = BatchConfig(max_batch_size=4, prefill_step_size=1000)
     # "Always one on its way": the thread waits its window, so both jobs start together.
-    batcher = EmbeddingBatcher("t", forward, config, arriving=lambda: 1)
+    model_loop = embedding_loop(forward, config, arriving=lambda: 1)
 
     async def submit_both() -> None:
         loop = asyncio.get_running_loop()
         long = EmbeddingJob([[1]] * 100, loop, loop.create_future())
         short = EmbeddingJob([[2]], loop, loop.create_future())
-        batcher.submit(long)
-        batcher.submit(short)
+        model_loop.submit(long)
+        model_loop.submit(short)
         await asyncio.gather(long.future, short.future)
 
     try:
         asyncio.run(submit_both())
     finally:
-        batcher.close()
+        model_loop.close()
     # The short request's input is in the first round (4 passes of 4), not after 25 passes.
     assert 2 in [token for batch in passes[:4] for token in batch]
     assert sum(map(len, passes)) == 101

@@ -22,14 +22,19 @@ from mlxd.registry.plan import (
     Action,
     Actual,
     Load,
+    Park,
     Rename,
+    Resident,
     Resize,
+    Restart,
     Retarget,
     State,
     Swap,
     Unload,
+    backoff,
     describe,
     engine_settings,
+    evictions,
     plan,
 )
 
@@ -156,6 +161,13 @@ def test_engine_settings_ignore_routing_fields() -> None:
             {"m": Actual(cfg(load="lazy"), "unloaded")},
             [Load("m", cfg())],
             id="unloaded-to-eager",
+        ),
+        pytest.param({"m": cfg()}, {"m": Actual(cfg(), "parked")}, [], id="parked-eager-stays"),
+        pytest.param(
+            {"m": cfg(aliases=["x"])},
+            {"m": Actual(cfg(), "parked")},
+            [Retarget("m", cfg(aliases=["x"]))],
+            id="parked-routing-change",
         ),
         pytest.param(
             {"m": cfg("b")},
@@ -365,3 +377,82 @@ def test_plan_reaches_desired(seed: int) -> None:
     assert plan(desired, after) == []
     ranks = [_RANK[type(action)] for action in actions]
     assert ranks == sorted(ranks)
+
+
+# -- lifecycle facts: deaths, backoff, idleness, the memory budget ----------------------------
+
+
+def test_a_dead_worker_restarts_once_its_backoff_has_run_out():
+    waiting = {"m": Actual(cfg(), "dead", retry_in=1.5)}
+    assert plan({"m": cfg()}, waiting) == []
+    assert plan({"m": cfg()}, {"m": Actual(cfg(), "dead", retry_in=0.0)}) == [Restart("m", cfg())]
+
+
+def test_a_dead_worker_takes_a_config_change_with_its_restart():
+    actions = plan({"m": cfg(aliases=["x"])}, {"m": Actual(cfg(), "dead", retry_in=-1)})
+    assert actions == [Retarget("m", cfg(aliases=["x"])), Restart("m", cfg(aliases=["x"]))]
+
+
+def test_a_removed_dead_model_is_unloaded_not_restarted():
+    assert plan({}, {"m": Actual(cfg(), "dead", retry_in=-1)}) == [Unload("m")]
+
+
+def test_a_failed_load_is_retried_only_after_its_backoff():
+    assert plan({"m": cfg()}, {"m": Actual(cfg(), "failed", retry_in=3.0)}) == []
+    assert plan({"m": cfg()}, {"m": Actual(cfg(), "failed", retry_in=0.0)}) == [Load("m", cfg())]
+
+
+@pytest.mark.parametrize(
+    ("failures", "seconds"), [(1, 1.0), (2, 2.0), (3, 4.0), (6, 32.0), (7, 60.0), (50, 60.0)]
+)
+def test_backoff_doubles_up_to_a_minute(failures: int, seconds: float):
+    assert backoff(failures) == seconds
+
+
+def test_an_engine_idle_past_its_ttl_is_parked():
+    idle = Actual(cfg(idle_ttl=30.0), "loaded", idle_for=31.0, idle_ttl=30.0)
+    assert plan({"m": cfg(idle_ttl=30.0)}, {"m": idle}) == [Park("m")]
+
+
+@pytest.mark.parametrize(
+    "actual",
+    [
+        Actual(cfg(), "loaded", idle_for=29.0, idle_ttl=30.0),  # not yet
+        Actual(cfg(), "loaded", idle_for=None, idle_ttl=30.0),  # busy
+        Actual(cfg(), "loaded", idle_for=9e9, idle_ttl=None),  # no ttl (or keep_alive -1)
+    ],
+    ids=["young", "busy", "no-ttl"],
+)
+def test_an_engine_in_use_or_without_ttl_stays(actual: Actual):
+    assert plan({"m": cfg()}, {"m": actual}) == []
+
+
+def test_an_idle_engine_parks_and_keeps_its_new_settings_for_the_next_load():
+    idle = Actual(cfg(), "loaded", idle_for=31.0, idle_ttl=30.0)
+    assert plan({"m": cfg("b")}, {"m": idle}) == [Park("m"), Retarget("m", cfg("b"))]
+
+
+def test_parks_come_before_loads():
+    actual = {"old": Actual(cfg(), "loaded", idle_for=99.0, idle_ttl=1.0)}
+    assert plan({"old": cfg(), "new": cfg("b")}, actual) == [Park("old"), Load("new", cfg("b"))]
+
+
+def resident(name: str, size: int, last_used: float, idle: bool = True) -> Resident:
+    return Resident(name, size, last_used, idle)
+
+
+def test_evictions_take_idle_engines_least_recently_used_first():
+    residents = [resident("a", 4, 3.0), resident("b", 4, 1.0), resident("c", 4, 2.0)]
+    assert evictions(need=4, budget=12, residents=residents) == ["b"]
+    assert evictions(need=8, budget=12, residents=residents) == ["b", "c"]
+
+
+def test_evictions_skip_busy_engines_and_refuse_what_cannot_fit():
+    residents = [resident("busy", 8, 0.0, idle=False), resident("idle", 2, 5.0)]
+    assert evictions(need=2, budget=12, residents=residents) == []
+    assert evictions(need=4, budget=12, residents=residents) == ["idle"]
+    assert evictions(need=5, budget=12, residents=residents) is None
+
+
+def test_no_budget_never_evicts():
+    assert evictions(need=10**12, budget=None, residents=[resident("a", 1, 0.0)]) == []

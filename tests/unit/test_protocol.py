@@ -45,7 +45,8 @@ def test_list_content_parts_are_accepted():
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": -1}, "top_k"),
-        ({"n": 3}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logit_bias": {"12": 200}}, "logit_bias"),
         ({"logit_bias": {"not-a-token": 1}}, "logit_bias.not-a-token"),
@@ -71,15 +72,18 @@ def test_missing_model_is_named():
 
 
 def test_completion_prompt_forms():
-    def prompt(value):
-        return CompletionRequest.model_validate({"model": "m", "prompt": value}).prompt
+    def prompts(value):
+        return CompletionRequest.model_validate({"model": "m", "prompt": value}).prompts()
 
-    assert prompt("hello") == "hello"
-    assert prompt([1, 2, 3]) == [1, 2, 3]
-    assert prompt(["only one"]) == "only one"
-    assert prompt([[4, 5]]) == [4, 5]
-    with pytest.raises(ValidationError):
-        prompt(["two", "prompts"])
+    assert prompts("hello") == ["hello"]
+    assert prompts([1, 2, 3]) == [[1, 2, 3]]
+    assert prompts(["only one"]) == ["only one"]
+    assert prompts([[4, 5]]) == [[4, 5]]
+    assert prompts(["two", "prompts"]) == ["two", "prompts"]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    for bad in (["x"] * 17, ["ok", ""]):
+        with pytest.raises(ValidationError):
+            prompts(bad)
 
 
 def test_request_values_override_model_defaults():

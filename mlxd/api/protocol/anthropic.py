@@ -249,8 +249,8 @@ def internal_messages(
             text = _system_text(message.content, index)
             if text and not _cleared(message, messages[index + 1 :]):
                 result.append({"role": "system", "content": text})
-        elif isinstance(message.content, str):
-            result.append({"role": message.role, "content": message.content})
+        elif message.content is None or isinstance(message.content, str):
+            result.append({"role": message.role, "content": message.content or ""})
         elif message.role == "assistant":
             result.append(_assistant(message.content))
         else:
@@ -281,11 +281,12 @@ def _cleared(message: Message, later: list[Message]) -> bool:
 def _system_text(content: str | list[ContentBlock] | None, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if any(not isinstance(block, TextBlock) for block in content):
+    texts = [block for block in content if isinstance(block, TextBlock)]
+    if len(texts) != len(content):
         raise InvalidRequest(
             "system messages hold text blocks only", param=f"messages.{index}.content"
         )
-    return _text(content)
+    return _text(texts)
 
 
 def _assistant(blocks: list[ContentBlock]) -> dict[str, Any]:

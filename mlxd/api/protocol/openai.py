@@ -49,7 +49,8 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    # Sequences per prompt, decoded together in one batch.
+    n: int = Field(default=1, ge=1, le=16)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
@@ -91,12 +92,20 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: Any) -> str | list[int]:
+    def _not_empty(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError("one prompt per request is supported")
-            value = value[0]
+            if len(value) > 16:
+                raise ValueError("at most 16 prompts per request")
+            if any(not p for p in value):
+                raise ValueError("prompts must not be empty")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one string or one token list is a list of one."""
+        value = self.prompt
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            return list(value)
+        return [value]
 
 
 class EmbeddingRequest(_Lenient):

@@ -1,0 +1,324 @@
+"""The daemon's side of a worker process: an `Engine` whose model runs elsewhere.
+
+`WorkerEngine.start` spawns `python -m mlxd.engines.worker` on an inherited socket pair and
+walks it through its load (see worker.py); after that the engine answers the API exactly like
+an in-process one. One reader task takes the worker's messages: request acceptance, batches of
+events (one per engine step), call replies. When the worker dies, for whatever reason, every
+request it held ends with an error event (503) and `failure` says why; the reconciler restarts
+the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psutil
+
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.engines.base import EventStream
+from mlxd.engines.wire import read_message, write_message
+from mlxd.engines.worker import WorkerSpec
+from mlxd.errors import MlxdError, ModelLoadError, Unavailable
+from mlxd.types import Finished, GenerationRequest
+
+log = logging.getLogger("mlxd.worker")
+
+CLOSE_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 2.0
+
+
+class WorkerDied(ModelLoadError):
+    """The worker process ended before it was ready."""
+
+
+class WorkerEngine:
+    def __init__(
+        self,
+        name: str,
+        config: ModelConfig,
+        process: asyncio.subprocess.Process,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ready: dict[str, Any],
+        server: Callable[[], ServerConfig],
+    ):
+        self.name = name
+        self.kind: str = config.kind
+        self.pid = process.pid
+        self.estimate_bytes: int = ready["memory_bytes"]
+        self._cache_ram = config.cache.ram
+        self.chat_template: str | None = ready["chat_template"]
+        self.last_used = time.monotonic()
+        self.started_at = time.monotonic()
+        self.failure: str | None = None
+        self._process = process
+        self._reader = reader
+        self._writer = writer
+        self._server = server
+        self._server_sent = server()
+        self._stats: dict[str, Any] = ready["stats"]
+        self._streams: dict[int, asyncio.Queue[Any]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._busy_calls = 0  # embeddings in flight: they keep the engine from being idle
+        self._ids = itertools.count()
+        self._closing = False
+        self._psutil = _process_handle(process.pid)
+        self._reading = asyncio.create_task(self._read(), name=f"mlxd-worker-{name}")
+
+    @classmethod
+    async def start(
+        cls,
+        name: str,
+        config: ModelConfig,
+        server: Callable[[], ServerConfig],
+        make_room: Callable[[int], Awaitable[None]],
+    ) -> WorkerEngine:
+        """Spawn a worker for `name` and wait until its model is loaded. `make_room(bytes)`
+        runs once the worker knows what it will hold, before it loads (raising refuses)."""
+        parent, child = socket.socketpair()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mlxd.engines.worker",
+            "--fd",
+            str(child.fileno()),
+            pass_fds=(child.fileno(),),
+            stdin=asyncio.subprocess.DEVNULL,
+            # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and then
+            # closes its workers; they never die under requests that are still finishing.
+            start_new_session=True,
+        )
+        child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        try:
+            write_message(writer, WorkerSpec(name, config, server()))
+            kind, *args = await read_message(reader)
+            if kind == "need":
+                await make_room(args[0])
+                write_message(writer, ("go",))
+                kind, *args = await read_message(reader)
+            if kind == "load_failed":
+                raise args[0]
+            if kind != "ready":
+                raise ModelLoadError(f"model '{name}': unexpected worker message {kind!r}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            status = await process.wait()
+            writer.close()
+            raise WorkerDied(
+                f"model '{name}': worker {describe_exit(status)} while loading"
+            ) from None
+        except BaseException:  # refused, failed or cancelled (a reconcile superseded the load)
+            writer.close()
+            await _reap(process)
+            raise
+        return cls(name, config, process, reader, writer, args[0], server)
+
+    # -- the Engine protocol -----------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self._streams and self._busy_calls == 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the budget counts: the worker's resident memory, once it exceeds the estimate
+        (the estimate covers the KV budget the worker has not filled yet)."""
+        return max(self.estimate_bytes, self.rss_bytes or 0)
+
+    @property
+    def rss_bytes(self) -> int | None:
+        if self._psutil is None or self.failure is not None:
+            return None
+        with contextlib.suppress(psutil.Error):
+            return self._psutil.memory_info().rss
+        return None
+
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        self._check_alive()
+        rid = next(self._ids)
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[rid] = answers
+        self.last_used = time.monotonic()
+        try:
+            if self.kind == "vlm":
+                self._send_server()
+            self._send(("submit", rid, request))
+            answer = await answers.get()  # accepted, rejected, or the worker's death
+        except BaseException:
+            self._abandon(rid)
+            raise
+        if isinstance(answer, Finished):  # died before answering
+            self._streams.pop(rid, None)
+            raise Unavailable(answer.error or f"model '{self.name}' is restarting")
+        if answer[0] == "rejected":
+            self._streams.pop(rid, None)
+            raise answer[1]
+        return EventStream(
+            answers, answer[1], lambda: self._abandon(rid), lambda: self._forget(rid)
+        )
+
+    def _forget(self, rid: int) -> None:
+        self._streams.pop(rid, None)
+        self.last_used = time.monotonic()
+
+    def _abandon(self, rid: int) -> None:
+        """Forget request `rid`; the worker cancels its sequence if it still runs."""
+        if self._streams.pop(rid, None) is not None and self.failure is None:
+            self._send(("cancel", rid))
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return await self._call("count_prompt_tokens", request)
+
+    async def embed(self, inputs: Any, *, truncate: bool, dimensions: int | None = None) -> Any:
+        self._busy_calls += 1
+        self.last_used = time.monotonic()
+        try:
+            return await self._call("embed", inputs, truncate=truncate, dimensions=dimensions)
+        finally:
+            self._busy_calls -= 1
+            self.last_used = time.monotonic()
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's figures as of the last `refresh_stats`, plus its process."""
+        return {
+            **self._stats,
+            "pid": self.pid,
+            "rss_bytes": self.rss_bytes,
+            "memory_estimate_bytes": self.estimate_bytes,
+            "memory_bytes": self.memory_bytes,
+        }
+
+    async def refresh_stats(self) -> None:
+        if self.failure is not None:
+            return
+        with contextlib.suppress(MlxdError, TimeoutError):
+            self._stats = await asyncio.wait_for(self._call("stats"), STATS_TIMEOUT_S)
+
+    def resize_cache(self, cache: CacheConfig) -> None:
+        self.estimate_bytes += cache.ram - self._cache_ram
+        self._cache_ram = cache.ram
+        self._send(("call", next(self._ids), "resize_cache", (cache,), {}))  # reply unawaited
+
+    async def close(self) -> None:
+        """Ask the worker to finish and exit; kill it if it does not in time."""
+        self._closing = True
+        if self._process.returncode is None:
+            self._send(("close",))
+            try:
+                await asyncio.wait_for(self._process.wait(), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("model '%s': worker %d did not exit; killing it", self.name, self.pid)
+                await _reap(self._process)
+        await self._reading
+
+    # -- transport ---------------------------------------------------------------------
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._check_alive()
+        cid = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[cid] = future
+        try:
+            self._send(("call", cid, method, args, kwargs))
+            return await future
+        except asyncio.CancelledError:
+            self._send(("cancel", cid))  # e.g. an embedding whose caller went away
+            raise
+        finally:
+            self._calls.pop(cid, None)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if not self._writer.is_closing():
+            write_message(self._writer, message)
+
+    def _send_server(self) -> None:
+        current = self._server()
+        if current is not self._server_sent:
+            self._send(("server", current))
+            self._server_sent = current
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise Unavailable(
+                f"model '{self.name}' is restarting after a failure: {self.failure}",
+                headers={"Retry-After": "5"},
+            )
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                kind, *args = await read_message(self._reader)
+                if kind == "events":
+                    for rid, event in args[0]:
+                        answers = self._streams.get(rid)
+                        if answers is not None:
+                            answers.put_nowait(event)
+                elif kind in ("accepted", "rejected"):
+                    answers = self._streams.get(args[0])
+                    if answers is not None:
+                        answers.put_nowait((kind, *args[1:]))
+                elif kind in ("reply", "error"):
+                    future = self._calls.get(args[0])
+                    if future is None or future.done():
+                        continue
+                    if kind == "reply":
+                        future.set_result(args[1])
+                    else:
+                        future.set_exception(args[1])
+                elif kind == "died":  # its model thread died; the process exits next
+                    self.failure = args[0]
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("model '%s': unreadable message from worker %d", self.name, self.pid)
+            self._process.kill()
+        status = await self._process.wait()
+        self._writer.close()
+        if self._closing:
+            return
+        self.failure = self.failure or f"worker {self.pid} {describe_exit(status)}"
+        log.error("model '%s': %s", self.name, self.failure)
+        self._fail_all(f"model '{self.name}' failed ({self.failure}); it is being restarted")
+
+    def _fail_all(self, message: str) -> None:
+        for answers in self._streams.values():
+            answers.put_nowait(Finished("error", 0, 0, error=message, error_status=503))
+        self._streams.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(Unavailable(message))
+
+
+def describe_exit(status: int) -> str:
+    """'was killed by SIGKILL', 'exited with status 3' …"""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {status}"
+
+
+async def _reap(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    await process.wait()
+
+
+def _process_handle(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None

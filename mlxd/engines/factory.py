@@ -1,0 +1,47 @@
+"""Building an engine from a model's config: the same steps in a worker process or inline."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mlxd.config import ModelConfig, ServerConfig
+from mlxd.engines.base import Engine
+from mlxd.errors import ModelLoadError
+from mlxd.models.estimate import estimate_model_bytes
+from mlxd.models.sources import resolve_source
+
+if TYPE_CHECKING:
+    from mlxd.engines.embedding import EmbeddingEngine
+    from mlxd.engines.llm import LLMEngine
+
+
+async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path, int]:
+    """The model's resolved directory (converting a GGUF on first use) and the bytes it will
+    hold once loaded, weights plus its KV budget."""
+    path: Path = await asyncio.to_thread(
+        resolve_source, config.source, model_name=name, cache_dir=cache_dir
+    )
+    kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
+    need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
+    return path, need
+
+
+async def load_engine(
+    name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
+) -> Engine:
+    """Load the weights at `path` into the engine of the model's kind. `server` gives the live
+    server settings (the SSD KV tier's root, media policy)."""
+    # Imported here: each kind pulls in its own libraries (mlx-vlm only for a vlm).
+    engine_class: type[LLMEngine] | type[EmbeddingEngine]
+    if config.kind == "llm":
+        from mlxd.engines.llm import LLMEngine as engine_class
+    elif config.kind == "vlm":
+        from mlxd.engines.vlm import VLMEngine as engine_class
+    elif config.kind == "embedding":
+        from mlxd.engines.embedding import EmbeddingEngine as engine_class
+    else:
+        raise ModelLoadError(f"model '{name}': kind '{config.kind}' is not supported")
+    return await engine_class.load(name, config, path, server)

@@ -1,0 +1,26 @@
+"""Messages between the daemon and a worker: length-prefixed pickles over a socket pair.
+
+Pickle is safe here only because both ends are the same program and the socket is an
+anonymous `socketpair()` inherited by the child: nothing else can connect to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from typing import Any
+
+_HEADER = struct.Struct("!I")
+
+
+async def read_message(reader: asyncio.StreamReader) -> Any:
+    """The next message; `asyncio.IncompleteReadError` once the other end has gone."""
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def write_message(writer: asyncio.StreamWriter, message: Any) -> None:
+    """Queue `message` on the transport (no await: the other end reads continuously)."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(_HEADER.pack(len(data)) + data)

