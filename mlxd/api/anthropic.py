@@ -1,21 +1,24 @@
-"""Anthropic dialect: /v1/messages and /v1/messages/count_tokens.
+"""Anthropic dialect: /v1/messages, /v1/messages/count_tokens and /v1/messages/batch.
 
 Requests become the same `GenerationRequest` as the OpenAI routes' and answers are rendered
 from the same parsed parts. Both responses are built from one sequence of Anthropic stream
 events, so a streamed and a non-streamed answer agree by construction. The `x-api-key` header
-Anthropic clients send is checked by `auth`; `anthropic-version` changes nothing.
+Anthropic clients send is checked by `auth`; `anthropic-version` and `anthropic-beta` change
+nothing (every beta field mlxd knows is accepted without its header).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
-from quart import Blueprint
+from pydantic import ValidationError
+from quart import Blueprint, request
 
-from mlxd.api.errors import anthropic_error
+from mlxd.api.errors import anthropic_error, from_validation_error
 from mlxd.api.generation import (
     Part,
     event_stream,
@@ -26,8 +29,12 @@ from mlxd.api.generation import (
     start,
     template_kwargs,
 )
-from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest, prompt_fields
-from mlxd.errors import MlxdError
+from mlxd.api.protocol.anthropic import (
+    CountTokensRequest,
+    MessagesRequest,
+    prompt_fields,
+)
+from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest
@@ -37,21 +44,53 @@ blueprint = Blueprint("anthropic", __name__)
 # Proxies and clients drop connections that stay silent; prefilling a long prompt can.
 PING_INTERVAL_S = 10.0
 PING = {"type": "ping"}
+# /v1/messages/batch: how many of one request's messages are in the engines at once.
+BATCH_CONCURRENCY = 16
+BATCH_MAX_REQUESTS = 1000
 
 
 def _generation(body: MessagesRequest, entry: ModelEntry, priority: int = 0) -> GenerationRequest:
     return GenerationRequest(
         request_id=new_id(""),
         model=entry.name,
-        max_tokens=body.max_tokens,
+        max_tokens=max(body.max_tokens, 1),  # 0 (cache pre-warm): one token, not sent
         sampling=sampling_params(
             entry.config.defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k
         ),
         stop=body.stop_sequences or [],
         priority=priority,
         chat_template_kwargs=template_kwargs(entry),
+        response_format=body.response_format(),
         **prompt_fields(body),
     )
+
+
+async def _begin(body: MessagesRequest, priority: int = 0) -> tuple[AsyncIterable[Part], int]:
+    """Submit `body`; its parsed parts, and its prompt's size (a stream reports it in
+    message_start, before the first token exists). A prefill that opens a think block is seen
+    by the engine (`admission.reasoning_open`): the answer then starts in the reasoning."""
+    entry, engine = await generation_engine(body.model)
+    parts = await start(entry, engine, _generation(body, entry, priority))
+    input_tokens = parts.admission.prompt_tokens
+    if body.max_tokens == 0:
+        return _prefill_only(parts), input_tokens
+    return (parts if body.shows_thinking() else _without_reasoning(parts)), input_tokens
+
+
+async def _prefill_only(parts: AsyncIterable[Part]) -> AsyncIterator[Part]:
+    """`max_tokens: 0`: the prompt was prefilled (and so cached); the token generated to get
+    there is not part of the answer."""
+    async for part in parts:
+        if isinstance(part, Finished):
+            yield dataclasses.replace(part, reason="length", completion_tokens=0, stop_string=None)
+
+
+async def _without_reasoning(parts: AsyncIterable[Part]) -> AsyncIterator[Part]:
+    """`thinking` disabled or `display: omitted`: the model may still reason (whether it does
+    is its own); its reasoning is not sent."""
+    async for part in parts:
+        if not isinstance(part, ReasoningPart):
+            yield part
 
 
 def _head(body: MessagesRequest) -> dict[str, Any]:
@@ -60,8 +99,7 @@ def _head(body: MessagesRequest) -> dict[str, Any]:
 
 async def create_message(body: MessagesRequest, *, priority: int = 0) -> dict[str, Any]:
     """One non-streamed Message for `body` (also how message batches run their requests)."""
-    entry, engine = await generation_engine(body.model)
-    parts = await start(entry, engine, _generation(body, entry, priority))
+    parts, _ = await _begin(body, priority)
     *block_events, end = [event async for event in message_events(parts)]
     return {**_head(body), "content": fold(block_events), **end["delta"], "usage": end["usage"]}
 
@@ -71,10 +109,8 @@ async def messages() -> Any:
     body = await parse_body(MessagesRequest)
     if not body.stream:
         return await create_message(body)
-    entry, engine = await generation_engine(body.model)
-    parts = await start(entry, engine, _generation(body, entry))
-    # message_start reports the prompt's size before the first token exists.
-    chunks = _stream(parts, _head(body), parts.admission.prompt_tokens)
+    parts, input_tokens = await _begin(body)
+    chunks = _stream(parts, _head(body), input_tokens)
     return await event_stream(_keep_alive(chunks, PING_INTERVAL_S))
 
 
@@ -92,7 +128,47 @@ async def count_tokens() -> Any:
     return {"input_tokens": await engine.count_prompt_tokens(generation)}
 
 
-async def message_events(parts: AsyncIterator[Part]) -> AsyncIterator[dict[str, Any]]:
+@blueprint.post("/v1/messages/batch")
+async def message_batch() -> Any:
+    """The MLX Anthropic server's batch shape: a JSON list of Messages requests in,
+    `{"results": [...]}` out in the same order, run concurrently through the batcher. A
+    request that fails has an Anthropic error object in its place; the others still run."""
+    items = await _json_list()
+    slots = asyncio.Semaphore(BATCH_CONCURRENCY)
+
+    async def one(index: int, item: Any) -> dict[str, Any]:
+        async with slots:
+            try:
+                return await create_message(_batch_item(index, item))
+            except MlxdError as exc:
+                return anthropic_error(exc)
+
+    return {"results": await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))}
+
+
+async def _json_list() -> list[Any]:
+    try:
+        items = json.loads(await request.get_data())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(items, list) or not items:
+        raise InvalidRequest("request body must be a non-empty JSON list of Messages requests")
+    if len(items) > BATCH_MAX_REQUESTS:
+        raise InvalidRequest(f"at most {BATCH_MAX_REQUESTS} requests per batch")
+    return items
+
+
+def _batch_item(index: int, item: Any) -> MessagesRequest:
+    try:
+        body = MessagesRequest.model_validate(item)
+    except ValidationError as exc:
+        raise InvalidRequest(f"{index}: {from_validation_error(exc).message}") from exc
+    if body.stream:
+        raise InvalidRequest(f"{index}: stream is not allowed in a batch", param="stream")
+    return body
+
+
+async def message_events(parts: AsyncIterable[Part]) -> AsyncIterator[dict[str, Any]]:
     """The content-block events of one answer, then its `message_delta` (stop reason, usage).
     Failures raise `MlxdError`."""
     blocks = ContentBlocks()
@@ -194,7 +270,7 @@ def fold(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def _stream(
-    parts: AsyncIterator[Part], head: dict[str, Any], input_tokens: int
+    parts: AsyncIterable[Part], head: dict[str, Any], input_tokens: int
 ) -> AsyncIterator[bytes]:
     """Anthropic's SSE sequence; a failure after the headers went out becomes an error event."""
     message = {

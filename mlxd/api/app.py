@@ -30,7 +30,7 @@ from mlxd.api import (
     shutdown,
 )
 from mlxd.api.context import App
-from mlxd.api.errors import anthropic_error, openai_error
+from mlxd.api.errors import anthropic_error, anthropic_status, openai_error
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
@@ -112,7 +112,8 @@ def _render(error: MlxdError) -> ResponseReturnValue:
     # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
     observe.failed(error.message)
     if request.path.startswith("/v1/messages"):
-        return anthropic_error(error, observe.request_id()), error.status, error.headers
+        status = anthropic_status(error)
+        return anthropic_error(error, observe.request_id()), status, error.headers
     if request.path.startswith("/api/"):
         return {"error": error.message}, error.status, error.headers  # Ollama's shape
     return openai_error(error), error.status, error.headers

@@ -104,8 +104,9 @@ def install(app: Quart) -> None:
 
 
 async def _requested_models() -> list[str]:
-    """Model ids the request names: the path's (/v1/models/<id>), the body's `model`, and each
-    message batch request's `params.model`. A body that is not JSON is the route's 400."""
+    """Model ids the request names: the path's (/v1/models/<id>), the body's `model`, each
+    message batch request's `params.model`, and each `model` of a /v1/messages/batch list.
+    A body that is not JSON is the route's 400."""
     path_args = request.view_args or {}
     ids = [path_args["model_id"]] if "model_id" in path_args else []
     if request.method != "POST":
@@ -114,6 +115,9 @@ async def _requested_models() -> list[str]:
         body = json.loads(await request.get_data())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return ids
+    if isinstance(body, list):  # /v1/messages/batch: a list of Messages requests
+        ids.extend(item.get("model") for item in body if isinstance(item, dict))
+        return [model_id for model_id in ids if isinstance(model_id, str)]
     if not isinstance(body, dict):
         return ids
     ids.append(body.get("model"))

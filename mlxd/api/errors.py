@@ -39,17 +39,25 @@ ANTHROPIC_TYPES = {
     "request_too_large": "request_too_large",
     "authentication": "authentication_error",
     "permission": "permission_error",
-    "rate_limit": "rate_limit_error",
+    # mlxd's 429 is a full queue, not a per-key quota: overload, in Anthropic's words.
+    "rate_limit": "overloaded_error",
     "timeout": "timeout_error",
     "overloaded": "overloaded_error",
     "server_error": "api_error",
 }
+ANTHROPIC_OVERLOADED = 529
+
+
+def anthropic_status(error: MlxdError) -> int:
+    """The HTTP status Anthropic clients expect: every overload (a full queue, a model loading
+    or restarting, a draining daemon) is Anthropic's 529 `overloaded_error`, which the SDK and
+    Claude Code retry; other statuses are the dialect-neutral ones."""
+    return ANTHROPIC_OVERLOADED if error.kind in ("rate_limit", "overloaded") else error.status
 
 
 def anthropic_error(error: MlxdError, request_id: str = "") -> dict[str, Any]:
-    """Anthropic's error body (with the request id, as the real API sends). The HTTP status
-    stays the dialect-neutral one: "overloaded" (a model still loading or failed to load) is
-    503 rather than Anthropic's fleet-wide 529; the SDK retries both."""
+    """Anthropic's error body (with the request id, as the real API sends); its status is
+    `anthropic_status(error)`."""
     body = {
         "type": "error",
         "error": {"type": ANTHROPIC_TYPES.get(error.kind, "api_error"), "message": error.message},

@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from quart import Blueprint
 
 from mlxd.api.batches import CreateBatch
-from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesRequest
+from mlxd.api.protocol.anthropic import CountTokensRequest, MessagesBatchList, MessagesRequest
 from mlxd.api.protocol.ollama import (
     ChatRequest,
     EmbeddingsRequest,
@@ -65,10 +65,13 @@ ROUTES = (
     Route("post", "/v1/messages", "Create a message", "anthropic", MessagesRequest, True),
     Route("post", "/v1/messages/count_tokens", "Count prompt tokens", "anthropic",
           CountTokensRequest),
+    Route("post", "/v1/messages/batch", "Messages requests in, their results out (MLX shape)",
+          "anthropic", MessagesBatchList),
     Route("post", "/v1/messages/batches", "Create a message batch", "anthropic", CreateBatch),
     Route("get", "/v1/messages/batches", "List message batches", "anthropic"),
     Route("get", "/v1/messages/batches/{batch_id}", "One message batch", "anthropic"),
     Route("post", "/v1/messages/batches/{batch_id}/cancel", "Cancel a batch", "anthropic"),
+    Route("delete", "/v1/messages/batches/{batch_id}", "Delete an ended batch", "anthropic"),
     Route("get", "/v1/messages/batches/{batch_id}/results", "Batch results (JSONL)", "anthropic",
           content_type="application/x-jsonl"),
     Route("post", "/api/chat", "Chat (NDJSON unless stream: false)", "ollama", ChatRequest,

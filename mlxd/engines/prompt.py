@@ -4,6 +4,11 @@ Tools go through the template's `tools=` when it knows about tools. A template w
 support (SmolLM2's, for one) gets the Hermes convention instead, the most widely trained
 one: tool signatures in the system prompt, calls as `<tool_call>{json}</tool_call>` and
 results as `<tool_response>` turns; the output is then parsed with the hermes parser.
+
+A final assistant message marked `"prefix": true` is a prefill: it is rendered without a new
+generation prompt (`continue_final_message`), so the model continues that turn. System
+messages after the first stay in place unless the template rejects them; then they are
+folded, in order, into the leading system message.
 """
 
 from __future__ import annotations
@@ -51,24 +56,79 @@ def render_chat(
             param="chat_template_kwargs",
         )
     messages = [_with_images(m) if images else _flatten(m, model) for m in messages]
+    messages, prefill = _split_prefill(messages)
     if not tokenizer.has_chat_template:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return tokenizer.encode(text + "assistant:")
+        text += f"assistant: {prefill['content']}" if prefill else "assistant:"
+        return tokenizer.encode(text)
     uses_tools = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if uses_tools and template_supports_tools(tokenizer.chat_template):
         messages = [_structured_calls(m) for m in messages]
     elif uses_tools:
         messages, tools = _hermes_messages(messages, tools or []), None
+    if prefill:
+        messages = [*messages, prefill]
     try:
-        return tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            add_generation_prompt=True,
-            tokenize=tokenize,
-            **template_kwargs,
-        )
+        return _apply(tokenizer, messages, tools, prefill is not None, tokenize, template_kwargs)
     except Exception as exc:  # jinja raises for shapes the template rejects
+        folded = _fold_system(messages)
+        if folded != messages:
+            try:
+                return _apply(
+                    tokenizer, folded, tools, prefill is not None, tokenize, template_kwargs
+                )
+            except Exception:
+                pass  # report the first error: it names what the caller sent
         raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+
+
+def _apply(
+    tokenizer: Any,
+    messages: list,
+    tools: list | None,
+    prefill: bool,
+    tokenize: bool,
+    template_kwargs: dict[str, Any],
+) -> Any:
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools or None,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        tokenize=tokenize,
+        **template_kwargs,
+    )
+
+
+def _split_prefill(
+    messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The messages before a prefilled final assistant turn, and that turn (None if there is
+    none, or it is empty: nothing to continue, so a new turn is opened as usual)."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or not last.get("prefix"):
+        return messages, None
+    rest = messages[:-1]
+    content = last.get("content")
+    if not content:
+        return rest, None
+    return rest, {"role": "assistant", "content": content}
+
+
+def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every system message's text joined, in order, into one leading system message (for
+    templates that accept a system message only first)."""
+    system = [m for m in messages if m["role"] == "system"]
+    if len(system) < 2 and (not system or messages[0] is system[0]):
+        return messages
+    text = "\n\n".join(_as_text(m.get("content")) for m in system)
+    return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
+
+
+def _as_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return content or ""
 
 
 def _flatten(message: dict[str, Any], model: str) -> dict[str, Any]:

@@ -273,8 +273,7 @@ def test_image_to_a_text_model_is_rejected(client: anthropic.Anthropic):
         ("/v1/messages/count_tokens", b"{not json", 400, "invalid_request_error", "JSON"),
         (
             "/v1/messages",
-            b'{"model": "smol", "max_tokens": 4, "messages": [{"role": "system", '
-            b'"content": "hi"}]}',
+            b'{"model": "smol", "max_tokens": 4, "messages": [{"role": "tool", "content": "hi"}]}',
             400,
             "invalid_request_error",
             "role",

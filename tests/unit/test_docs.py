@@ -9,8 +9,10 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
 from mlxd.config import parse_config
 from mlxd.config.reference import render
@@ -42,9 +44,29 @@ def test_example_config_passes_check(path: Path):
     assert ": ok (" in result.stdout
 
 
-def test_claude_code_settings_are_json():
+def test_claude_code_settings_point_at_models_the_example_config_serves():
+    env = json.loads((ROOT / "examples" / "claude-code-settings.json").read_text())["env"]
+    # Claude Code's settings.json `env` takes strings only.
+    assert all(isinstance(value, str) for value in env.values())
+    base = urlsplit(env["ANTHROPIC_BASE_URL"])
+    assert base.scheme == "http" and base.port and base.path in ("", "/")  # the SDK adds /v1
+    config = yaml.safe_load((ROOT / "examples" / "homelab.yaml").read_text())
+    ids = {
+        model_id
+        for name, model in config["models"].items()
+        if model.get("kind", "llm") != "embedding"
+        for model_id in (name, *model.get("aliases", []))
+    }
+    model_vars = [name for name in env if name.endswith("_MODEL")]
+    assert len(model_vars) >= 4 and {env[name] for name in model_vars} <= ids
+    assert int(env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) <= config["models"]["coder"]["context_length"]
+
+
+def test_claude_code_guide_explains_every_setting():
+    guide = (ROOT / "examples" / "claude-code.md").read_text()
     settings = json.loads((ROOT / "examples" / "claude-code-settings.json").read_text())
-    assert settings["env"]["ANTHROPIC_BASE_URL"].startswith("http")
+    for name in settings["env"]:
+        assert f"`{name}`" in guide, name
 
 
 OLLAMA_NOTES = ["home-assistant-ollama.md", "open-webui-ollama.md"]

@@ -1,0 +1,121 @@
+"""Message batches on disk, so that a restart loses no batch and no result.
+
+One folder per batch under `<server.cache_dir>/message-batches/`: `batch.json` holds what the
+batch is (its requests as sent, its owner, status and times) and is replaced atomically on
+every change of status; `results.jsonl` gets one line per finished request, appended and
+flushed as each finishes. A request that was running when the daemon stopped has no line, so
+it runs again at the next start. The owner is `response_store.owner_of` the API key that made
+the batch (a SHA-256, as stored responses use): the key itself is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger("mlxd.batches")
+
+Status = Literal["in_progress", "canceling", "ended"]
+
+
+@dataclass
+class StoredBatch:
+    id: str
+    owner: str
+    # (custom_id, the Messages request as sent), in the order given.
+    requests: list[tuple[str, dict[str, Any]]]
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    status: Status = "in_progress"
+    cancel_initiated_at: datetime | None = None
+    ended_at: datetime | None = None
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "owner": self.owner,
+            "requests": [{"custom_id": cid, "params": params} for cid, params in self.requests],
+            "created_at": self.created_at.isoformat(),
+            "status": self.status,
+            "cancel_initiated_at": _iso(self.cancel_initiated_at),
+            "ended_at": _iso(self.ended_at),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], results: dict[str, dict[str, Any]]) -> StoredBatch:
+        return cls(
+            id=meta["id"],
+            owner=meta["owner"],
+            requests=[(r["custom_id"], r["params"]) for r in meta["requests"]],
+            created_at=datetime.fromisoformat(meta["created_at"]),
+            status=meta["status"],
+            cancel_initiated_at=_time(meta["cancel_initiated_at"]),
+            ended_at=_time(meta["ended_at"]),
+            results=results,
+        )
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
+
+class BatchStore:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _dir(self, batch_id: str) -> Path:
+        return self.root / batch_id
+
+    def save(self, batch: StoredBatch) -> None:
+        """Write the batch's description; a crash mid-write leaves the previous one whole."""
+        folder = self._dir(batch.id)
+        folder.mkdir(parents=True, exist_ok=True)
+        temp = folder / "batch.json.tmp"
+        temp.write_text(json.dumps(batch.meta()))
+        os.replace(temp, folder / "batch.json")
+
+    def add_result(self, batch: StoredBatch, custom_id: str, result: dict[str, Any]) -> None:
+        batch.results[custom_id] = result
+        line = json.dumps({"custom_id": custom_id, "result": result}, ensure_ascii=False)
+        with (self._dir(batch.id) / "results.jsonl").open("a") as out:
+            out.write(line + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+    def delete(self, batch_id: str) -> None:
+        shutil.rmtree(self._dir(batch_id), ignore_errors=True)
+
+    def load(self) -> list[StoredBatch]:
+        """Every readable batch; an unreadable folder is logged and skipped, never fatal."""
+        batches = []
+        for folder in sorted(self.root.glob("msgbatch_*")):
+            try:
+                meta = json.loads((folder / "batch.json").read_text())
+                batches.append(StoredBatch.from_meta(meta, _results(folder / "results.jsonl")))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("skipping unreadable message batch %s: %s", folder, exc)
+        return batches
+
+
+def _results(path: Path) -> dict[str, dict[str, Any]]:
+    """The results file's lines; a torn last line (a crash mid-append) is not a result."""
+    results: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return results
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        results[entry["custom_id"]] = entry["result"]
+    return results

@@ -1,0 +1,53 @@
+"""Message batches on disk: what a restart reads back, and what it must survive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxd.api.batch_store import BatchStore, StoredBatch
+from mlxd.api.response_store import owner_of
+
+PARAMS = {"model": "smol", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_batch_and_its_results_come_back(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    batch = StoredBatch("msgbatch_1", owner_of("key-a"), [("a", PARAMS), ("b", PARAMS)])
+    store.save(batch)
+    store.add_result(batch, "a", {"type": "succeeded", "message": {"content": []}})
+    (loaded,) = BatchStore(tmp_path).load()
+    assert loaded.meta() == batch.meta()
+    assert loaded.results == {"a": {"type": "succeeded", "message": {"content": []}}}
+
+
+def test_a_torn_last_result_line_is_not_a_result(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    batch = StoredBatch("msgbatch_1", owner_of(None), [("a", PARAMS), ("b", PARAMS)])
+    store.save(batch)
+    store.add_result(batch, "a", {"type": "canceled"})
+    with (tmp_path / "msgbatch_1" / "results.jsonl").open("a") as out:
+        out.write('{"custom_id": "b", "res')  # the daemon died mid-write
+    (loaded,) = store.load()
+    assert set(loaded.results) == {"a"}  # "b" runs again
+
+
+def test_an_unreadable_batch_is_skipped(tmp_path: Path):
+    (tmp_path / "msgbatch_bad").mkdir()
+    (tmp_path / "msgbatch_bad" / "batch.json").write_text("{not json")
+    store = BatchStore(tmp_path)
+    store.save(StoredBatch("msgbatch_ok", owner_of("k"), [("a", PARAMS)]))
+    assert [b.id for b in store.load()] == ["msgbatch_ok"]
+
+
+def test_the_owner_is_a_digest_never_the_key(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    store.save(StoredBatch("msgbatch_1", owner_of("secret-key"), [("a", PARAMS)]))
+    assert "secret-key" not in (tmp_path / "msgbatch_1" / "batch.json").read_text()
+    assert owner_of("secret-key") != owner_of("other") and owner_of(None) == owner_of("")
+
+
+def test_delete_removes_the_folder(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    store.save(StoredBatch("msgbatch_1", owner_of("k"), [("a", PARAMS)]))
+    store.delete("msgbatch_1")
+    assert store.load() == [] and not (tmp_path / "msgbatch_1").exists()
