@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from mlxd.cache import Match, PrefixCache
 from mlxd.config import BatchConfig
 from mlxd.errors import Overloaded, Unavailable
+from mlxd.scheduler.fast_batch import FastBatchGenerator
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
     make_sequence_processors,
@@ -103,7 +103,7 @@ class ContinuousBatcher:
         self._lock = threading.Lock()
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
-        self._generator: BatchGenerator | None = None
+        self._generator: FastBatchGenerator | None = None
         # Why the model thread died, if it did; the reconciler restarts the engine.
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
@@ -171,9 +171,9 @@ class ContinuousBatcher:
             return
         self._fail_all(f"model '{self.name}' was unloaded before this request finished")
 
-    def _new_generator(self) -> BatchGenerator:
+    def _new_generator(self) -> FastBatchGenerator:
         stop_tokens = [[t] for t in sorted(self._eos)]
-        return BatchGenerator(
+        return FastBatchGenerator(
             SkipPrefillLogits(self.model),
             stop_tokens=stop_tokens,
             completion_batch_size=self.config.max_batch_size,
