@@ -60,7 +60,10 @@ def smol(mlxd_cache_dir: Path):
     from mlxd.models.loader import load_llm
     from mlxd.models.sources import resolve_source
 
-    path = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=mlxd_cache_dir)
+    # The benchmarks' conversion when there is one (converting takes minutes on 2 busy cores).
+    home_cache = Path.home() / ".cache/mlxd"
+    cache_dir = home_cache if (home_cache / "gguf").is_dir() else mlxd_cache_dir
+    path = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=cache_dir)
     return load_llm(path, dtype="float32", model_name="smol")
 
 
