@@ -7,7 +7,7 @@ itself with mlxd.accel's environment). Each op is timed alone at the shapes one 
 the model uses (summed over its layers), evaluated on its own: the per-op figures include MLX's
 dispatch per op, so their sum exceeds a fused step. With --batch1, every matmul of a step in
 each weight format (float32/bfloat16/float16/q8/q4, OpenBLAS threads). Then whole steps are timed
-A/B in this one process, interleaved over rounds (fastest round): mlx-lm's stock
+A/B in this one process, interleaved in short turns (median step): mlx-lm's stock
 `BatchGenerator` with the exact SiLU against mlxd's `FastBatchGenerator` with the exact and the
 rational SiLU. Report ratios; absolute figures depend on what else the machine runs.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -176,8 +177,10 @@ def batch1_matmuls(model, batches: tuple[int, ...] = (1, 8)) -> list[tuple[str, 
     return rows
 
 
-def step_ab(model, eos, batch: int, context: int, rounds: int, steps: int) -> dict[str, float]:
-    """ms per decode step (fastest of the interleaved rounds): stock generator + exact SiLU vs
+def step_ab(
+    model, batch: int, context: int, rounds: int, steps: int, cpu_time: bool
+) -> dict[str, float]:
+    """ms per decode step (median over interleaved turns): stock generator + exact SiLU vs
     fast generator, exact and rational SiLU."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
@@ -211,13 +214,17 @@ def step_ab(model, eos, batch: int, context: int, rounds: int, steps: int) -> di
             silu()
             gen = generators[name]
             gen.next()  # the step in flight was computed with the other SiLU
-            started = time.perf_counter()
             for _ in range(steps):
+                # CPU time of this process (all its threads): on a shared machine wall time
+                # mostly measures the other processes.
+                started = time.process_time() if cpu_time else time.perf_counter()
                 gen.next()
-            times[name].append((time.perf_counter() - started) / steps * 1e3)
+                ended = time.process_time() if cpu_time else time.perf_counter()
+                times[name].append((ended - started) * 1e3)
     for gen in generators.values():
         gen.close()
-    return {name: min(t) for name, t in times.items()}
+    # Median over many short interleaved turns: load from other processes hits every variant.
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--context", type=int, default=128, help="KV length during the steps")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     parser.add_argument("--skip-ops", action="store_true")
+    parser.add_argument("--cpu-time", action="store_true", help="step A/B in process CPU time")
     parser.add_argument("--batch1", action="store_true", help="also compare weight formats")
     args = parser.parse_args(argv)
 
@@ -248,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'op':<34}" + "".join(f"{f'batch {b}':>10}" for b in batches))
         for index, (name, _) in enumerate(tables[batches[0]]):
             print(f"{name:<34}" + "".join(f"{tables[b][index][1]:>10.2f}" for b in batches))
-    print(f"\nwhole decode step, ms (fastest of {args.rounds} interleaved rounds)")
-    eos = loaded.tokenizer.eos_token_ids
+    turns = f"{args.rounds} interleaved turns of {args.steps} steps"
+    print(f"\nwhole decode step, ms (median over {turns})")
+    print("(CPU ms of this process per step)" if args.cpu_time else "(wall ms per step)")
     for b in batches:
-        result = step_ab(loaded.model, eos, b, args.context, args.rounds, args.steps)
+        result = step_ab(loaded.model, b, args.context, args.rounds, args.steps, args.cpu_time)
         stock = result["stock"]
         print(
             f"batch {b:>2}: "
