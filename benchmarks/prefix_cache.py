@@ -1,8 +1,11 @@
-"""Prefix reuse, mlxd against mlx_lm.server: time to first token with a shared system prompt,
-after a restart, and over a growing conversation.
+"""Prefix reuse, mlxd against llama.cpp's server and mlx_lm.server: time to first token with a
+shared system prompt, after a restart, and over a growing conversation.
 
 python -m benchmarks.prefix_cache
-python -m benchmarks.prefix_cache --only mlxd --system-tokens 1500
+python -m benchmarks.prefix_cache --only mlxd,llama.cpp --system-tokens 1500
+
+llama-server runs one 4096-token slot on the same GGUF (its prompt cache reuses the slot's KV
+for a shared prefix); it keeps nothing across a restart, so its "restart" figure is a cold one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from benchmarks.compare import (  # noqa: E402
     SERVERS,
     ServerFailed,
     baseline_command,
+    find_llama_server,
     free_port,
+    gguf_path,
+    llama_command,
     resolve_model_dir,
     running_server,
     server_env,
@@ -158,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument("--only", choices=SERVERS, default=None)
+    parser.add_argument(
+        "--only", type=lambda text: text.split(","), default=None, help=", ".join(SERVERS)
+    )
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
@@ -169,16 +178,34 @@ def main(argv: list[str] | None = None) -> int:
         "mlxd": (lambda port: mlxd_command(model_dir, port, workdir), MODEL_NAME),
         "baseline": (lambda port: baseline_command(model_dir, port), BASELINE_MODEL_ID),
     }
+    wanted = [s for s in SERVERS if args.only is None or s in args.only]
+    if "llama.cpp" in wanted:
+        binary, gguf = find_llama_server(args.llama_server), gguf_path()
+        if binary is None:
+            print("llama.cpp: no llama-server binary; skipped", file=sys.stderr)
+            wanted.remove("llama.cpp")
+        else:
+            servers["llama.cpp"] = (
+                lambda port: llama_command(binary, gguf, port, slots=1, slot_tokens=4096),
+                MODEL_NAME,
+            )
     results = {}
     for name, (command, model) in servers.items():
-        if args.only in (None, name):
+        if name in wanted:
             try:
                 results[name] = bench(name, command, model, args)
             except ServerFailed as exc:
                 print(f"{name} failed: {exc}", file=sys.stderr)
     for name, r in results.items():
         report(name, r)
-    return 0 if len(results) == len([s for s in SERVERS if args.only in (None, s)]) else 1
+    if "mlxd" in results:
+        for peer in [n for n in results if n != "mlxd"]:
+            ours, theirs = results["mlxd"]["shared"], results[peer]["shared"]
+            cold = ours[0] / theirs[0]
+            cached = statistics.median(ours[1:]) / statistics.median(theirs[1:])
+            print(f"\nmlxd/{peer} TTFT: cold {cold:.2f}x, cached prefix {cached:.2f}x")
+            print("  (below 1: mlxd answers sooner)")
+    return 0 if len(results) == len(wanted) else 1
 
 
 if __name__ == "__main__":

