@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -271,7 +271,7 @@ def fold(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def _stream(
     parts: AsyncIterable[Part], head: dict[str, Any], input_tokens: int
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Anthropic's SSE sequence; a failure after the headers went out becomes an error event."""
     message = {
         **head,
@@ -291,7 +291,7 @@ async def _stream(
     yield _sse({"type": "message_stop"})
 
 
-async def _keep_alive(chunks: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
+async def _keep_alive(chunks: AsyncGenerator[bytes, None], interval: float) -> AsyncIterator[bytes]:
     """`chunks`, with a ping whenever none was sent for `interval` seconds. The next chunk is
     awaited in a task so that a ping never cancels (and so ends) the generation."""
     pending: asyncio.Future[bytes] | None = None

@@ -17,11 +17,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from mlxd.api.anthropic import create_message
 from mlxd.api.auth import presented_key
 from mlxd.api.batch_store import BatchStore, StoredBatch
+from mlxd.api.context import current_app
 from mlxd.api.errors import anthropic_error, from_validation_error
 from mlxd.api.generation import new_id, parse_body
 from mlxd.api.protocol.anthropic import MessagesRequest
@@ -94,7 +95,7 @@ def _batches() -> Batches:
 
 
 def _caller() -> str:
-    return owner_of(presented_key(request.headers))  # type: ignore[arg-type]
+    return owner_of(presented_key(request.headers))
 
 
 def _get(batch_id: str) -> StoredBatch:

@@ -7,12 +7,13 @@ import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
-from quart import current_app, request
+from quart import Response, request
 
 from mlxd.api import observe
+from mlxd.api.context import current_app
 from mlxd.api.errors import from_validation_error
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import Engine
@@ -353,14 +354,18 @@ async def event_stream(chunks: AsyncIterator[bytes]) -> Any:
     """A server-sent-events response. No timeout: a long generation is not a stuck one."""
     from quart import make_response
 
-    response = await make_response(
-        chunks,
-        200,
-        {
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        },
+    # Quart's own Response (the stub's union also admits werkzeug's, which has no timeout).
+    response = cast(
+        Response,
+        await make_response(
+            chunks,
+            200,
+            {
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        ),
     )
     response.timeout = None
     return response

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any, TypeGuard, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -280,7 +280,7 @@ def _field_names(section: Loc) -> list[str]:
     return list(model.model_fields)
 
 
-def _is_model(annotation: Any) -> bool:
+def _is_model(annotation: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 

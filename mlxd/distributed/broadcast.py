@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 T = TypeVar("T")
 
@@ -58,20 +61,27 @@ def broadcast_bytes(
     if group.size() == 1:
         return data or b""
     leader = group.rank() == 0
-    if leader and data is None:
+    if not leader:
+        own = b""  # the other ranks contribute zeros
+    elif data is None:
         raise ValueError("rank 0 must pass the bytes to broadcast")
+    else:
+        own = data
     with mx.stream(stream if stream is not None else generation_stream):
-        length = mx.array([len(data) if leader else 0], dtype=mx.int64)
-        length = int(mx.distributed.all_sum(length, group=group).item())
+        sent = mx.array([len(own)], dtype=mx.int64)
+        length = mx.distributed.all_sum(sent, group=group).item()
+        assert isinstance(length, int)  # item() is typed as any scalar; int64 gives an int
         if length == 0:
             return b""
         if leader:
-            payload = mx.array(memoryview(data), dtype=mx.uint8)  # type: ignore[arg-type]
+            # mx.array reads any buffer; its stub does not list the buffer protocol.
+            payload = mx.array(cast(Any, memoryview(own)), dtype=mx.uint8)
         else:
             payload = mx.zeros((length,), dtype=mx.uint8)
         payload = mx.distributed.all_sum(payload, group=group)
         mx.eval(payload)
-    return bytes(memoryview(payload))
+    # mx.array has the buffer protocol; its stub does not declare it.
+    return bytes(memoryview(cast("Buffer", payload)))
 
 
 def broadcast_object(

@@ -142,11 +142,14 @@ def gguf_geometry(path: Path) -> ModelGeometry:
     import mlx.core as mx
 
     # mx.load maps the tensors lazily enough: ~0.6 s for a 135M file, no conversion.
-    _, metadata = mx.load(str(path), return_metadata=True)
+    loaded = mx.load(str(path), return_metadata=True)
+    # mx.load's return type covers every format; with metadata it is (arrays, metadata).
+    assert isinstance(loaded, tuple)
+    _, metadata = loaded
 
     def meta(key: str, default: Any = None) -> Any:
         value = metadata.get(f"{metadata['general.architecture']}.{key}", default)
-        return value.item() if hasattr(value, "item") else value
+        return value.item() if isinstance(value, mx.array) else value
 
     heads = meta("attention.head_count")
     return ModelGeometry(

@@ -21,7 +21,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlxd.config.schema import DistributedConfig
 
@@ -41,7 +41,9 @@ def host_ip(host: str) -> str:
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(host, None, family=socket.AF_INET)[0][4][0]
+        address = socket.getaddrinfo(host, None, family=socket.AF_INET)[0][4]
+        # An AF_INET address is (host, port); the stub's union also covers other families.
+        return cast(str, address[0])
     except (OSError, IndexError) as exc:
         raise LaunchError(f"cannot resolve host {host!r}: {exc}") from exc
 

@@ -148,7 +148,7 @@ def _is_swiglu_mlp(module: object) -> bool:
     # The class's forward method itself, not a callability test.
     forward = getattr(type(module), "__call__", None)  # noqa: B004
     code = getattr(forward, "__code__", None)
-    if code is None or type(module) in _RATIONAL_CLASSES.values():
+    if forward is None or code is None or type(module) in _RATIONAL_CLASSES.values():
         return False
     # The forward must read exactly these names: a variant (bias, clipping, another
     # activation) references others and keeps its own forward.

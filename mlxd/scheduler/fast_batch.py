@@ -14,7 +14,7 @@ constructs the `GenerationBatch` (whose first step runs in its constructor), and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
@@ -25,18 +25,20 @@ from mlxd.scheduler.sampling import sample_rows
 class FastGenerationBatch(GenerationBatch):
     def _step(self) -> tuple[list[int], list[Any]]:
         # Same contract as GenerationBatch._step; rows whose logprobs were skipped hold None.
-        self._current_tokens = self._next_tokens
+        inputs = self._next_tokens
+        # mlx-lm initialises _current_tokens to None, so its inferred type is None alone.
+        self._current_tokens = inputs  # type: ignore[assignment]
         self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
 
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
 
         token_context = []
-        if any(self.logits_processors):
+        logits_processors = self.logits_processors or []
+        if any(logits_processors):
             processed = []
             for row in range(len(self.uids)):
                 row_logits = logits[row : row + 1]
-                processors = self.logits_processors[row] or ()
+                processors = logits_processors[row] or ()
                 if processors:
                     context = self._token_context[row].update_and_fetch(inputs[row : row + 1])
                     token_context.append(context)
@@ -45,16 +47,18 @@ class FastGenerationBatch(GenerationBatch):
                 processed.append(row_logits)
             logits = mx.concatenate(processed, axis=0)
 
-        samplers = [
-            self.fallback_sampler if s is None else s
-            for s in (self.samplers or [None] * len(self.uids))
-        ]
+        samplers = (
+            [self.fallback_sampler if s is None else s for s in self.samplers]
+            if self.samplers
+            else [self.fallback_sampler] * len(self.uids)
+        )
         self._next_tokens, self._next_logprobs = sample_rows(logits, samplers)
         # Start the next step's compute while this step's tokens are handed out.
         mx.async_eval(self._next_tokens, _present(self._next_logprobs), token_context)
 
         mx.eval(inputs, _present(self._current_logprobs))
-        tokens = inputs.tolist()
+        # A 1-D array's tolist() is a list of ints; the stub types it as any nesting of scalars.
+        tokens = cast(list[int], inputs.tolist())
         for sequence_tokens, token in zip(self.tokens, tokens, strict=False):
             sequence_tokens.append(token)
         return tokens, self._current_logprobs
