@@ -77,18 +77,20 @@ async def metrics() -> Any:
 @blueprint.post("/admin/models/<path:model>/load")
 async def load_model(model: str) -> Any:
     """Load a declared model now (name or alias), through the reconciler."""
-    daemon = current_app.daemon
-    await daemon.load_model(model)
-    name = daemon.routes.entry(model).name
-    return {"model": name, "state": daemon.reconciler.models[name].state}
+    await current_app.daemon.load_model(model)
+    return _model_state(model)
 
 
 @blueprint.post("/admin/models/<path:model>/unload")
 async def unload_model(model: str) -> Any:
     """Unload a model now; it stays declared and its next request loads it again."""
+    await current_app.daemon.unload_model(model)
+    return _model_state(model)
+
+
+def _model_state(model_id: str) -> dict[str, str]:
     daemon = current_app.daemon
-    await daemon.unload_model(model)
-    name = daemon.routes.entry(model).name
+    name = daemon.routes.entry(model_id).name
     return {"model": name, "state": daemon.reconciler.models[name].state}
 
 
