@@ -179,9 +179,15 @@ def test_mobile_width_does_not_overflow(page, tmp_path: Path) -> None:
     size = page.get_window_size()
     page.set_window_size(390, 844)
     try:
-        overflow = page.execute_script(
-            "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
-        )
+        # The page lays its charts out again on its next update after the resize (every 2 s).
+        deadline = time.monotonic() + 15
+        while True:
+            overflow = page.execute_script(
+                "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+            )
+            if overflow <= 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         assert overflow <= 0, "wide tables scroll inside their section, not the page"
         assert by_name(page, "button", "Send").is_displayed()
         screenshot(page, tmp_path / "mobile.png")
