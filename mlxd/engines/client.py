@@ -132,7 +132,10 @@ class WorkerEngine:
     def memory_bytes(self) -> int:
         """What the budget counts: the worker's resident memory, once it exceeds the estimate
         (the estimate covers the KV budget the worker has not filled yet)."""
-        return max(self.estimate_bytes, self.rss_bytes or 0)
+        return self._budgeted(self.rss_bytes)
+
+    def _budgeted(self, rss: int | None) -> int:
+        return max(self.estimate_bytes, rss or 0)
 
     @property
     def rss_bytes(self) -> int | None:
@@ -189,12 +192,13 @@ class WorkerEngine:
 
     def stats(self) -> dict[str, Any]:
         """The worker's figures as of the last `refresh_stats`, plus its process."""
+        rss = self.rss_bytes  # one read of /proc for both figures
         return {
             **self._stats,
             "pid": self.pid,
-            "rss_bytes": self.rss_bytes,
+            "rss_bytes": rss,
             "memory_estimate_bytes": self.estimate_bytes,
-            "memory_bytes": self.memory_bytes,
+            "memory_bytes": self._budgeted(rss),
         }
 
     async def refresh_stats(self) -> None:
