@@ -153,7 +153,7 @@ def _ps(args: argparse.Namespace) -> int:
     except DaemonError as exc:
         print(exc.message, file=sys.stderr)
         return 1
-    header: tuple[str, ...] = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE")
+    header: tuple[str, ...] = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE", "MLX")
     header += ("QUEUE", "RUNNING", "TOK/S")
     rows = [header] + [_ps_row(name, row) for name, row in status["models"].items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -173,6 +173,7 @@ def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
         str(row.get("pid") or "-"),
         _mib(row.get("rss_bytes")),
         _mib(estimate),
+        _mib(row.get("mlx_active_bytes")),  # what MLX's allocator holds (weights, KV)
         str(row.get("queue_depth", 0)) if loaded else "-",
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",

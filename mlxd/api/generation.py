@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
@@ -39,6 +41,8 @@ from mlxd.types import (
 )
 
 Body = TypeVar("Body", bound=BaseModel)
+
+log = logging.getLogger("mlxd.api")
 
 
 class GenerationFailed(MlxdError):
@@ -271,13 +275,20 @@ async def start(
     """Submit to `engine`; its events come back read by the model's parsers (or as plain
     text when `parse` is False: raw completions). Interactive requests are bounded by
     `server.request_timeout`, queueing included; batch work (priority < 0) waits behind them
-    by design and is not."""
-    timeout = current_app.daemon.registry.server.request_timeout
+    by design and is not. Deltas come in runs of the model's (or server's) stream_interval
+    tokens; a reader that falls server.stream_backlog events behind is cut off."""
+    server = current_app.daemon.registry.server
+    timeout = server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
     # What can refuse the request without the engine runs before it holds a slot there.
     refuse_tools_when_off(entry, request)
     stream = await engine.submit(request)
     try:
+        # This task reads the events and writes the response (streamed or not).
+        reader = asyncio.current_task()
+        if reader is not None:
+            request_id = observe.request_id() or request.request_id  # as the access log says
+            stream.on_cut_off(partial(_disconnect, entry.name, request_id, reader))
         parser = (
             output_parser(entry, engine, request, stream.admission)
             if parse
@@ -286,6 +297,9 @@ async def start(
         events: AsyncGenerator[Event, None] = observe.observed(entry.name, stream)
         if request.priority >= 0:
             events = _until(deadline, timeout, events)
+        interval = entry.config.stream_interval or server.stream_interval
+        if interval > 1:
+            events = _in_runs(interval, events)
         return Parts(stream.admission, parsed_events(parser, events))
     except BaseException:
         await stream.aclose()  # submitted: cancel it, or it would run to max_tokens
@@ -313,6 +327,56 @@ async def _until(
             yield event
     finally:
         await events.aclose()
+
+
+def _disconnect(model: str, request_id: str, reader: asyncio.Task[Any], backlog: int) -> None:
+    """A client stopped reading its stream: its writer, stuck on the socket, is cancelled,
+    which ends the response and closes the connection. Once: its other sequences (OpenAI's
+    `n`) fall behind with it."""
+    if reader.done() or reader.cancelling():
+        return
+    log.warning(
+        "model '%s': request %s fell %d events behind (server.stream_backlog): the client "
+        "is not reading; its sequence is cancelled and the response closed",
+        model,
+        request_id,
+        backlog,
+    )
+    reader.cancel()
+
+
+async def _in_runs(
+    interval: int, events: AsyncGenerator[Event, None]
+) -> AsyncGenerator[Event, None]:
+    """`events` with each run of `interval` tokens' deltas merged into one (stream_interval):
+    fewer, bigger chunks in every dialect. What is pending goes out before the Finished."""
+    pending: list[Delta] = []
+    tokens = 0
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                pending.append(event)
+                tokens += len(event.token_ids)
+                if tokens < interval:
+                    continue
+            if pending:
+                yield _merged(pending)
+                pending, tokens = [], 0
+            if isinstance(event, Finished):
+                yield event
+    finally:
+        await events.aclose()
+
+
+def _merged(deltas: list[Delta]) -> Delta:
+    if len(deltas) == 1:
+        return deltas[0]
+    logprobs = [item for d in deltas for item in d.logprobs or []]
+    return Delta(
+        "".join(d.text for d in deltas),
+        [t for d in deltas for t in d.token_ids],
+        logprobs if any(d.logprobs for d in deltas) else None,
+    )
 
 
 def raise_if_failed(finished: Finished) -> None:

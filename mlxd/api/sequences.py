@@ -14,6 +14,7 @@ from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest
 
 _END = object()
+HANDOFF = 16  # parts between the sequences' tasks and the reader
 
 
 class Interleaved:
@@ -25,7 +26,9 @@ class Interleaved:
     started could not be cancelled."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        # Bounded: a reader that falls behind holds its sequences back, so their events
+        # wait in the engine's streams, where server.stream_backlog bounds them.
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(HANDOFF)
         self._tasks: list[asyncio.Task] = []
         self._first: dict[int, asyncio.Event] = {}
         self._open = 0
@@ -41,15 +44,16 @@ class Interleaved:
         await self._first[index].wait()
 
     async def _pump(self, index: int, parts: AsyncIterator[Part]) -> None:
+        end: Any = _END
         try:
             async for part in parts:
                 self._first[index].set()
-                self._queue.put_nowait((index, part))
+                await self._queue.put((index, part))
         except Exception as exc:  # delivered to the reader, who raises it
-            self._queue.put_nowait((index, exc))
+            end = exc
         finally:
             self._first[index].set()
-            self._queue.put_nowait((index, _END))
+        await self._queue.put((index, end))  # not when cancelled: nobody reads any more
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Part]]:
         return self._read()

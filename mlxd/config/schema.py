@@ -71,6 +71,21 @@ class RateLimitConfig(_Section):
     )
 
 
+class MetalConfig(_Section):
+    """MLX's memory limits in each worker (Apple silicon; see mlx.core.set_wired_limit)."""
+
+    wired_limit: ByteSize | None = Field(
+        None,
+        description="Memory MLX keeps wired (resident, never paged out) for the model; Metal "
+        "only (ignored, with a log line, on other backends). Null: MLX's default (none).",
+    )
+    cache_limit: ByteSize | None = Field(
+        None,
+        description="Freed buffers MLX keeps for reuse instead of returning them to the "
+        "system; 0 disables the cache. Applies on every backend. Null: MLX's default.",
+    )
+
+
 class ServerConfig(_Section):
     """Process-wide settings: where to listen, who may call, where to keep files."""
 
@@ -151,6 +166,24 @@ class ServerConfig(_Section):
         None,
         description="Each client's requests to all models together (429 with Retry-After "
         "beyond it); null: unlimited.",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens per streamed chunk (as vllm-mlx's --stream-interval), for every "
+        "API dialect; larger values send fewer, bigger chunks. A model's own stream_interval "
+        "overrides it.",
+    )
+    stream_backlog: int = Field(
+        1024,
+        ge=1,
+        description="Events (about one per token) a streaming response may fall behind its "
+        "model by. A client that reads more slowly than that is disconnected and its sequence "
+        "cancelled (logged with the model and request id), so it cannot make memory grow.",
+    )
+    metal: MetalConfig = Field(
+        default_factory=MetalConfig,
+        description="MLX memory limits applied in each model's worker when it starts.",
     )
 
     @field_validator("cache_dir")
@@ -388,6 +421,11 @@ class ModelConfig(_Section):
         None,
         description="Split this llm over several ranks (machines, or processes on loopback); "
         "null runs it in one process.",
+    )
+    stream_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per streamed chunk for this model; null: server.stream_interval.",
     )
     max_inputs: int = Field(
         2048,

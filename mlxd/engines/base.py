@@ -37,6 +37,7 @@ class EventStream:
         self._cancel = cancel
         self._ended_callback = ended
         self._ended = False
+        self._on_cut_off: Callable[[int], None] | None = None
 
     def __aiter__(self) -> EventStream:
         return self
@@ -55,6 +56,20 @@ class EventStream:
 
     async def aclose(self) -> None:
         self._end(finished=False)
+
+    def on_cut_off(self, callback: Callable[[int], None]) -> None:
+        """`callback(bound)` runs if the engine gives up on this stream's reader (`cut_off`)."""
+        self._on_cut_off = callback
+
+    def cut_off(self, bound: int) -> None:
+        """The reader fell `bound` events behind, typically a response writer stuck on a
+        client that stopped reading: the queued events are dropped, the sequence is cancelled
+        (its slot freed), and the `on_cut_off` callback ends the response."""
+        while not self._events.empty():
+            self._events.get_nowait()
+        self._end(finished=False)
+        if self._on_cut_off is not None:
+            self._on_cut_off(bound)
 
     def __del__(self) -> None:
         self._end(finished=False)

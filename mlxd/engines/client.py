@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -67,6 +68,8 @@ class WorkerEngine:
         self._server_sent = server()
         self._stats: dict[str, Any] = ready["stats"]
         self._streams: dict[int, asyncio.Queue[Any]] = {}
+        # Weak: a stream dropped unread must still be collected (that cancels its sequence).
+        self._readers: weakref.WeakValueDictionary[int, EventStream] = weakref.WeakValueDictionary()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._busy_calls = 0  # embeddings in flight: they keep the engine from being idle
         self._ids = itertools.count()
@@ -165,9 +168,11 @@ class WorkerEngine:
         if answer[0] == "rejected":
             self._streams.pop(rid, None)
             raise answer[1]
-        return EventStream(
+        stream = EventStream(
             answers, answer[1], lambda: self._abandon(rid), lambda: self._forget(rid)
         )
+        self._readers[rid] = stream
+        return stream
 
     def _forget(self, rid: int) -> None:
         self._streams.pop(rid, None)
@@ -177,6 +182,13 @@ class WorkerEngine:
         """Forget request `rid`; the worker cancels its sequence if it still runs."""
         if self._streams.pop(rid, None) is not None and self.failure is None:
             self._send(("cancel", rid))
+
+    def _cut_off(self, rid: int, backlog: int) -> None:
+        stream = self._readers.get(rid)
+        if stream is not None:
+            stream.cut_off(backlog)
+        else:
+            self._abandon(rid)
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return await self._call("count_prompt_tokens", request)
@@ -262,10 +274,15 @@ class WorkerEngine:
             while True:
                 kind, *args = await read_message(self._reader)
                 if kind == "events":
+                    backlog = self._server().stream_backlog
                     for rid, event in args[0]:
                         answers = self._streams.get(rid)
-                        if answers is not None:
+                        if answers is None:
+                            continue
+                        if answers.qsize() < backlog:
                             answers.put_nowait(event)
+                        else:  # its reader stopped reading: bounded memory, a freed slot
+                            self._cut_off(rid, backlog)
                 elif kind in ("accepted", "rejected"):
                     answers = self._streams.get(args[0])
                     if answers is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import ModelConfig, ServerConfig
+from mlxd.engines import memory
 from mlxd.engines.base import Engine
 from mlxd.engines.factory import load_engine, locate
 from mlxd.engines.wire import read_message, write_message
@@ -44,6 +45,7 @@ LOAD_NICE = 10
 WATCH_S = 0.1
 # The engine methods the daemon may call; everything else is a message of its own.
 CALLS = frozenset({"count_prompt_tokens", "embed", "stats", "resize_cache"})
+HOST_CALLS = frozenset({"stats"})  # answered by the host: the engine's figures and MLX's
 EXIT_ENGINE_DIED = 3
 
 
@@ -73,8 +75,11 @@ class EngineHost:
             "pid": os.getpid(),
             "memory_bytes": self.engine.memory_bytes,
             "chat_template": getattr(self.engine, "chat_template", None),
-            "stats": self.engine.stats(),
+            "stats": self.stats(),
         }
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), **memory.figures()}
 
     async def serve(self, reader: asyncio.StreamReader) -> int:
         """Handle the daemon's messages; the exit status once done."""
@@ -129,7 +134,8 @@ class EngineHost:
         try:
             if method not in CALLS:
                 raise MlxdError(f"worker: no such call {method!r}")
-            result = getattr(self.engine, method)(*args, **kwargs)
+            owner = self if method in HOST_CALLS else self.engine
+            result = getattr(owner, method)(*args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
             self._send(("reply", cid, result))
@@ -195,6 +201,7 @@ async def _start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     server = ServerHolder(spec.server)
     if faults_from_env().get("load") == spec.name:
         os.abort()  # tests only: a model whose worker dies on every load
+    memory.apply_limits(spec.name, spec.server.metal)  # before the weights are allocated
     nice = _lower_priority()
     try:
         path, need = await locate(spec.name, spec.config, spec.server.cache_dir)

@@ -52,6 +52,7 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
         "PID",
         "RSS",
         "ESTIMATE",
+        "MLX",
         "QUEUE",
         "RUNNING",
         "TOK/S",
@@ -62,7 +63,8 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
     assert int(table["smol"][4]) == daemon.status()["models"]["smol"]["pid"]
     assert table["smol"][5].endswith("MiB") and int(table["smol"][5][:-3]) > 0
     assert table["smol"][6].endswith("MiB") and int(table["smol"][6][:-3]) > 0
-    assert table["spare"][1:7] == ["llm", "unloaded", "-", "-", "-", "-"]
+    assert table["smol"][7].endswith("MiB") and int(table["smol"][7][:-3]) > 0
+    assert table["spare"][1:8] == ["llm", "unloaded", "-", "-", "-", "-", "-"]
 
 
 def test_ps_reports_an_unreachable_daemon(daemon: Daemon):

@@ -555,3 +555,36 @@ def test_tool_calls_default_to_auto_and_null_turns_them_off():
     off = parse("models: {smol: {source: hf://org/repo, parsers: {tool_calls: null}}}")
     assert on.models["smol"].parsers.tool_calls == "auto"
     assert off.models["smol"].parsers.tool_calls is None
+
+
+def test_streaming_and_metal_settings_parse_and_bad_values_name_their_line():
+    registry = parse(
+        """\
+        server:
+          stream_interval: 4
+          stream_backlog: 64
+          metal: {wired_limit: 8GiB, cache_limit: 512MiB}
+        models:
+          m: {source: hf://org/repo, stream_interval: 2}
+        """
+    )
+    server = registry.server
+    assert (server.stream_interval, server.stream_backlog) == (4, 64)
+    assert (server.metal.wired_limit, server.metal.cache_limit) == (8 * 1024**3, 512 * 1024**2)
+    assert registry.models["m"].stream_interval == 2
+    errors = errors_of(
+        """\
+        server:
+          stream_backlog: 0
+          metal:
+            wired_limit: lots
+        models:
+          m: {source: hf://org/repo, stream_interval: 0}
+        """
+    )
+    assert [e.split(": ")[:2] for e in errors] == [
+        ["models.yaml:2", "server.stream_backlog"],
+        ["models.yaml:4", "server.metal.wired_limit"],
+        ["models.yaml:6", "models.m.stream_interval"],
+    ]
+    assert "not a size" in errors[1]

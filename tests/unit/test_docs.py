@@ -29,9 +29,9 @@ def test_configuration_reference_is_up_to_date():
 
 def test_reference_names_every_key():
     text = render()
-    for section in (ServerConfig, ModelConfig):
+    for section, prefix in ((ServerConfig, "server"), (ModelConfig, "models.<name>")):
         for name in section.model_fields:
-            assert f"| `{name}` |" in text or f"## `models.<name>.{name}`" in text
+            assert f"| `{name}` |" in text or f"## `{prefix}.{name}`" in text
 
 
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)

@@ -70,12 +70,13 @@ def test_ps_row_for_loaded_and_unloaded_models():
         "rss_bytes": 7 * 2**20,
         "memory_estimate_bytes": 3 * 2**20,
         "memory_bytes": 7 * 2**20,
+        "mlx_active_bytes": 6 * 2**20,
         "running": 2,
         "queue_depth": 5,
         "tokens_per_s": 12.345,
     }
     assert _ps_row("m", loaded) == (
-        ("m", "llm", "loaded", "a,b", "4242", "7MiB", "3MiB", "5", "2", "12.3")
+        ("m", "llm", "loaded", "a,b", "4242", "7MiB", "3MiB", "6MiB", "5", "2", "12.3")
     )
     unloaded = {"kind": "llm", "state": "unloaded", "aliases": []}
-    assert _ps_row("n", unloaded) == ("n", "llm", "unloaded", "-", "-", "-", "-", "-", "-", "-")
+    assert _ps_row("n", unloaded) == ("n", "llm", "unloaded", *["-"] * 8)

@@ -70,6 +70,7 @@ ROUTING_CHANGES: dict[str, Any] = {
     "max_inputs": 16,
     "chat_template_kwargs": {"enable_thinking": False},
     "rate_limit": {"requests_per_minute": 5},
+    "stream_interval": 4,
 }
 
 
