@@ -98,13 +98,14 @@ def wait_for(predicate, timeout: float = 180.0) -> None:
 
 
 def test_a_client_that_stops_reading_is_cut_off(daemon: Daemon, client: openai.OpenAI):
-    # Long streams with fat chunks (16 sequences, 20 alternatives per token) fill the socket
-    # buffers quickly; then the daemon's per-request backlog fills up.
+    # Long streams with fat chunks (4 sequences, 20 alternatives per token) soon fill the
+    # socket's buffers, kept small by a small receive buffer and segment size (on loopback
+    # the daemon's send buffer would otherwise grow to megabytes); then the backlog fills.
     body = {
         "model": "smol",
         "messages": ASK,
         "stream": True,
-        "n": 16,
+        "n": 4,
         "logprobs": True,
         "top_logprobs": 20,
         "max_tokens": 3000,
@@ -114,6 +115,7 @@ def test_a_client_that_stops_reading_is_cut_off(daemon: Daemon, client: openai.O
     host, port = daemon.url.removeprefix("http://").split(":")
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     stalled.connect((host, int(port)))
     stalled.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
