@@ -26,12 +26,12 @@ class Interleaved:
     started could not be cancelled."""
 
     def __init__(self) -> None:
-        # Bounded: a reader that falls behind holds its sequences back, so their events
-        # wait in the engine's streams, where server.stream_backlog bounds them.
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(HANDOFF)
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._first: dict[int, asyncio.Event] = {}
         self._open = 0
+        self._reading = False
+        self._taken = asyncio.Event()  # set whenever the reader takes a part
 
     def add(self, index: int, parts: AsyncIterator[Part]) -> None:
         """Drive `parts` now; its parts come out tagged with `index`."""
@@ -44,24 +44,35 @@ class Interleaved:
         await self._first[index].wait()
 
     async def _pump(self, index: int, parts: AsyncIterator[Part]) -> None:
-        end: Any = _END
         try:
             async for part in parts:
                 self._first[index].set()
-                await self._queue.put((index, part))
+                self._queue.put_nowait((index, part))
+                await self._handed_over()
         except Exception as exc:  # delivered to the reader, who raises it
-            end = exc
+            self._queue.put_nowait((index, exc))
         finally:
             self._first[index].set()
-        await self._queue.put((index, end))  # not when cancelled: nobody reads any more
+            self._queue.put_nowait((index, _END))
+
+    async def _handed_over(self) -> None:
+        """Once the response is being read, wait while HANDOFF parts are unread: a reader
+        that falls behind holds its sequences back, so their events wait in the engine's
+        streams, where server.stream_backlog bounds them. Before that (submissions waiting
+        for a leader's first part, see `start_many`) parts gather here: no reader is late."""
+        while self._reading and self._queue.qsize() >= HANDOFF:
+            self._taken.clear()
+            await self._taken.wait()
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Part]]:
         return self._read()
 
     async def _read(self) -> AsyncIterator[tuple[int, Part]]:
+        self._reading = True
         try:
             while self._open:
                 index, item = await self._queue.get()
+                self._taken.set()
                 if item is _END:
                     self._open -= 1
                 elif isinstance(item, Exception):

@@ -84,3 +84,49 @@ def test_usage_counts_each_prompt_once():
     }
     # Three prompts, n=1 each: every prompt counts.
     assert total_usage(finished, 1)["prompt_tokens"] == 26
+
+
+def counting(produced: list[int], count: int = 200):
+    async def parts():
+        for i in range(count):
+            produced.append(i)
+            yield f"p{i}"
+
+    return parts()
+
+
+def test_parts_gather_unbounded_until_the_reader_starts():
+    # start_many waits for a leader's first part before it returns the stream to be read:
+    # meanwhile the leader must not be held back (its events would pile up in the engine).
+    produced: list[int] = []
+
+    async def run():
+        streams = Interleaved()
+        streams.add(0, counting(produced))
+        for _ in range(300):
+            await asyncio.sleep(0)
+        gathered = len(produced)
+        return gathered, [item async for item in streams]
+
+    gathered, items = asyncio.run(run())
+    assert gathered == 200 and len(items) == 200
+
+
+def test_a_stalled_reader_holds_its_sequences_back():
+    from mlxd.api.sequences import HANDOFF
+
+    produced: list[int] = []
+
+    async def run():
+        streams = Interleaved()
+        reader = aiter(streams)
+        streams.add(0, counting(produced))
+        await anext(reader)  # reading, then stalled
+        for _ in range(300):
+            await asyncio.sleep(0)
+        held = len(produced)
+        return held, [item async for item in reader]
+
+    held, rest = asyncio.run(run())
+    assert held <= HANDOFF + 2  # what the reader took, HANDOFF unread, one in flight
+    assert len(rest) == 199
