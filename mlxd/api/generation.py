@@ -287,8 +287,8 @@ async def start(
         # This task reads the events and writes the response (streamed or not).
         reader = asyncio.current_task()
         if reader is not None:
-            request_id = observe.request_id() or request.request_id  # as the access log says
-            stream.on_cut_off(partial(_disconnect, entry.name, request_id, reader))
+            record = observe.current_record()
+            stream.on_cut_off(partial(_disconnect, entry.name, request, record, reader))
         parser = (
             output_parser(entry, engine, request, stream.admission)
             if parse
@@ -329,19 +329,27 @@ async def _until(
         await events.aclose()
 
 
-def _disconnect(model: str, request_id: str, reader: asyncio.Task[Any], backlog: int) -> None:
+def _disconnect(
+    model: str,
+    request: GenerationRequest,
+    record: observe.RequestRecord | None,
+    reader: asyncio.Task[Any],
+    backlog: int,
+) -> None:
     """A client stopped reading its stream: its writer, stuck on the socket, is cancelled,
     which ends the response and closes the connection. Once: its other sequences (OpenAI's
-    `n`) fall behind with it."""
+    `n`) fall behind with it. The access log says 499, as for a client that left."""
     if reader.done() or reader.cancelling():
         return
+    why = f"fell {backlog} events behind (server.stream_backlog): the client is not reading"
     log.warning(
-        "model '%s': request %s fell %d events behind (server.stream_backlog): the client "
-        "is not reading; its sequence is cancelled and the response closed",
+        "model '%s': request %s %s; its sequence is cancelled and the response closed",
         model,
-        request_id,
-        backlog,
+        record.request_id if record is not None else request.request_id,
+        why,
     )
+    if record is not None:
+        record.status, record.error = 499, why
     reader.cancel()
 
 

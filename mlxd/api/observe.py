@@ -75,6 +75,11 @@ def request_id() -> str:
     return record.request_id if record else ""
 
 
+def current_record() -> RequestRecord | None:
+    """The current request's record, for an outcome decided later outside its context."""
+    return _current()
+
+
 def requested(model: str, name: str | None) -> None:
     """Note the model id the client asked for and the model it routes to (None: unknown)."""
     record = _current()

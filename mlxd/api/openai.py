@@ -312,6 +312,10 @@ async def _stream(
         if include_usage:
             ordered = [finished[i] for i in sorted(finished)]
             yield _sse({**head, "choices": [], "usage": total_usage(ordered, per_prompt)})
+    finally:
+        # Now, not when the collector reaches the iterator: a response closed early (the
+        # client left or was cut off) cancels its sequences and logs its line at once.
+        await streams.aclose()
     yield b"data: [DONE]\n\n"
 
 

@@ -4,11 +4,12 @@ submitted together, read as one interleaved stream, cancelled together."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
-from mlxd.api.generation import Completion, Part, collect, new_id, start
+from mlxd.api.generation import Completion, Part, Parts, collect, new_id, start
 from mlxd.engines.base import Engine
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest
@@ -33,7 +34,7 @@ class Interleaved:
         self._reading = False
         self._taken = asyncio.Event()  # set whenever the reader takes a part
 
-    def add(self, index: int, parts: AsyncIterator[Part]) -> None:
+    def add(self, index: int, parts: Parts | AsyncGenerator[Part, None]) -> None:
         """Drive `parts` now; its parts come out tagged with `index`."""
         self._first[index] = asyncio.Event()
         self._tasks.append(asyncio.create_task(self._pump(index, parts)))
@@ -43,12 +44,15 @@ class Interleaved:
         """Until sequence `index` produced its first part (its prompt is prefilled) or ended."""
         await self._first[index].wait()
 
-    async def _pump(self, index: int, parts: AsyncIterator[Part]) -> None:
+    async def _pump(self, index: int, parts: Parts | AsyncGenerator[Part, None]) -> None:
         try:
-            async for part in parts:
-                self._first[index].set()
-                self._queue.put_nowait((index, part))
-                await self._handed_over()
+            # Closed however the pump ends: a pump cancelled while held back (not inside
+            # the engine's stream) must still cancel its sequence, at once.
+            async with aclosing(parts):
+                async for part in parts:
+                    self._first[index].set()
+                    self._queue.put_nowait((index, part))
+                    await self._handed_over()
         except Exception as exc:  # delivered to the reader, who raises it
             self._queue.put_nowait((index, exc))
         finally:

@@ -129,8 +129,10 @@ def test_a_client_that_stops_reading_is_cut_off(daemon: Daemon, client: openai.O
         assert other.choices[0].message.content
         wait_for(lambda: f"fell {BACKLOG} events behind (server.stream_backlog)" in daemon.log())
         # One line for the response (not one per sequence), with the access log's id.
-        lines = [line for line in daemon.log().splitlines() if "stream_backlog" in line]
+        log = daemon.log().splitlines()
+        lines = [line for line in log if "WARNING mlxd.api" in line and "stream_backlog" in line]
         assert len(lines) == 1 and "model 'smol': request req_" in lines[0]
+        request_id = lines[0].split("request ")[1].split()[0]
         wait_for(lambda: daemon.status()["models"]["smol"]["running"] == 0, timeout=30)
         # What was already in the socket's buffers, then the end: no [DONE].
         stalled.settimeout(30)
@@ -141,6 +143,10 @@ def test_a_client_that_stops_reading_is_cut_off(daemon: Daemon, client: openai.O
         assert b"[DONE]" not in received
     finally:
         stalled.close()
+    # Logged as a client that left.
+    wait_for(lambda: f"request_id={request_id} model=smol" in daemon.log(), timeout=30)
+    access = next(line for line in daemon.log().splitlines() if f"request_id={request_id} " in line)
+    assert "status=499" in access
     assert client.chat.completions.create(model="smol", messages=ASK, max_tokens=4).choices
 
 
