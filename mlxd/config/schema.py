@@ -177,13 +177,15 @@ class ServerConfig(_Section):
     stream_backlog: int = Field(
         1024,
         ge=1,
-        description="Events (about one per token) a streaming response may fall behind its "
-        "model by. A client that reads more slowly than that is disconnected and its sequence "
-        "cancelled (logged with the model and request id), so it cannot make memory grow.",
+        description="Events (about one per token) a response may fall behind its model by. A "
+        "client that stops reading its stream for that long is disconnected and its sequence "
+        "cancelled (logged with the model and request id), so it cannot make memory grow. "
+        "Bounds worker processes (workers: process), not inline models.",
     )
     metal: MetalConfig = Field(
         default_factory=MetalConfig,
-        description="MLX memory limits applied in each model's worker when it starts.",
+        description="MLX memory limits applied in each model's worker process when it starts "
+        "(not to inline models).",
     )
 
     @field_validator("cache_dir")
