@@ -117,11 +117,12 @@ class WorkerEngine:
         except (asyncio.IncompleteReadError, ConnectionError):
             status = await process.wait()
             writer.close()
-            if group is not None:
+            if group is None:
+                ended = f"worker {describe_exit(status)}"
+            else:
                 await group.kill()
-            raise WorkerDied(
-                f"model '{name}': worker {describe_exit(status)} while loading"
-            ) from None
+                ended = "group of ranks ended (mlx.launch forwards each rank's output to this log)"
+            raise WorkerDied(f"model '{name}': {ended} while loading") from None
         except BaseException:  # refused, failed or cancelled (a reconcile superseded the load)
             writer.close()
             await (group.kill() if group is not None else _reap(process))

@@ -66,6 +66,7 @@ class RankGroup:
         self.ranks: list[dict[str, Any]] = []
         self.death: str | None = None  # the first rank seen dead, said in the model's failure
         self._handles: dict[int, psutil.Process] = {}
+        self._killing: asyncio.Future[None] | None = None
 
     @classmethod
     async def launch(
@@ -194,14 +195,19 @@ class RankGroup:
 
     async def kill(self) -> None:
         """End every local rank and mlx.launch (SIGKILL to its process group), wait until
-        they are gone, and remove the private directory."""
+        they are gone, and remove the private directory. Callers may overlap: one kill runs."""
+        if self._killing is None:
+            self._killing = asyncio.ensure_future(self._kill())
+        await asyncio.shield(self._killing)
+
+    async def _kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         await self.process.wait()
         for rank, handle in self._handles.items():
-            with contextlib.suppress(psutil.Error):
-                if handle.is_running():
-                    log.warning("rank %d (pid %d) outlived its group; killing it", rank, handle.pid)
+            if self._alive(rank):  # not in the launcher's process group any more?
+                log.warning("rank %d (pid %d) outlived its group; killing it", rank, handle.pid)
+                with contextlib.suppress(psutil.Error):
                     handle.kill()
         await asyncio.to_thread(psutil.wait_procs, list(self._handles.values()), timeout=10)
         shutil.rmtree(self.directory, ignore_errors=True)
