@@ -1,7 +1,7 @@
 """A distributed model through the real daemon: SmolLM2 over loopback ranks started by mlx.launch
 answers, at temperature 0, exactly what the same model in one process answers; the group shows in
-/v1/status and `mlxd ps`; a rank that dies restarts the model (the others keep serving); unload
-and the daemon's exit leave no rank behind.
+/v1/status and `mlxd ps`; a rank that dies restarts the model (the others keep serving); unload,
+a swap and the daemon's exit leave no rank behind.
 
 One daemon for the module: three ranks of SmolLM2 on a busy 2-core machine take seconds per
 decode step (docs/distributed.md), so prompts are few and short and the timeouts generous.
@@ -23,6 +23,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import yaml
 
 from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 
@@ -196,6 +197,23 @@ def test_unload_ends_every_rank(daemon: Daemon):
     assert models(daemon)["smol-tp"]["state"] == "unloaded"
     for pid in pids:
         assert not psutil.pid_exists(pid), f"pid {pid} outlived the unload"
+
+
+def test_a_swap_ends_the_old_group(daemon: Daemon):
+    old = models(daemon)["smol-pp"]
+    pids = [*rank_pids(old), old["distributed"]["launcher_pid"]]
+    config = yaml.safe_load(daemon.config_path.read_text())
+    config["models"]["smol-pp"]["batch"] = {"max_batch_size": 4}  # an engine field: a new group
+    daemon.config_path.write_text(yaml.safe_dump(config))
+    httpx.post(f"{daemon.url}/admin/reload", timeout=60).raise_for_status()
+    wait_for(
+        lambda: (
+            models(daemon)["smol-pp"]["state"] == "loaded"
+            and models(daemon)["smol-pp"]["pid"] != old["pid"]
+        )
+    )
+    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in pids))  # drained, then closed
+    assert models(daemon)["smol-pp"]["max_batch_size"] == 4
 
 
 def test_the_daemons_exit_ends_every_rank(daemon: Daemon):
