@@ -118,6 +118,25 @@ def test_a_distributed_model_answers_what_one_process_answers(
     assert asyncio.run(answers(daemon, name)) == reference
 
 
+def test_structured_output_is_constrained_alike_on_every_rank(daemon: Daemon):
+    """Every rank rebuilds the request's grammar processor: a rank without it would sample
+    other tokens, and in a pipeline the last rank's token is the next step's input."""
+    client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0, timeout=SLOW_S)
+
+    def json_reply(name: str) -> str:
+        reply = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Give me a JSON object about Paris."}],
+            response_format={"type": "json_object"},
+            max_tokens=12,
+        )
+        return reply.choices[0].message.content or ""
+
+    expected = json_reply("smol")
+    assert expected.startswith("{")
+    assert json_reply("smol-pp") == expected
+
+
 def test_status_and_ps_show_the_group(daemon: Daemon):
     rows = models(daemon)
     group = rows["smol-tp"]["distributed"]
