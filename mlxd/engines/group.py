@@ -211,16 +211,17 @@ def load_member(
     mx.random.seed(shared_seed(group, stream=stream))
     followers: list[FollowerCore] = []
 
-    def lead(engine: LLMEngine) -> LeaderCore:
+    def leader(engine: LLMEngine) -> LeaderCore:
         return LeaderCore(engine.core, group)
 
-    def follow(engine: LLMEngine) -> FollowerCore:
+    def follower(engine: LLMEngine) -> FollowerCore:
+        # The engine's own grammar and fault processors, as rank 0's `prepare` builds them.
         followers.append(FollowerCore(engine.core, group, engine._processors))
         return followers[0]
 
     # No prefix cache: each rank's KV holds its own heads (tensor) or layers (pipeline), so a
     # cached prefix would be a set of per-rank shards to keep in step; not done (yet).
-    engine = LLMEngine(name, config, loaded, None, lead if group.rank() == 0 else follow)
+    engine = LLMEngine(name, config, loaded, None, leader if group.rank() == 0 else follower)
     return engine, ranks, followers[0] if followers else None
 
 
@@ -231,8 +232,9 @@ async def lead(
     server: Callable[[], ServerConfig],
     group: mx.distributed.Group,
 ) -> tuple[LLMEngine, dict[str, Any]]:
-    """Rank 0's load, once the daemon said go: hand the followers what to load, load this
-    rank's part, and the group's ranks for `describe`."""
+    """Rank 0's load (a worker.Loader), once the daemon said go: hand the followers what to
+    load, load this rank's part, and the group's ranks for `describe`. `server` is unused: a
+    distributed model has no SSD KV tier and no media."""
     log.info(
         "model '%s': prefix cache off for a distributed model: each rank holds only its shard "
         "of the KV cache",
