@@ -4,16 +4,16 @@ python -m benchmarks.distributed                      # both servers, 1 and 8 st
 python -m benchmarks.distributed --only baseline      # mlx_lm.server's group alone
 
 On a 2-core machine three ranks only add work (every layer's all_sum crosses processes), so
-this measures the overhead of running split, not a speed-up. mlxd's side needs the engine
-worker to run the `distributed:` block (issue 12's integration); until a daemon's /v1/status
-shows the group, the mlxd run stops with a message saying so instead of benchmarking a
-single-process model by mistake.
+this measures the overhead of running split, not a speed-up. Beside the two servers it times one
+decode step's collectives alone on the same ranks (`python -m mlxd.distributed.timing`), at each
+concurrency level's batch size: the per-step communication time within either server's step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -91,11 +92,27 @@ def baseline_command(
 def check_mlxd_runs_the_group(url: str) -> None:
     status = httpx.get(f"{url}/v1/status", timeout=10.0, trust_env=False).json()
     row = status.get("models", {}).get(MODEL_NAME, {})
-    if "ranks" not in row and "distributed" not in row:
-        raise ServerFailed(
-            "this mlxd serves the model in one process (no group in /v1/status): "
-            "the worker integration of issue 12 has not landed yet"
-        )
+    if "distributed" not in row:
+        raise ServerFailed("this mlxd serves the model in one process (no group in /v1/status)")
+
+
+def communication_ms(model_dir: Path, block: DistributedConfig, batch: int, workdir: Path) -> Any:
+    """One decode step's collectives for `batch` sequences, timed on the same loopback ranks."""
+    ranks = len(block.hosts or ())
+    argv = launch_argv(
+        block,
+        write_hostfile(block, workdir / "timing"),
+        "mlxd.distributed.timing",
+        ["--model-dir", str(model_dir), "--strategy", block.strategy, "--batch", str(batch)],
+        starting_port=free_starting_port(ranks),
+        env={**loopback_env(ranks), "PYTHONPATH": str(REPO_ROOT)},
+        cwd=str(REPO_ROOT),
+    )
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=900, stdin=subprocess.PIPE, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])["comm_ms"] if lines else f"failed: {done.stderr[-300:]}"
 
 
 @contextmanager
@@ -161,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=SERVERS, default=None)
     parser.add_argument("--model-dir", type=Path, default=None, help=f"default: {DEMO_SOURCE}")
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
+    parser.add_argument("--no-comm", action="store_true", help="skip timing the collectives alone")
     parser.add_argument("--startup-timeout", type=float, default=900.0, metavar="SECONDS")
     args = parser.parse_args(argv)
 
@@ -183,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = bench(name, cmd, port, model_id, args, env, log_dir)
 
     print_comparison(args.levels, runs)
+    if not args.no_comm:
+        print(f"\none decode step's collectives alone ({args.ranks} ranks, {args.strategy}):")
+        for level in args.levels:
+            print(f"  batch {level}: {communication_ms(model_dir, block, level, log_dir)} ms")
     if any(run.error for run in runs.values()):
         print(f"\nserver logs kept in {log_dir}")
     else:

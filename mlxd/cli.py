@@ -159,6 +159,11 @@ def _ps(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    for name, row in status["models"].items():
+        for rank in (row.get("distributed") or {}).get("ranks", []):
+            print(
+                f"{name} rank {rank['rank']}: pid {rank['pid']} on {rank['host']} ({rank['state']})"
+            )
     return 0
 
 
@@ -167,7 +172,7 @@ def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
     estimate = row.get("memory_estimate_bytes", row.get("memory_bytes"))
     return (
         name,
-        row.get("kind", "-"),
+        row.get("kind", "-") + _group(row.get("distributed")),
         row["state"],
         ",".join(row.get("aliases") or []) or "-",
         str(row.get("pid") or "-"),
@@ -178,6 +183,13 @@ def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",
     )
+
+
+def _group(group: dict[str, Any] | None) -> str:
+    """' ring/tensor x3' for a distributed model's KIND column."""
+    if not group:
+        return ""
+    return f" {group['backend']}/{group['strategy']} x{len(group['hosts'] or [])}"
 
 
 def _mib(size: int | None) -> str:

@@ -21,6 +21,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxd.distributed.broadcast import broadcast_object, is_leader, shared_seed
 from mlxd.distributed.shard import load_rank
+from mlxd.distributed.timing import communication_ms
 from mlxd.models.loader import load_llm
 
 PROMPTS = (
@@ -126,38 +127,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.time_comm
         else None,
     }
-
-
-def communication_ms(config: dict[str, Any], strategy: str, group: Any, batch: int) -> float | None:
-    """Time of one decode step's collectives alone, replayed on arrays of the decode shape:
-    tensor parallel all_sums twice per layer (attention and MLP outputs); a pipeline sends
-    the hidden states once per stage boundary and all_gathers them once."""
-    if group.size() == 1:
-        return None
-    hidden = mx.zeros((batch, 1, config["hidden_size"]), dtype=mx.float32)
-    rank, size = group.rank(), group.size()
-
-    def one_step() -> None:
-        if strategy == "tensor":
-            outs = [
-                mx.distributed.all_sum(hidden + i, group=group)
-                for i in range(2 * config["num_hidden_layers"])
-            ]
-            mx.eval(outs)
-            return
-        h = hidden
-        if rank < size - 1:
-            h = mx.distributed.recv_like(h, rank + 1, group=group)
-        if rank != 0:
-            h = mx.distributed.send(h + 1, rank - 1, group=group)
-        mx.eval(mx.distributed.all_gather(h, group=group))
-
-    one_step()  # warm-up: first-use setup of the arrays and connections
-    repeats = 3  # on a busy 2-core machine one tensor-parallel step's 60 all_sums take ~10 s
-    tick = time.perf_counter()
-    for _ in range(repeats):
-        one_step()
-    return round((time.perf_counter() - tick) / repeats * 1000, 3)
 
 
 def main() -> None:

@@ -108,3 +108,24 @@ def shared_seed(
     > 0 must draw the same numbers on every rank or the ranks pick different tokens."""
     seed = int.from_bytes(os.urandom(8), "little") if is_leader(group) else None
     return broadcast_object(seed, group, stream=stream)
+
+
+def gather_object(
+    obj: T, group: mx.distributed.Group | None = None, *, stream: mx.Stream | None = None
+) -> list[T]:
+    """Every rank's picklable `obj`, in rank order, on every rank (e.g. each rank's pid for
+    rank 0 to report). Every rank must call it, in the same order as its other collectives."""
+    group = group_or_world(group)
+    if group.size() == 1:
+        return [obj]
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    with mx.stream(stream if stream is not None else generation_stream):
+        sizes = mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int64), group=group)
+        lengths = cast(list[int], sizes.tolist())
+        width = max(lengths)
+        # all_gather needs equal shapes: every rank pads its bytes to the longest.
+        own = mx.array(cast(Any, memoryview(data + bytes(width - len(data)))), dtype=mx.uint8)
+        stacked = mx.distributed.all_gather(own, group=group)
+        mx.eval(stacked)
+    raw = bytes(memoryview(cast("Buffer", stacked)))
+    return [pickle.loads(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config.schema import DistributedConfig, ModelConfig, Registry
+from mlxd.distributed.launch import is_local_host, rank0_host
 
 Loc = tuple[str | int, ...]
 
@@ -184,6 +185,19 @@ def check_distributed(registry: Registry) -> list[tuple[Loc, str]]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             problems.append(((*here, "hostfile"), f"cannot read the hostfile: {exc}"))
             continue
+        try:
+            first = rank0_host(block)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            problems.append(((*here, "hostfile"), f"cannot read the hostfile: {exc}"))
+            continue
+        if not is_local_host(first):
+            problems.append(
+                (
+                    (*here, "hosts" if block.hosts else "hostfile"),
+                    f"rank 0 runs on {first!r}, which is not this machine: rank 0 is the "
+                    "model's worker and must run where mlxd runs (list this machine first)",
+                )
+            )
         try:
             geometry = read_geometry(model, registry.server.cache_dir)
         except Exception as exc:  # a missing file, a malformed config: say it, check the rest

@@ -19,7 +19,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -83,6 +83,33 @@ def _is_loopback_ip(host: str) -> bool:
         return host == "localhost"
 
 
+def rank0_host(distributed: DistributedConfig) -> str:
+    """The first rank's host: `hosts[0]`, or the hostfile's first host (its first IP, else
+    its ssh name)."""
+    if distributed.hosts is not None:
+        return distributed.hosts[0]
+    assert distributed.hostfile is not None  # the schema demands one of the two
+    data = json.loads(Path(distributed.hostfile).read_text(encoding="utf-8"))
+    first = (data["hosts"] if isinstance(data, dict) else data)[0]
+    return str((first.get("ips") or [first["ssh"]])[0])
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` is this machine: a loopback address, this host's name, or an address of
+    one of its interfaces."""
+    if _is_loopback_ip(host) or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        ip = host_ip(host)
+    except LaunchError:
+        return False
+    if ipaddress.ip_address(ip).is_loopback:
+        return True
+    import psutil
+
+    return any(ip == a.address for addrs in psutil.net_if_addrs().values() for a in addrs)
+
+
 def loopback_hosts(ranks: int) -> list[str]:
     """`hosts:` for `ranks` ranks on this machine."""
     return ["127.0.0.1"] * ranks
@@ -100,13 +127,17 @@ def loopback_env(ranks: int) -> dict[str, str]:
     return env
 
 
-def free_starting_port(ranks: int, *, first: int = DEFAULT_STARTING_PORT) -> int:
-    """A port p from `first` on where p .. p+ranks-1 are all free on this machine now (best
-    effort: another process may take one before the ranks bind). Two groups on one machine
-    must not share ports, or the second group's ranks connect to the first's."""
+def free_starting_port(
+    ranks: int, *, first: int = DEFAULT_STARTING_PORT, taken: Collection[int] = ()
+) -> int:
+    """A port p from `first` on where p .. p+ranks-1 are all free on this machine now and not
+    in `taken` (ports given to groups that may not have bound them yet). Best effort: another
+    process may take one before the ranks bind. Two groups on one machine must not share
+    ports, or the second group's ranks connect to the first's."""
     port = first
     while port + ranks <= 65535:
-        if all(_port_free(port + offset) for offset in range(ranks)):
+        span = range(port, port + ranks)
+        if not any(p in taken for p in span) and all(_port_free(p) for p in span):
             return port
         port += ranks
     raise LaunchError("no free range of ports for the ranks")

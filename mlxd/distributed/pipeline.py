@@ -57,6 +57,24 @@ class PipelinedLlama(nn.Module):
         cache: list[Any] | None = None,
         input_embeddings: mx.array | None = None,
     ) -> mx.array:
+        out = self.model.norm(self.hidden(inputs, cache, input_embeddings))
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(out)
+        return self.lm_head(out)
+
+    @property
+    def prefill_backbone(self) -> Any:
+        """What mlxd's prefill runs instead of the whole model (scheduler/prefill.py): the
+        stages without the head. `self.model` alone would run every layer, this rank's or not."""
+        return self.hidden
+
+    def hidden(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        """Rank 0's last hidden states, on every rank."""
         group = self._group
         rank, size = group.rank(), group.size()
         layers = self.layers
@@ -77,12 +95,7 @@ class PipelinedLlama(nn.Module):
                 cache[-1].keys = mx.depends(cache[-1].keys, h)
         # Rank 0 ran the last layers; all_gather stacks every rank's h on axis 0, and rank 0's
         # comes first. Every rank then has the same logits.
-        h = mx.distributed.all_gather(h, group=group)[: h.shape[0]]
-
-        out = self.model.norm(h)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(out)
-        return self.lm_head(out)
+        return mx.distributed.all_gather(h, group=group)[: h.shape[0]]
 
     def _masks(self, h: mx.array, layers: list[nn.Module], cache: list[Any]) -> list[Any]:
         """One mask per local layer, built from the first local cache of each attention kind

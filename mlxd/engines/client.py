@@ -25,7 +25,9 @@ from typing import Any
 import psutil
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.distributed.launch import LaunchError
 from mlxd.engines.base import EventStream
+from mlxd.engines.ranks import RankGroup
 from mlxd.engines.wire import read_message, write_message
 from mlxd.engines.worker import WorkerSpec
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
@@ -51,6 +53,7 @@ class WorkerEngine:
         writer: asyncio.StreamWriter,
         ready: dict[str, Any],
         server: Callable[[], ServerConfig],
+        group: RankGroup | None = None,
     ):
         self.name = name
         self.kind: str = config.kind
@@ -75,6 +78,12 @@ class WorkerEngine:
         self._ids = itertools.count()
         self._closing = False
         self._psutil = _process_handle(process.pid)
+        # A distributed model: `process` is mlx.launch, rank 0 the worker it talks to.
+        self._group = group
+        self._watching: asyncio.Task | None = None
+        if group is not None:
+            group.started(ready["ranks"])
+            self._watching = asyncio.create_task(group.watch(), name=f"mlxd-ranks-{name}")
         self._reading = asyncio.create_task(self._read(), name=f"mlxd-worker-{name}")
 
     @classmethod
@@ -85,23 +94,18 @@ class WorkerEngine:
         server: Callable[[], ServerConfig],
         make_room: Callable[[int], Awaitable[None]],
     ) -> WorkerEngine:
-        """Spawn a worker for `name` and wait until its model is loaded. `make_room(bytes)`
-        runs once the worker knows what it will hold, before it loads (raising refuses)."""
-        parent, child = socket.socketpair()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "mlxd.engines.worker",
-            "--fd",
-            str(child.fileno()),
-            pass_fds=(child.fileno(),),
-            stdin=asyncio.subprocess.DEVNULL,
-            # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and then
-            # closes its workers; they never die under requests that are still finishing.
-            start_new_session=True,
-        )
-        child.close()
-        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        """Spawn a worker for `name` (a group of ranks for a distributed model) and wait until
+        its model is loaded. `make_room(bytes)` runs once the worker knows what it will hold,
+        before it loads (raising refuses)."""
+        group: RankGroup | None = None
+        if config.distributed is not None:
+            try:
+                group, reader, writer = await RankGroup.launch(name, config.distributed)
+            except (LaunchError, ConnectionError) as exc:
+                raise WorkerDied(f"model '{name}': cannot start its ranks: {exc}") from None
+            process = group.process
+        else:
+            process, reader, writer = await _spawn()
         try:
             write_message(writer, WorkerSpec(name, config, server()))
             kind, *args = await read_message(reader)
@@ -116,14 +120,17 @@ class WorkerEngine:
         except (asyncio.IncompleteReadError, ConnectionError):
             status = await process.wait()
             writer.close()
-            raise WorkerDied(
-                f"model '{name}': worker {describe_exit(status)} while loading"
-            ) from None
+            if group is None:
+                ended = f"worker {describe_exit(status)}"
+            else:
+                await group.kill()
+                ended = "group of ranks ended (mlx.launch forwards each rank's output to this log)"
+            raise WorkerDied(f"model '{name}': {ended} while loading") from None
         except BaseException:  # refused, failed or cancelled (a reconcile superseded the load)
             writer.close()
-            await _reap(process)
+            await (group.kill() if group is not None else _reap(process))
             raise
-        return cls(name, config, process, reader, writer, args[0], server)
+        return cls(name, config, process, reader, writer, args[0], server, group)
 
     # -- the Engine protocol -----------------------------------------------------------
 
@@ -144,6 +151,8 @@ class WorkerEngine:
     def rss_bytes(self) -> int | None:
         if self._psutil is None or self.failure is not None:
             return None
+        if self._group is not None:
+            return self._group.rss_bytes()
         with contextlib.suppress(psutil.Error):
             return self._psutil.memory_info().rss
         return None
@@ -211,6 +220,7 @@ class WorkerEngine:
             "rss_bytes": rss,
             "memory_estimate_bytes": self.estimate_bytes,
             "memory_bytes": self._budgeted(rss),
+            **({"distributed": self._group.status()} if self._group is not None else {}),
         }
 
     async def refresh_stats(self) -> None:
@@ -227,6 +237,8 @@ class WorkerEngine:
     async def close(self) -> None:
         """Ask the worker to finish and exit; kill it if it does not in time."""
         self._closing = True
+        if self._watching is not None:
+            self._watching.cancel()  # ranks exiting on close are no death
         if self._process.returncode is None:
             self._send(("close",))
             try:
@@ -234,6 +246,8 @@ class WorkerEngine:
             except TimeoutError:
                 log.warning("model '%s': worker %d did not exit; killing it", self.name, self.pid)
                 await _reap(self._process)
+        if self._group is not None:
+            await self._group.kill()  # every rank, not only the launcher
         await self._reading
 
     # -- transport ---------------------------------------------------------------------
@@ -304,9 +318,12 @@ class WorkerEngine:
             self._process.kill()
         status = await self._process.wait()
         self._writer.close()
+        if self._group is not None:
+            await self._group.kill()  # a group ends whole
         if self._closing:
             return
-        self.failure = self.failure or f"worker {self.pid} {describe_exit(status)}"
+        death = self._group.death if self._group is not None else None
+        self.failure = self.failure or death or f"worker {self.pid} {describe_exit(status)}"
         log.error("model '%s': %s", self.name, self.failure)
         self._fail_all(f"model '{self.name}' failed ({self.failure}); it is being restarted")
 
@@ -329,6 +346,25 @@ def describe_exit(status: int) -> str:
         hint = " (out of memory?)" if name == "SIGKILL" else ""
         return f"was killed by {name}{hint}"
     return f"exited with status {status}"
+
+
+async def _spawn() -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.StreamWriter]:
+    """`python -m mlxd.engines.worker` on an inherited socket pair; the daemon's end."""
+    parent, child = socket.socketpair()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mlxd.engines.worker",
+        "--fd",
+        str(child.fileno()),
+        pass_fds=(child.fileno(),),
+        stdin=asyncio.subprocess.DEVNULL,
+        # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and then
+        # closes its workers; they never die under requests that are still finishing.
+        start_new_session=True,
+    )
+    child.close()
+    return process, *await asyncio.open_unix_connection(sock=parent)
 
 
 async def _reap(process: asyncio.subprocess.Process) -> None:

@@ -18,7 +18,7 @@ from mlxd.config import CacheConfig, ModelConfig, ServerConfig
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
 from mlxd.engines.base import EventStream
 from mlxd.engines.core import LLMCore, MediaPrefill, Output, Sequence
-from mlxd.engines.loop import ModelLoop
+from mlxd.engines.loop import Core, ModelLoop
 from mlxd.engines.prompt import render_chat, template_supports_tools
 from mlxd.errors import InvalidRequest
 from mlxd.models.loader import LoadedModel, load_llm
@@ -59,7 +59,10 @@ class LLMEngine:
         config: ModelConfig,
         loaded: LoadedModel,
         prefix_cache: PrefixCache | None = None,
+        drive: Callable[[LLMEngine], Core[Sequence, Output]] | None = None,
     ):
+        """`drive` wraps the core the model thread drives (a distributed rank's step sync,
+        see engines/group.py); by default the thread drives the core itself."""
         self.name = name
         self.config = config
         self.loaded = loaded
@@ -69,7 +72,6 @@ class LLMEngine:
         )
         self.prefix_cache = prefix_cache
         self.core = LLMCore(name, loaded.model, loaded.tokenizer, config.batch)
-        self.loop = ModelLoop(name, self.core, _deliver, config.batch.max_queue)
         self.memory_bytes = loaded.nbytes + config.cache.ram
         self.last_used = time.monotonic()
         self._open = 0  # requests from submit() until their stream ends
@@ -77,6 +79,9 @@ class LLMEngine:
         self._constrainer_instance: Constrainer | None = None
         self._constrainer_lock = threading.Lock()
         self._faults = faults_from_env()  # tests only; empty unless MLXD_FAULT_INJECT is set
+        # Last: the model thread starts here, and `drive` may use everything above.
+        driven = self.core if drive is None else drive(self)
+        self.loop = ModelLoop(name, driven, _deliver, config.batch.max_queue)
 
     @classmethod
     async def load(

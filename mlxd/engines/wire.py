@@ -1,7 +1,9 @@
 """Messages between the daemon and a worker: length-prefixed pickles over a socket pair.
 
-Pickle is safe here only because both ends are the same program and the socket is an
-anonymous `socketpair()` inherited by the child: nothing else can connect to it.
+Pickle is safe here only because both ends are the same program and nothing else can connect:
+the socket is an anonymous `socketpair()` inherited by the child, or for a distributed model's
+rank 0 a unix socket in a private (0700) directory that accepts one connection
+(engines/ranks.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import inspect
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,22 @@ def portable(exc: BaseException) -> MlxdError:
     return MlxdError(f"{type(exc).__name__}: {exc}")
 
 
-async def _start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+# Loads a located model: (engine, what `ready` adds to `describe`). A distributed model's rank
+# 0 loads with its group (engines/group.py).
+Loader = Callable[
+    [str, ModelConfig, Path, Callable[[], ServerConfig]], Awaitable[tuple[Engine, dict[str, Any]]]
+]
+
+
+async def _load_alone(
+    name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
+) -> tuple[Engine, dict[str, Any]]:
+    return await load_engine(name, config, path, server), {}
+
+
+async def _start(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, load: Loader = _load_alone
+) -> int:
     spec: WorkerSpec = await read_message(reader)
     settings = Settings()  # MLXD_LOG_*, as the daemon resolved them
     setup_logging(settings.log_level, settings.log_format)
@@ -209,7 +225,7 @@ async def _start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
         reply = await read_message(reader)  # the daemon made room for `need`, or could not
         if reply[0] != "go":
             return 1
-        engine = await load_engine(spec.name, spec.config, path, lambda: server.current)
+        engine, extra = await load(spec.name, spec.config, path, lambda: server.current)
     except (asyncio.IncompleteReadError, ConnectionError):
         return 1  # the daemon gave up on this load
     except Exception as exc:
@@ -220,7 +236,7 @@ async def _start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
         return 1
     _restore_priority(nice)
     host = EngineHost(engine, writer, server)
-    write_message(writer, ("ready", host.describe()))
+    write_message(writer, ("ready", {**host.describe(), **extra}))
     return await host.serve(reader)
 
 
@@ -255,18 +271,53 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m mlxd.engines.worker",
         description="Host one model's engine for the mlxd daemon (started by the daemon).",
     )
-    parser.add_argument("--fd", type=int, required=True, help="the inherited socket's fd")
+    to_daemon = parser.add_mutually_exclusive_group(required=True)
+    to_daemon.add_argument("--fd", type=int, help="the inherited socket's fd")
+    to_daemon.add_argument(
+        "--connect",
+        help="a rank of a distributed model (started by mlx.launch): rank 0 connects to the "
+        "daemon's unix socket at this path, the other ranks follow rank 0",
+    )
     args = parser.parse_args(argv)
+    if args.connect is not None:
+        exit_process(_rank(args.connect))
 
     async def run() -> int:
         sock = socket.socket(fileno=args.fd)
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        status = await _start(reader, writer)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-        return status
+        return await _serve(*await asyncio.open_unix_connection(sock=sock))
 
     exit_process(asyncio.run(run()))  # see mlxd/process_exit.py: no interpreter teardown
+
+
+async def _serve(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, load: Loader = _load_alone
+) -> int:
+    status = await _start(reader, writer, load)
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    return status
+
+
+def _rank(path: str) -> int:
+    """One rank of a distributed group: rank 0 serves the daemon, the others follow it."""
+    import functools
+
+    import mlx.core as mx
+
+    from mlxd.engines import group as members
+
+    world = mx.distributed.init(strict=True)
+    if world.rank() != 0:
+        settings = Settings()
+        setup_logging(settings.log_level, settings.log_format)
+        return members.follow(world)
+
+    async def run() -> int:
+        return await _serve(
+            *await asyncio.open_unix_connection(path), functools.partial(members.lead, group=world)
+        )
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":

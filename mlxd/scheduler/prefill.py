@@ -20,7 +20,8 @@ class SkipPrefillLogits:
 
     def __init__(self, model: nn.Module):
         self._model = model
-        backbone = getattr(model, "model", None)
+        # A model may name its own backbone (a pipeline stage: mlxd/distributed/pipeline.py).
+        backbone = getattr(model, "prefill_backbone", None) or getattr(model, "model", None)
         takes_cache = callable(backbone) and "cache" in inspect.signature(backbone).parameters
         self._backbone = backbone if takes_cache else None
 

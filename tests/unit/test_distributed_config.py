@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from mlxd.distributed.config import (
 from mlxd.distributed.launch import (
     free_starting_port,
     hostfile_data,
+    is_local_host,
     is_loopback,
     launch_argv,
     loopback_hosts,
@@ -105,7 +107,7 @@ def test_only_llms_are_distributed(model_dir: Path):
 
 def test_hostfile_is_relative_to_the_config_file(tmp_path: Path, model_dir: Path):
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps({"hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}] * 2}))
+    hostfile.write_text(json.dumps({"hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}] * 2}))
     text = config_text(model_dir, "hostfile: hosts.json\nstrategy: pipeline\n")
     registry = parse_config(text, str(tmp_path / "m.yaml"), extra_checks=check_distributed)
     block = registry.models["big"].distributed
@@ -115,19 +117,38 @@ def test_hostfile_is_relative_to_the_config_file(tmp_path: Path, model_dir: Path
 
 
 def test_check_tensor_ranks_must_divide_heads(model_dir: Path):
-    message = errors(config_text(model_dir, "hosts: [a, b]\n"), deep=True)
+    message = errors(config_text(model_dir, "hosts: [127.0.0.1, b]\n"), deep=True)
     assert "m.yaml:6: models.big.distributed.hosts: tensor parallel over 2 ranks needs " in message
     assert "attention heads divisible by 2; the model has 9 (rank counts that fit: 3)" in message
     # 3 ranks divide 9 heads, 3 KV heads and 1536: no problem.
-    parse_config(config_text(model_dir, "hosts: [a, b, c]\n"), extra_checks=check_distributed)
+    three = config_text(model_dir, "hosts: [127.0.0.1, b, c]\n")
+    parse_config(three, extra_checks=check_distributed)
 
 
 def test_check_pipeline_ranks_at_most_layers(model_dir: Path):
     many = json.dumps(["127.0.0.1"] * 31)
     message = errors(config_text(model_dir, f"strategy: pipeline\nhosts: {many}\n"), deep=True)
     assert "pipeline over 31 ranks needs at least one layer per rank; the model has 30" in message
-    two = config_text(model_dir, "strategy: pipeline\nhosts: [a, b]\n")
+    two = config_text(model_dir, "strategy: pipeline\nhosts: [localhost, b]\n")
     parse_config(two, extra_checks=check_distributed)
+
+
+def test_check_rank_0_must_be_this_machine(model_dir: Path, tmp_path: Path):
+    message = errors(
+        config_text(model_dir, "hosts: [192.0.2.7, 127.0.0.1, 127.0.0.1]\n"), deep=True
+    )
+    assert (
+        "m.yaml:6: models.big.distributed.hosts: rank 0 runs on '192.0.2.7', which is not "
+        in message
+    )
+    assert "must run where mlxd runs" in message
+    assert is_local_host(socket.gethostname()) and not is_local_host("192.0.2.7")
+    # A hostfile's rank 0 is its first host's first IP.
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"hosts": [{"ssh": "far", "ips": ["192.0.2.7"]}, {"ssh": "b"}]}))
+    assert "rank 0 runs on '192.0.2.7'" in errors(
+        config_text(model_dir, f"hostfile: {hostfile}\n"), deep=True
+    )
 
 
 def test_split_problems_know_unsupported_architectures():
