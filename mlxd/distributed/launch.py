@@ -16,7 +16,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shutil
 import socket
 import sys
 from collections.abc import Collection, Mapping, Sequence
@@ -154,14 +153,8 @@ def _port_free(port: int) -> bool:
 
 
 def mlx_launch_command() -> list[str]:
-    """`mlx.launch` next to this interpreter (the venv's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mlx.launch"
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("mlx.launch")
-    if found is None:
-        raise LaunchError("mlx.launch not found (it comes with the mlx package)")
-    return [found]
+    """MLX's `mlx.launch`, run by this interpreter through mlxd's shim (see launcher.py)."""
+    return [sys.executable, "-m", "mlxd.distributed.launcher"]
 
 
 def launch_argv(

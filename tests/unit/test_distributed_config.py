@@ -240,7 +240,25 @@ def test_launch_argv_is_a_list_with_the_command_after_the_separator(model_dir: P
     ]
     default = launch_argv(block, Path("h.json"), "m")
     assert default[-3:] == [sys.executable, "-m", "m"]
-    assert Path(default[0]).name == "mlx.launch"
+    assert default[:3] == [sys.executable, "-m", "mlxd.distributed.launcher"]
+
+
+def test_the_launcher_shim_waits_instead_of_spinning_on_the_ranks_stdin():
+    import os
+    import time
+
+    from mlxd.distributed.launcher import _outputs_only
+
+    read_end, write_end = os.pipe()
+    try:
+        started = time.monotonic()
+        # mlx.launch's per-rank select: an empty stdout (readable) and a stdin (writable).
+        ready = _outputs_only([read_end], [write_end], [], 0.2)
+        assert ready == ([], [], [])  # nothing to do: it waited, it did not return at once
+        assert time.monotonic() - started >= 0.15
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_free_starting_port_skips_a_taken_port():
