@@ -20,6 +20,7 @@ class SkipPrefillLogits:
 
     def __init__(self, model: nn.Module):
         self._model = model
+        self.whole = model  # for callers that need every position's logits (speculation)
         backbone = getattr(model, "model", None)
         takes_cache = callable(backbone) and "cache" in inspect.signature(backbone).parameters
         self._backbone = backbone if takes_cache else None

@@ -555,3 +555,23 @@ def test_tool_calls_default_to_auto_and_null_turns_them_off():
     off = parse("models: {smol: {source: hf://org/repo, parsers: {tool_calls: null}}}")
     assert on.models["smol"].parsers.tool_calls == "auto"
     assert off.models["smol"].parsers.tool_calls is None
+
+
+def test_speculative_settings_point_at_their_lines():
+    errors = errors_of(
+        """\
+        models:
+          smol:
+            source: hf://org/repo
+            speculative: {mode: draft, num_tokens: 0}
+          mini:
+            kind: embedding
+            source: hf://org/mini
+            speculative: {}
+        """
+    )
+    assert errors == [
+        "models.yaml:4: models.smol.speculative.mode: must be one of 'ngram' (got 'draft')",
+        "models.yaml:4: models.smol.speculative.num_tokens: must be >= 1 (got 0)",
+        "models.yaml:5: models.mini: speculative decoding runs on single-process llm models only",
+    ]
