@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlxd.config import BatchConfig, SpeculativeConfig
@@ -18,7 +19,7 @@ from mlxd.engines.core import LLMCore, Sequence
 from mlxd.scheduler.fast_batch import FastBatchGenerator
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import GREEDY, make_sequence_sampler
-from mlxd.scheduler.speculative import NgramSpeculator, ngram_drafts
+from mlxd.scheduler.speculative import NgramSpeculator, ngram_drafts, roll_back
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
 from tests.unit.test_core import LetterTokenizer, run
 
@@ -38,6 +39,25 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix() -> 
     assert ngram_drafts([5, 5, 5], 4) == [5]
     assert ngram_drafts([1, 2, 3], 4) == []
     assert ngram_drafts([1, 2, 1, 2], 0) == []
+
+
+def test_roll_back_drops_each_rows_own_tail_and_its_positions() -> None:
+    cache = BatchKVCache(left_padding=[1, 0])
+    # Position p of row r holds the value 10 * r + p (row 0's first slot is padding).
+    values = mx.array([[10 * r + p for p in range(5)] for r in range(2)], dtype=mx.float32)
+    keys = values[:, None, :, None]
+    cache.update_and_fetch(keys, keys)
+    roll_back([cache], [3, 1])  # row 0 keeps p 1 of its p 1-4, row 1 keeps p 0-3
+    assert cache.offset.tolist() == [1, 4]
+    assert [cache.extract(r).keys[0, 0, :, 0].tolist() for r in range(2)] == [
+        [1.0],
+        [10.0, 11.0, 12.0, 13.0],
+    ]
+    # The next write lands right after each row's kept positions, at its own RoPE offset.
+    cache.update_and_fetch(mx.full((2, 1, 1, 1), 99.0), mx.full((2, 1, 1, 1), 99.0))
+    assert cache.offset.tolist() == [2, 5]
+    assert cache.extract(0).keys[0, 0, :, 0].tolist() == [1.0, 99.0]
+    assert cache.extract(1).keys[0, 0, :, 0].tolist() == [10.0, 11.0, 12.0, 13.0, 99.0]
 
 
 def _generate(model: Any, prompts: list[list[int]], spec: NgramSpeculator | None, **rows: Any):
