@@ -6,6 +6,8 @@ requests never use. On the CPU backend, over SmolLM2's 49k vocabulary, that is â
 â‰ˆ317 ms step at batch 32. Here the step goes through `sampling.sample_rows`: greedy rows that
 did not ask for logprobs take the argmax of the raw logits, and only the rows that need
 log-probabilities get them. Everything else (caches, processors, stop tokens) is mlx-lm's.
+With a speculator (see speculative.py) a step may verify drafts and give a row several tokens;
+`next` then passes each through max_tokens and the stop tokens in order.
 
 The subclasses hook in where mlx-lm builds its batches: `PromptProcessingBatch.generate`
 constructs the `GenerationBatch` (whose first step runs in its constructor), and the
@@ -122,7 +124,7 @@ class FastGenerationBatch(GenerationBatch):
         tokens: list[list[int]] = []
         logprobs: list[list[Any]] = []
         next_tokens, next_logprobs, rejected = [], [], []
-        start = 0
+        start = accepted = 0
         for row, row_drafts in enumerate(drafts):
             count = len(row_drafts)
             kept = accepted_count(row_drafts, sampled[start : start + count])
@@ -132,9 +134,9 @@ class FastGenerationBatch(GenerationBatch):
             next_logprobs.append(sampled_logprobs[start + kept])
             rejected.append(width - 1 - kept)
             self.tokens[row].extend(tokens[-1])
-            if self.speculator is not None:
-                self.speculator.record(count, kept)
-            start += count + 1
+            start, accepted = start + count + 1, accepted + kept
+        if self.speculator is not None:
+            self.speculator.record(sum(len(d) for d in drafts), accepted)
         roll_back(self.prompt_cache, rejected)
         self._next_tokens = mx.array(next_tokens, dtype=pending.dtype)
         self._next_logprobs = next_logprobs
