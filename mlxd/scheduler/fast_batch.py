@@ -83,6 +83,7 @@ class FastGenerationBatch(GenerationBatch):
         speculator = self.speculator
         if speculator is None or not speculator.active(len(self.uids), self.prompt_cache):
             return None
+        speculator.retain(self.uids)
         # The drafts follow the pending token, so it is needed now (no overlap this step).
         pending = cast(list[int], self._next_tokens.tolist())
         processors = self.logits_processors or [[]] * len(self.uids)
@@ -91,7 +92,9 @@ class FastGenerationBatch(GenerationBatch):
             if processors[row]
             # No draft past max_tokens: the pending token is one of them.
             else speculator.propose(
-                self.tokens[row] + [pending[row]], self.max_tokens[row] - self._num_tokens[row] - 1
+                self.uids[row],
+                self.tokens[row] + [pending[row]],
+                self.max_tokens[row] - self._num_tokens[row] - 1,
             )
             for row in range(len(self.uids))
         ]
@@ -124,7 +127,7 @@ class FastGenerationBatch(GenerationBatch):
         tokens: list[list[int]] = []
         logprobs: list[list[Any]] = []
         next_tokens, next_logprobs, rejected = [], [], []
-        start = accepted = 0
+        start = 0
         for row, row_drafts in enumerate(drafts):
             count = len(row_drafts)
             kept = accepted_count(row_drafts, sampled[start : start + count])
@@ -134,9 +137,9 @@ class FastGenerationBatch(GenerationBatch):
             next_logprobs.append(sampled_logprobs[start + kept])
             rejected.append(width - 1 - kept)
             self.tokens[row].extend(tokens[-1])
-            start, accepted = start + count + 1, accepted + kept
-        if self.speculator is not None:
-            self.speculator.record(sum(len(d) for d in drafts), accepted)
+            if count and self.speculator is not None:
+                self.speculator.record(self.uids[row], count, kept)
+            start += count + 1
         roll_back(self.prompt_cache, rejected)
         self._next_tokens = mx.array(next_tokens, dtype=pending.dtype)
         self._next_logprobs = next_logprobs

@@ -44,11 +44,17 @@ class SpeculativeCounters:
 
 
 class NgramSpeculator:
-    """Prompt lookup: drafts copied from earlier in the sequence itself, no second model."""
+    """Prompt lookup: drafts copied from earlier in the sequence itself, no second model.
+
+    Each row drafts one token more than it had accepted last time (up to num_tokens): a row
+    copying its prompt keeps long drafts, a row writing new text drops to single drafts, so
+    it does not pay for verifying positions that are rarely right.
+    """
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.counters = SpeculativeCounters()
+        self._lengths: dict[int, int] = {}  # by the generator's uid
 
     def active(self, batch_size: int, caches: list[Any]) -> bool:
         # Exactly BatchKVCache: quantized or rotating caches have no per-row rollback here.
@@ -56,12 +62,19 @@ class NgramSpeculator:
             type(c) is BatchKVCache for c in caches
         )
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        return ngram_drafts(tokens, min(limit, self.config.num_tokens))
+    def propose(self, uid: int, tokens: list[int], limit: int) -> list[int]:
+        length = self._lengths.get(uid, self.config.num_tokens)
+        return ngram_drafts(tokens, min(limit, length))
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, uid: int, drafted: int, accepted: int) -> None:
         self.counters.draft_tokens += drafted
         self.counters.accepted_tokens += accepted
+        self._lengths[uid] = min(accepted + 1, self.config.num_tokens)
+
+    def retain(self, uids: list[int]) -> None:
+        """Forget the rows that left the batch."""
+        if self._lengths.keys() - set(uids):
+            self._lengths = {uid: n for uid, n in self._lengths.items() if uid in uids}
 
 
 def ngram_drafts(tokens: list[int], count: int, longest: int = LONGEST_NGRAM) -> list[int]:
