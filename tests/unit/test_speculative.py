@@ -41,6 +41,24 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix() -> 
     assert ngram_drafts([1, 2, 1, 2], 0) == []
 
 
+def test_a_row_drafts_one_more_token_than_it_accepted_last_time() -> None:
+    spec = speculator(num_tokens=4)
+    history = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    assert spec.propose(7, history, limit=10) == [3, 4, 5, 6]
+    spec.record(7, drafted=4, accepted=0)
+    assert spec.propose(7, history, limit=10) == [3]
+    assert spec.propose(8, history, limit=2) == [3, 4]  # other rows keep their own length
+    spec.record(7, drafted=1, accepted=1)
+    assert spec.propose(7, history, limit=10) == [3, 4]
+    spec.retain([8])  # row 7 left the batch: a new row 7 starts at num_tokens again
+    assert spec.propose(7, history, limit=10) == [3, 4, 5, 6]
+    assert spec.counters.as_dict() == {
+        "draft_tokens": 5,
+        "accepted_tokens": 1,
+        "acceptance_rate": 0.2,
+    }
+
+
 def test_roll_back_drops_each_rows_own_tail_and_its_positions() -> None:
     cache = BatchKVCache(left_padding=[1, 0])
     # Position p of row r holds the value 10 * r + p (row 0's first slot is padding).
