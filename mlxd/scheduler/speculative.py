@@ -43,18 +43,25 @@ class SpeculativeCounters:
         }
 
 
+@dataclass
+class RowDrafting:
+    length: int  # most drafts next time
+    shortest: int = 1  # shortest suffix match worth drafting from
+
+
 class NgramSpeculator:
     """Prompt lookup: drafts copied from earlier in the sequence itself, no second model.
 
-    Each row drafts one token more than it had accepted last time (up to num_tokens): a row
-    copying its prompt keeps long drafts, a row writing new text drops to single drafts, so
-    it does not pay for verifying positions that are rarely right.
+    Each row drafts one token more than it accepted last time (up to num_tokens), and after a
+    step that accepted nothing only from a match of the longest suffix: a row copying its
+    prompt keeps long drafts, a row writing new text mostly decodes plainly (a speculative
+    step is synchronous, so it also loses the overlap of host work with the next step).
     """
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.counters = SpeculativeCounters()
-        self._lengths: dict[int, int] = {}  # by the generator's uid
+        self._rows: dict[int, RowDrafting] = {}  # by the generator's uid
 
     def active(self, batch_size: int, caches: list[Any]) -> bool:
         # Exactly BatchKVCache: quantized or rotating caches have no per-row rollback here.
@@ -63,27 +70,30 @@ class NgramSpeculator:
         )
 
     def propose(self, uid: int, tokens: list[int], limit: int) -> list[int]:
-        length = self._lengths.get(uid, self.config.num_tokens)
-        return ngram_drafts(tokens, min(limit, length))
+        row = self._rows.get(uid) or RowDrafting(self.config.num_tokens)
+        return ngram_drafts(tokens, min(limit, row.length), shortest=row.shortest)
 
     def record(self, uid: int, drafted: int, accepted: int) -> None:
         self.counters.draft_tokens += drafted
         self.counters.accepted_tokens += accepted
-        self._lengths[uid] = min(accepted + 1, self.config.num_tokens)
+        shortest = 1 if accepted else LONGEST_NGRAM
+        self._rows[uid] = RowDrafting(min(accepted + 1, self.config.num_tokens), shortest)
 
     def retain(self, uids: list[int]) -> None:
         """Forget the rows that left the batch."""
-        if self._lengths.keys() - set(uids):
-            self._lengths = {uid: n for uid, n in self._lengths.items() if uid in uids}
+        if self._rows.keys() - set(uids):
+            self._rows = {uid: row for uid, row in self._rows.items() if uid in uids}
 
 
-def ngram_drafts(tokens: list[int], count: int, longest: int = LONGEST_NGRAM) -> list[int]:
+def ngram_drafts(
+    tokens: list[int], count: int, longest: int = LONGEST_NGRAM, shortest: int = 1
+) -> list[int]:
     """Up to `count` tokens that followed the latest earlier occurrence of the sequence's last
-    n tokens (longest n first); none when no suffix occurred before."""
+    n tokens (longest n first, down to `shortest`); none when no suffix occurred before."""
     if count <= 0 or len(tokens) < 2:
         return []
     sequence = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(longest, len(sequence) - 1), 0, -1):
+    for n in range(min(longest, len(sequence) - 1), shortest - 1, -1):
         # Windows that end before the last token, so each has a following token.
         windows = sliding_window_view(sequence[:-1], n)
         hits = np.flatnonzero((windows == sequence[-n:]).all(axis=1))

@@ -43,15 +43,18 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix() -> 
 
 def test_a_row_drafts_one_more_token_than_it_accepted_last_time() -> None:
     spec = speculator(num_tokens=4)
-    history = [1, 2, 3, 4, 5, 6, 7, 1, 2]
-    assert spec.propose(7, history, limit=10) == [3, 4, 5, 6]
+    copying, single = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [9, 8, 9]
+    assert spec.propose(7, copying, limit=10) == [4, 5, 6, 7]
     spec.record(7, drafted=4, accepted=0)
-    assert spec.propose(7, history, limit=10) == [3]
-    assert spec.propose(8, history, limit=2) == [3, 4]  # other rows keep their own length
+    # After a miss: one draft, and only from a match of the longest suffix.
+    assert spec.propose(7, copying, limit=10) == [4]
+    assert spec.propose(7, single, limit=10) == []
+    assert spec.propose(8, single, limit=2) == [8, 9]  # other rows keep their own state
     spec.record(7, drafted=1, accepted=1)
-    assert spec.propose(7, history, limit=10) == [3, 4]
-    spec.retain([8])  # row 7 left the batch: a new row 7 starts at num_tokens again
-    assert spec.propose(7, history, limit=10) == [3, 4, 5, 6]
+    assert spec.propose(7, copying, limit=10) == [4, 5]
+    assert spec.propose(7, single, limit=10) == [8, 9]
+    spec.retain([8])  # row 7 left the batch: a new row 7 starts afresh
+    assert spec.propose(7, copying, limit=10) == [4, 5, 6, 7]
     assert spec.counters.as_dict() == {
         "draft_tokens": 5,
         "accepted_tokens": 1,
@@ -117,7 +120,7 @@ def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol) -> None:
     assert "quick brown fox jumped over" in edited  # the editing row copies the document
     assert plain[1][1] == "length"
     # The copied document is drafted and accepted; the short rows have drafts too.
-    assert spec.counters.accepted_tokens >= 10
+    assert spec.counters.accepted_tokens >= 5
     assert spec.counters.draft_tokens > spec.counters.accepted_tokens
 
 
