@@ -2,7 +2,7 @@
 environment, same sweep, one run.
 
 python -m benchmarks.compare --levels 1,8,32 --max-tokens 64
-python -m benchmarks.compare --only mlxd,llama.cpp --scenario editing
+python -m benchmarks.compare --only mlxd,llama.cpp --scenario editing --speculative-tokens 4
 python -m benchmarks.compare --model-dir /path/to/mlx-model --only baseline
 
 llama.cpp's `llama-server` serves the same GGUF mlxd converts (the demo model) with `-np C`
@@ -10,7 +10,8 @@ slots of 512 tokens each, restarted per concurrency level C, as a home lab would
 Its binary: `--llama-server PATH`, else ../shared/tools/build-llama-server's cached build, else
 `llama-server` on PATH; without one the peer is skipped.
 The "editing" scenario sends a document and asks for it back with small fixes: the answer
-repeats most of the prompt (what prompt-lookup speculation speeds up).
+repeats most of the prompt (what prompt-lookup speculation speeds up); `--speculative-tokens N`
+runs mlxd with `speculative: {mode: ngram, num_tokens: N}`.
 """
 
 from __future__ import annotations
@@ -102,12 +103,17 @@ def server_env() -> dict[str, str]:
     return optimized_env(os.environ)
 
 
-def mlxd_command(model_dir: Path, port: int, workdir: Path) -> list[str]:
+def mlxd_command(
+    model_dir: Path, port: int, workdir: Path, speculative_tokens: int = 0
+) -> list[str]:
+    # 32 matches mlx_lm.server's default --decode-concurrency.
+    model: dict[str, object] = {"source": str(model_dir), "batch": {"max_batch_size": 32}}
+    if speculative_tokens:
+        model["speculative"] = {"mode": "ngram", "num_tokens": speculative_tokens}
     config = {
         # A fresh cache_dir per run: an SSD KV tier left by an earlier run would serve prefills.
         "server": {"host": "127.0.0.1", "port": port, "cache_dir": str(workdir / "cache")},
-        # 32 matches mlx_lm.server's default --decode-concurrency.
-        "models": {MODEL_NAME: {"source": str(model_dir), "batch": {"max_batch_size": 32}}},
+        "models": {MODEL_NAME: model},
     }
     config_path = workdir / "mlxd.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -330,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated servers to run, of {', '.join(SERVERS)} (default: all)",
     )
     parser.add_argument("--scenario", choices=SCENARIOS, default="chat")
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="mlxd: ngram (prompt lookup) speculation with this many drafts (default: 0, off)",
+    )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument(
         "--model-dir", type=Path, default=None, help=f"MLX model dir (default: {DEMO_SOURCE})"
@@ -350,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"LD_PRELOAD: {env.get('LD_PRELOAD', '(none)')}")
     print(f"OPENBLAS_CORETYPE: {env.get('OPENBLAS_CORETYPE', '(auto)')}")
     print(f"levels {args.levels}, max_tokens {args.max_tokens}, scenario {args.scenario}")
+    print(f"mlxd speculative tokens: {args.speculative_tokens or 'off'}")
     print(f"CPU: {cpu_model()}", flush=True)
 
     runs: dict[str, ServerRun] = {}
@@ -365,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = free_port()
         if name == "mlxd":
-            cmd, model_id = mlxd_command(model_dir, port, log_dir), MODEL_NAME
+            cmd = mlxd_command(model_dir, port, log_dir, args.speculative_tokens)
+            model_id = MODEL_NAME
         else:
             cmd, model_id = baseline_command(model_dir, port), BASELINE_MODEL_ID
         runs[name] = bench_server(name, cmd, port, model_id, args, env, log_dir)

@@ -205,6 +205,21 @@ def _model_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     cache_bytes = GaugeMetricFamily(
         "mlxd_cache_bytes", "Prompt-cache bytes held by tier.", labels=["model", "tier"]
     )
+    drafts = CounterMetricFamily(
+        "mlxd_speculative_draft_tokens",
+        "Draft tokens verified by speculative decoding.",
+        labels=["model"],
+    )
+    accepted = CounterMetricFamily(
+        "mlxd_speculative_accepted_tokens",
+        "Draft tokens the model agreed with (each saves a decode step).",
+        labels=["model"],
+    )
+    acceptance = GaugeMetricFamily(
+        "mlxd_speculative_acceptance_rate",
+        "Accepted / verified draft tokens since the model loaded.",
+        labels=["model"],
+    )
     for name, row in models.items():
         state.add_metric([name, row["state"]], 1)
         if "running" not in row:
@@ -216,6 +231,11 @@ def _model_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         memory.add_metric([name], row.get("memory_bytes", 0))
         if row.get("rss_bytes") is not None:
             rss.add_metric([name], row["rss_bytes"])
+        if speculative := row.get("speculative"):
+            drafts.add_metric([name], speculative["draft_tokens"])
+            accepted.add_metric([name], speculative["accepted_tokens"])
+            if speculative["acceptance_rate"] is not None:
+                acceptance.add_metric([name], speculative["acceptance_rate"])
         cache = row.get("cache")
         if not cache:
             continue
@@ -226,5 +246,5 @@ def _model_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             evictions.add_metric([name, tier], count)
         for tier, count in cache.get("bytes", {}).items():
             cache_bytes.add_metric([name, tier], count)
-    yield from (state, queue, running, occupancy, memory, rss)
+    yield from (state, queue, running, occupancy, memory, rss, drafts, accepted, acceptance)
     yield from (hits, misses, evictions, cache_bytes)

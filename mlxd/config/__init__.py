@@ -10,6 +10,7 @@ from mlxd.config.schema import (
     Registry,
     SamplingDefaults,
     ServerConfig,
+    SpeculativeConfig,
 )
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Registry",
     "SamplingDefaults",
     "ServerConfig",
+    "SpeculativeConfig",
     "load_config",
     "parse_config",
 ]

@@ -223,6 +223,26 @@ class BatchConfig(_Section):
     )
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding inside the continuous batch: each step verifies a few drafted
+    tokens per sequence in one forward pass and keeps the ones the model itself would emit."""
+
+    mode: Literal["ngram"] = Field(
+        "ngram",
+        description="ngram: prompt lookup; the drafts are the tokens that followed the latest "
+        "earlier occurrence of the sequence's last 3 (then 2, 1) tokens in its prompt and "
+        "output. Pays off when the output copies the input (editing, code changes, quoting).",
+    )
+    num_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens verified per step.")
+    disable_by_batch_size: int = Field(
+        4,
+        ge=1,
+        description="Speculate only while at most this many sequences decode: verifying "
+        "drafts is nearly free while a step is memory-bound (small batches) and costs compute "
+        "once it is not.",
+    )
+
+
 class CacheConfig(_Section):
     """Tiered KV (prompt) cache for one model."""
 
@@ -429,6 +449,11 @@ class ModelConfig(_Section):
         ge=1,
         description="Tokens per streamed chunk for this model; null: server.stream_interval.",
     )
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="llm models: speculative decoding (output unchanged, greedy token for "
+        "token; sampled in distribution); null decodes one token per step.",
+    )
     max_inputs: int = Field(
         2048,
         ge=1,
@@ -450,6 +475,15 @@ class ModelConfig(_Section):
         if self.distributed is not None and self.kind != "llm":
             raise PydanticCustomError(
                 "distributed_kind", f"distributed runs llm models only (this model is {self.kind})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _speculative_llm_only(self) -> ModelConfig:
+        if self.speculative is not None and (self.kind != "llm" or self.distributed):
+            raise PydanticCustomError(
+                "speculative_kind",
+                "speculative decoding runs on single-process llm models only",
             )
         return self
 

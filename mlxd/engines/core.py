@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxd.cache.lease import PrefixLease
-from mlxd.config import BatchConfig
+from mlxd.config import BatchConfig, SpeculativeConfig
 from mlxd.scheduler.fast_batch import FastBatchGenerator
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
@@ -30,6 +30,7 @@ from mlxd.scheduler.sampling import (
     make_sequence_sampler,
     token_logprob,
 )
+from mlxd.scheduler.speculative import NgramSpeculator
 from mlxd.scheduler.stops import StopMatcher
 from mlxd.types import Delta, Event, Finished, FinishReason, GenerationRequest
 
@@ -106,7 +107,14 @@ class CoreStats:
 
 
 class LLMCore:
-    def __init__(self, name: str, model: Any, tokenizer: Any, batch: BatchConfig):
+    def __init__(
+        self,
+        name: str,
+        model: Any,
+        tokenizer: Any,
+        batch: BatchConfig,
+        speculative: SpeculativeConfig | None = None,
+    ):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -117,6 +125,8 @@ class LLMCore:
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
         self._generator: FastBatchGenerator | None = None
+        # Outlives the generator (rebuilt after a failed step), so its counters do too.
+        self.speculator = NgramSpeculator(speculative) if speculative else None
 
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them."""
@@ -262,8 +272,10 @@ class LLMCore:
         if not responses:
             return  # a prefill-only step
         self.stats.steps += 1
-        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(responses))
-        if len(responses) > 1:
+        # A row that accepted drafts answers with several tokens.
+        rows = len({response.uid for response in responses})
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, rows)
+        if rows > 1:
             self.stats.multi_sequence_steps += 1
         for response in responses:
             sequence = self._running.get(response.uid)
@@ -350,6 +362,7 @@ class LLMCore:
             prefill_batch_size=self.config.max_batch_size,
             prefill_step_size=self.config.prefill_step_size,
             stream=mx.new_stream(mx.default_device()),
+            speculator=self.speculator,
         )
 
     def _decode_one(self, token: int) -> str:

@@ -71,7 +71,7 @@ class LLMEngine:
             loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
         )
         self.prefix_cache = prefix_cache
-        self.core = LLMCore(name, loaded.model, loaded.tokenizer, config.batch)
+        self.core = LLMCore(name, loaded.model, loaded.tokenizer, config.batch, config.speculative)
         self.memory_bytes = loaded.nbytes + config.cache.ram
         self.last_used = time.monotonic()
         self._open = 0  # requests from submit() until their stream ends
@@ -273,7 +273,14 @@ class LLMEngine:
             "cancelled": s.cancelled,
             "failed": s.failed,
             "cache": self.prefix_cache.stats() if self.prefix_cache else _NO_CACHE,
+            "speculative": self._speculative_stats(),
         }
+
+    def _speculative_stats(self) -> dict[str, Any] | None:
+        speculator = self.core.speculator
+        if speculator is None:
+            return None
+        return {"mode": speculator.config.mode, **speculator.counters.as_dict()}
 
     async def close(self) -> None:
         await asyncio.to_thread(self.loop.close)

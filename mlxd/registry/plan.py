@@ -27,6 +27,7 @@ ENGINE_FIELDS = (
     "context_length",
     "max_prompt_tokens",
     "distributed",
+    "speculative",
 )
 ROUTING_FIELDS = (
     "aliases",

@@ -6,6 +6,8 @@ requests never use. On the CPU backend, over SmolLM2's 49k vocabulary, that is â
 â‰ˆ317 ms step at batch 32. Here the step goes through `sampling.sample_rows`: greedy rows that
 did not ask for logprobs take the argmax of the raw logits, and only the rows that need
 log-probabilities get them. Everything else (caches, processors, stop tokens) is mlx-lm's.
+With a speculator (see speculative.py) a step may verify drafts and give a row several tokens;
+`next` then passes each through max_tokens and the stop tokens in order.
 
 The subclasses hook in where mlx-lm builds its batches: `PromptProcessingBatch.generate`
 constructs the `GenerationBatch` (whose first step runs in its constructor), and the
@@ -20,39 +22,28 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from mlxd.scheduler.sampling import sample_rows
+from mlxd.scheduler.speculative import NgramSpeculator, accepted_count, roll_back
 
 
 class FastGenerationBatch(GenerationBatch):
-    def _step(self) -> tuple[list[int], list[Any]]:
-        # Same contract as GenerationBatch._step; rows whose logprobs were skipped hold None.
+    # Set on the generator's long-lived batch when the model speculates (see speculative.py).
+    speculator: NgramSpeculator | None = None
+
+    # Rows may emit several tokens now; `next` below is the only caller that reads them.
+    def _step(self) -> tuple[list[list[int]], list[list[Any]]]:  # type: ignore[override]
+        """Each row's tokens this step (one, or more when drafts were accepted) and, per
+        token, its log-probabilities (None where skipped)."""
+        drafts = self._drafts()
+        if drafts is not None:
+            return self._speculative_step(drafts)
         inputs = self._next_tokens
         # mlx-lm initialises _current_tokens to None, so its inferred type is None alone.
         self._current_tokens = inputs  # type: ignore[assignment]
         self._current_logprobs = self._next_logprobs
 
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-
-        token_context = []
-        logits_processors = self.logits_processors or []
-        if any(logits_processors):
-            processed = []
-            for row in range(len(self.uids)):
-                row_logits = logits[row : row + 1]
-                processors = logits_processors[row] or ()
-                if processors:
-                    context = self._token_context[row].update_and_fetch(inputs[row : row + 1])
-                    token_context.append(context)
-                    for processor in processors:
-                        row_logits = processor(context, row_logits)
-                processed.append(row_logits)
-            logits = mx.concatenate(processed, axis=0)
-
-        samplers = (
-            [self.fallback_sampler if s is None else s for s in self.samplers]
-            if self.samplers
-            else [self.fallback_sampler] * len(self.uids)
-        )
-        self._next_tokens, self._next_logprobs = sample_rows(logits, samplers)
+        logits, token_context = self._process(logits, inputs)
+        self._next_tokens, self._next_logprobs = sample_rows(logits, self._samplers())
         # Start the next step's compute while this step's tokens are handed out.
         mx.async_eval(self._next_tokens, _present(self._next_logprobs), token_context)
 
@@ -61,7 +52,131 @@ class FastGenerationBatch(GenerationBatch):
         tokens = cast(list[int], inputs.tolist())
         for sequence_tokens, token in zip(self.tokens, tokens, strict=False):
             sequence_tokens.append(token)
-        return tokens, self._current_logprobs
+        return [[t] for t in tokens], [[lp] for lp in self._current_logprobs]
+
+    def _samplers(self) -> list[Any]:
+        if not self.samplers:
+            return [self.fallback_sampler] * len(self.uids)
+        return [self.fallback_sampler if s is None else s for s in self.samplers]
+
+    def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """Rows with logits processors through them (each with its token context)."""
+        token_context: list[mx.array] = []
+        logits_processors = self.logits_processors or []
+        if not any(logits_processors):
+            return logits, token_context
+        processed = []
+        for row in range(len(self.uids)):
+            row_logits = logits[row : row + 1]
+            processors = logits_processors[row] or ()
+            if processors:
+                context = self._token_context[row].update_and_fetch(inputs[row : row + 1])
+                token_context.append(context)
+                for processor in processors:
+                    row_logits = processor(context, row_logits)
+            processed.append(row_logits)
+        return mx.concatenate(processed, axis=0), token_context
+
+    def _drafts(self) -> list[list[int]] | None:
+        """Each row's drafts after its pending token, or None for a plain step. Rows with
+        logits processors never draft: their processors see one token at a time."""
+        speculator = self.speculator
+        if speculator is None or not speculator.active(len(self.uids), self.prompt_cache):
+            return None
+        speculator.retain(self.uids)
+        # The drafts follow the pending token, so it is needed now (no overlap this step).
+        pending = cast(list[int], self._next_tokens.tolist())
+        processors = self.logits_processors or [[]] * len(self.uids)
+        drafts = [
+            []
+            if processors[row]
+            # No draft past max_tokens: the pending token is one of them.
+            else speculator.propose(
+                self.uids[row],
+                self.tokens[row] + [pending[row]],
+                self.max_tokens[row] - self._num_tokens[row] - 1,
+            )
+            for row in range(len(self.uids))
+        ]
+        return drafts if any(drafts) else None
+
+    def _speculative_step(self, drafts: list[list[int]]) -> tuple[list[list[int]], list[list[Any]]]:
+        pending = self._next_tokens
+        self._current_tokens = pending  # type: ignore[assignment]
+        self._current_logprobs = self._next_logprobs
+        firsts = cast(list[int], pending.tolist())
+        width = 1 + max(len(d) for d in drafts)
+        rows = [[t, *d] + [t] * (width - 1 - len(d)) for t, d in zip(firsts, drafts, strict=True)]
+        # The whole model: multi-token calls otherwise skip the vocabulary projection.
+        model: Any = getattr(self.model, "whole", self.model)
+        logits = model(mx.array(rows, dtype=pending.dtype), cache=self.prompt_cache)
+        first, token_context = self._process(logits[:, 0, :], pending)
+        if token_context:
+            logits = mx.concatenate([first[:, None, :], logits[:, 1:, :]], axis=1)
+        # Sample only each row's pending and draft positions, each with the row's sampler.
+        positions = [row * width + j for row, d in enumerate(drafts) for j in range(len(d) + 1)]
+        samplers = [
+            s for s, d in zip(self._samplers(), drafts, strict=True) for _ in range(len(d) + 1)
+        ]
+        flat = logits.reshape(-1, logits.shape[-1])[mx.array(positions)]
+        sampled_array, sampled_logprobs = sample_rows(flat, samplers)
+        mx.eval(sampled_array, _present(sampled_logprobs), token_context)
+        mx.eval(_present(self._current_logprobs))
+        sampled = cast(list[int], sampled_array.tolist())
+
+        tokens: list[list[int]] = []
+        logprobs: list[list[Any]] = []
+        next_tokens, next_logprobs, rejected = [], [], []
+        start = 0
+        for row, row_drafts in enumerate(drafts):
+            count = len(row_drafts)
+            kept = accepted_count(row_drafts, sampled[start : start + count])
+            tokens.append([firsts[row], *row_drafts[:kept]])
+            logprobs.append([self._current_logprobs[row], *sampled_logprobs[start : start + kept]])
+            next_tokens.append(sampled[start + kept])
+            next_logprobs.append(sampled_logprobs[start + kept])
+            rejected.append(width - 1 - kept)
+            self.tokens[row].extend(tokens[-1])
+            if count and self.speculator is not None:
+                self.speculator.record(self.uids[row], count, kept)
+            start += count + 1
+        roll_back(self.prompt_cache, rejected)
+        self._next_tokens = mx.array(next_tokens, dtype=pending.dtype)
+        self._next_logprobs = next_logprobs
+        return tokens, logprobs
+
+    def next(self) -> list[GenerationBatch.Response]:
+        """mlx-lm's `next` for rows that may emit several tokens: each goes through max_tokens
+        and the stop tokens in order; a row's tokens after its finishing one are dropped."""
+        if not self.uids:
+            return []
+        tokens, logprobs = self._step()
+        keep, responses = [], []
+        for row, uid in enumerate(self.uids):
+            finish = None
+            for token, token_logprobs in zip(tokens[row], logprobs[row], strict=True):
+                self._num_tokens[row] += 1
+                if self._num_tokens[row] >= self.max_tokens[row]:
+                    finish = "length"
+                if self._matchers[row].advance(token):
+                    finish = "stop"
+                responses.append(
+                    self.Response(
+                        uid=uid,
+                        token=token,
+                        logprobs=token_logprobs,
+                        finish_reason=finish,
+                        prompt_cache=self.extract_cache(row) if finish else None,
+                        all_tokens=self.tokens[row] if finish else None,
+                    )
+                )
+                if finish:
+                    break
+            if finish is None:
+                keep.append(row)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
 
 
 class FastPromptProcessingBatch(PromptProcessingBatch):
@@ -87,12 +202,13 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
 
 
 class FastBatchGenerator(BatchGenerator):
-    def __init__(self, model: Any, **kwargs: Any):
+    def __init__(self, model: Any, speculator: NgramSpeculator | None = None, **kwargs: Any):
         super().__init__(model, **kwargs)
         # New prompt batches are merged into this one and split off from it (its class is
         # kept by `_copy`), so every GenerationBatch is built by FastPromptProcessingBatch.
         self._prompt_batch.__class__ = FastPromptProcessingBatch
         self._generation_batch = FastGenerationBatch.empty(self.model, self.sampler)
+        self._generation_batch.speculator = speculator
 
 
 def _present(arrays: list[Any]) -> list[mx.array]:

@@ -20,6 +20,7 @@ class SkipPrefillLogits:
 
     def __init__(self, model: nn.Module):
         self._model = model
+        self.whole = model  # for callers that need every position's logits (speculation)
         # A model may name its own backbone (a pipeline stage: mlxd/distributed/pipeline.py).
         backbone = getattr(model, "prefill_backbone", None) or getattr(model, "model", None)
         takes_cache = callable(backbone) and "cache" in inspect.signature(backbone).parameters

@@ -588,3 +588,23 @@ def test_streaming_and_metal_settings_parse_and_bad_values_name_their_line():
         ["models.yaml:6", "models.m.stream_interval"],
     ]
     assert "not a size" in errors[1]
+
+
+def test_speculative_settings_point_at_their_lines():
+    errors = errors_of(
+        """\
+        models:
+          smol:
+            source: hf://org/repo
+            speculative: {mode: draft, num_tokens: 0}
+          mini:
+            kind: embedding
+            source: hf://org/mini
+            speculative: {}
+        """
+    )
+    assert errors == [
+        "models.yaml:4: models.smol.speculative.mode: must be one of 'ngram' (got 'draft')",
+        "models.yaml:4: models.smol.speculative.num_tokens: must be >= 1 (got 0)",
+        "models.yaml:5: models.mini: speculative decoding runs on single-process llm models only",
+    ]

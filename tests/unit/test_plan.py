@@ -16,6 +16,7 @@ from mlxd.config import (
     ParsersConfig,
     Registry,
     SamplingDefaults,
+    SpeculativeConfig,
 )
 from mlxd.registry.plan import (
     ENGINE_FIELDS,
@@ -58,6 +59,7 @@ ENGINE_CHANGES: dict[str, Any] = {
     "context_length": 4096,
     "max_prompt_tokens": 1024,
     "distributed": DistributedConfig(hosts=["127.0.0.1"] * 3),
+    "speculative": SpeculativeConfig(num_tokens=2),
 }
 ROUTING_CHANGES: dict[str, Any] = {
     "aliases": ["x"],
