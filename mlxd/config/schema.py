@@ -6,7 +6,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     AfterValidator,
@@ -223,15 +223,30 @@ class BatchConfig(_Section):
     )
 
 
+class DraftWeights(NamedTuple):
+    """What a target's worker needs to load its draft model."""
+
+    name: str
+    source: str
+    dtype: str
+
+
 class SpeculativeConfig(_Section):
     """Speculative decoding inside the continuous batch: each step verifies a few drafted
     tokens per sequence in one forward pass and keeps the ones the model itself would emit."""
 
-    mode: Literal["ngram"] = Field(
+    mode: Literal["ngram", "draft"] = Field(
         "ngram",
         description="ngram: prompt lookup; the drafts are the tokens that followed the latest "
         "earlier occurrence of the sequence's last 3 (then 2, 1) tokens in its prompt and "
-        "output. Pays off when the output copies the input (editing, code changes, quoting).",
+        "output. Pays off when the output copies the input (editing, code changes, quoting). "
+        "draft: a smaller model (`model`) drafts greedily; its weights load into this model's "
+        "worker too.",
+    )
+    model: str | None = Field(
+        None,
+        description="mode draft: the name of another llm model in this file whose weights "
+        "draft (its source and dtype; it must share this model's vocabulary).",
     )
     num_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens verified per step.")
     disable_by_batch_size: int = Field(
@@ -241,6 +256,22 @@ class SpeculativeConfig(_Section):
         "drafts is nearly free while a step is memory-bound (small batches) and costs compute "
         "once it is not.",
     )
+    # mode draft: the draft's weights, filled in by the Registry from the model `model` names
+    # (so a change of the draft's source or dtype restarts this model).
+    _draft: DraftWeights | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _model_for_draft_only(self) -> SpeculativeConfig:
+        if (self.mode == "draft") != (self.model is not None):
+            raise PydanticCustomError(
+                "speculative_model", "mode draft needs `model`, and only mode draft takes it"
+            )
+        return self
+
+    @property
+    def draft(self) -> DraftWeights | None:
+        """The draft model's weights (mode draft, in a config loaded as a whole file)."""
+        return self._draft
 
 
 class CacheConfig(_Section):
@@ -553,6 +584,36 @@ class Registry(_Section):
             # A ValidationError (not a ValueError) keeps each clash's own location for the loader.
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         self._routes = routes
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_drafts(self) -> Registry:
+        errors: list[InitErrorDetails] = []
+        for name, model in self.models.items():
+            speculative = model.speculative
+            draft_name = speculative.model if speculative else None
+            if speculative is None or draft_name is None:
+                continue
+            draft = self.models.get(draft_name)
+            if draft is None or draft.kind != "llm" or draft_name == name:
+                errors.append(
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "draft_model",
+                            f"speculative.model {draft_name!r} of model {name!r} must "
+                            "name another llm model in this file",
+                        ),
+                        loc=("models", name, "speculative", "model"),
+                        input=draft_name,
+                    )
+                )
+                continue
+            # On copies: the configs may be the caller's (and shared with another Registry).
+            speculative = speculative.model_copy()
+            speculative._draft = DraftWeights(draft_name, draft.source, draft.dtype)
+            self.models[name] = model.model_copy(update={"speculative": speculative})
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
 
     def routes(self) -> dict[str, str]:

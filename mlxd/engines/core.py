@@ -30,7 +30,7 @@ from mlxd.scheduler.sampling import (
     make_sequence_sampler,
     token_logprob,
 )
-from mlxd.scheduler.speculative import NgramSpeculator
+from mlxd.scheduler.speculative import make_speculator
 from mlxd.scheduler.stops import StopMatcher
 from mlxd.types import Delta, Event, Finished, FinishReason, GenerationRequest
 
@@ -114,7 +114,9 @@ class LLMCore:
         tokenizer: Any,
         batch: BatchConfig,
         speculative: SpeculativeConfig | None = None,
+        draft_model: Any = None,
     ):
+        """`draft_model`: speculative mode draft's model (the same vocabulary as `model`)."""
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -126,7 +128,7 @@ class LLMCore:
         self._vocab_size = len(tokenizer)
         self._generator: FastBatchGenerator | None = None
         # Outlives the generator (rebuilt after a failed step), so its counters do too.
-        self.speculator = NgramSpeculator(speculative) if speculative else None
+        self.speculator = make_speculator(speculative, draft_model) if speculative else None
 
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlxd.config import ModelConfig, ServerConfig
+from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.errors import ModelLoadError
 from mlxd.models.estimate import estimate_model_bytes
@@ -26,7 +26,16 @@ async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path,
     )
     kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
     need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
+    draft = config.speculative.draft if config.speculative else None
+    if draft is not None:  # loaded into this model's worker too
+        draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
+        need += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
     return path, need
+
+
+def resolve_draft(draft: DraftWeights, cache_dir: Path) -> Path:
+    """The speculative draft model's resolved directory (errors name the draft model)."""
+    return resolve_source(draft.source, model_name=draft.name, cache_dir=cache_dir)
 
 
 async def load_engine(

@@ -12,15 +12,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
 from mlxd.cache import PrefixCache, open_prefix_cache
 from mlxd.cache.lease import PrefixLease
-from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig, SpeculativeConfig
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
 from mlxd.engines.base import EventStream
 from mlxd.engines.core import LLMCore, MediaPrefill, Output, Sequence
+from mlxd.engines.factory import resolve_draft
 from mlxd.engines.loop import Core, ModelLoop
 from mlxd.engines.prompt import render_chat, template_supports_tools
-from mlxd.errors import InvalidRequest
+from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.parsers.reasoning import prompt_opens_reasoning
 from mlxd.scheduler.faults import fault_processors, faults_from_env
@@ -60,9 +63,11 @@ class LLMEngine:
         loaded: LoadedModel,
         prefix_cache: PrefixCache | None = None,
         drive: Callable[[LLMEngine], Core[Sequence, Output]] | None = None,
+        draft: LoadedModel | None = None,
     ):
         """`drive` wraps the core the model thread drives (a distributed rank's step sync,
-        see engines/group.py); by default the thread drives the core itself."""
+        see engines/group.py); by default the thread drives the core itself. `draft`: the
+        speculative draft model (mode draft)."""
         self.name = name
         self.config = config
         self.loaded = loaded
@@ -71,8 +76,15 @@ class LLMEngine:
             loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
         )
         self.prefix_cache = prefix_cache
-        self.core = LLMCore(name, loaded.model, loaded.tokenizer, config.batch, config.speculative)
-        self.memory_bytes = loaded.nbytes + config.cache.ram
+        self.core = LLMCore(
+            name,
+            loaded.model,
+            loaded.tokenizer,
+            config.batch,
+            config.speculative,
+            draft.model if draft else None,
+        )
+        self.memory_bytes = loaded.nbytes + config.cache.ram + (draft.nbytes if draft else 0)
         self.last_used = time.monotonic()
         self._open = 0  # requests from submit() until their stream ends
         self.chat_template: str | None = getattr(loaded.tokenizer, "chat_template", None)
@@ -92,10 +104,15 @@ class LLMEngine:
         loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
         identity = _identity(config, loaded)
         cache_dir = server().cache_dir
+        draft = None
+        if config.speculative and config.speculative.mode == "draft":
+            draft = await asyncio.to_thread(
+                _load_draft, name, config.speculative, loaded, cache_dir
+            )
         prefix_cache = await asyncio.to_thread(
             open_prefix_cache, loaded.model, identity, config.cache, cache_dir
         )
-        return cls(name, config, loaded, prefix_cache)
+        return cls(name, config, loaded, prefix_cache, draft=draft)
 
     @property
     def idle(self) -> bool:
@@ -319,6 +336,29 @@ _NO_CACHE: dict[str, Any] = {
     "bytes": {"ram": 0, "ssd": 0},
     "evictions": {"ram": 0, "ssd": 0},
 }
+
+
+def _load_draft(
+    name: str, speculative: SpeculativeConfig, target: LoadedModel, cache_dir: Path
+) -> LoadedModel:
+    """Speculative mode draft's model, checked to share the target's vocabulary and to have
+    caches that can be trimmed back after a rejected draft."""
+    weights = speculative.draft
+    if weights is None:  # a config built without its file's Registry
+        raise ModelLoadError(f"model '{name}': speculative.model was not resolved")
+    draft = load_llm(resolve_draft(weights, cache_dir), dtype=weights.dtype, model_name=name)
+    vocab, draft_vocab = target.config.get("vocab_size"), draft.config.get("vocab_size")
+    if vocab != draft_vocab:
+        raise ModelLoadError(
+            f"model '{name}': draft model '{weights.name}' has a vocabulary of {draft_vocab} "
+            f"tokens, this model {vocab}: a draft must share the tokenizer"
+        )
+    if not can_trim_prompt_cache(make_prompt_cache(draft.model)):
+        raise ModelLoadError(
+            f"model '{name}': draft model '{weights.name}' has caches that cannot be trimmed "
+            "(sliding-window attention); pick another draft"
+        )
+    return draft
 
 
 def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:

@@ -22,12 +22,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from mlxd.scheduler.sampling import sample_rows
-from mlxd.scheduler.speculative import NgramSpeculator, accepted_count, roll_back
+from mlxd.scheduler.speculative import Speculator, accepted_count, roll_back
 
 
 class FastGenerationBatch(GenerationBatch):
     # Set on the generator's long-lived batch when the model speculates (see speculative.py).
-    speculator: NgramSpeculator | None = None
+    speculator: Speculator[Any] | None = None
 
     # Rows may emit several tokens now; `next` below is the only caller that reads them.
     def _step(self) -> tuple[list[list[int]], list[list[Any]]]:  # type: ignore[override]
@@ -83,7 +83,6 @@ class FastGenerationBatch(GenerationBatch):
         speculator = self.speculator
         if speculator is None or not speculator.active(len(self.uids), self.prompt_cache):
             return None
-        speculator.retain(self.uids)
         # The drafts follow the pending token, so it is needed now (no overlap this step).
         pending = cast(list[int], self._next_tokens.tolist())
         processors = self.logits_processors or [[]] * len(self.uids)
@@ -145,6 +144,11 @@ class FastGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         return tokens, logprobs
 
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if self.speculator is not None:  # free what it keeps for the rows that left
+            self.speculator.retain(self.uids)
+
     def next(self) -> list[GenerationBatch.Response]:
         """mlx-lm's `next` for rows that may emit several tokens: each goes through max_tokens
         and the stop tokens in order; a row's tokens after its finishing one are dropped."""
@@ -202,7 +206,7 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
 
 
 class FastBatchGenerator(BatchGenerator):
-    def __init__(self, model: Any, speculator: NgramSpeculator | None = None, **kwargs: Any):
+    def __init__(self, model: Any, speculator: Speculator[Any] | None = None, **kwargs: Any):
         super().__init__(model, **kwargs)
         # New prompt batches are merged into this one and split off from it (its class is
         # kept by `_copy`), so every GenerationBatch is built by FastPromptProcessingBatch.

@@ -13,20 +13,25 @@ Rows keep different numbers of tokens while mlx-lm's `BatchKVCache` has one writ
 for all rows. Each row's rejected tail is rolled into its left padding (the same roll mlx-lm
 applies after right-padded prefill): `left_padding` masks it and the row's `offset` (its RoPE
 position) drops by as much, so the row's cache is exactly the plain decoder's, shifted.
+
+Two sources of drafts: prompt lookup (`NgramSpeculator`) and a small draft model sharing the
+vocabulary (`DraftSpeculator`), which drafts greedily: its drafts are point masses too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
+import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mlxd.config import SpeculativeConfig
 
 LONGEST_NGRAM = 3
+DRAFT_PREFILL_TOKENS = 512  # a draft model's prompt goes in chunks of this many tokens
 
 
 @dataclass
@@ -49,19 +54,16 @@ class RowDrafting:
     shortest: int = 1  # shortest suffix match worth drafting from
 
 
-class NgramSpeculator:
-    """Prompt lookup: drafts copied from earlier in the sequence itself, no second model.
+Row = TypeVar("Row")
 
-    Each row drafts one token more than it accepted last time (up to num_tokens), and after a
-    step that accepted nothing only from a match of the longest suffix: a row copying its
-    prompt keeps long drafts, a row writing new text mostly decodes plainly (a speculative
-    step is synchronous, so it also loses the overlap of host work with the next step).
-    """
+
+class Speculator(Generic[Row]):
+    """Drafts for the rows of a batch, each row's state kept by the generator's uid."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.counters = SpeculativeCounters()
-        self._rows: dict[int, RowDrafting] = {}  # by the generator's uid
+        self._rows: dict[int, Row] = {}
 
     def active(self, batch_size: int, caches: list[Any]) -> bool:
         # Exactly BatchKVCache: quantized or rotating caches have no per-row rollback here.
@@ -70,19 +72,94 @@ class NgramSpeculator:
         )
 
     def propose(self, uid: int, tokens: list[int], limit: int) -> list[int]:
-        row = self._rows.get(uid) or RowDrafting(self.config.num_tokens)
-        return ngram_drafts(tokens, min(limit, row.length), shortest=row.shortest)
+        """At most `limit` drafts to follow `tokens` (the row's prompt, output and pending
+        token)."""
+        raise NotImplementedError
 
     def record(self, uid: int, drafted: int, accepted: int) -> None:
+        """The row's verification: `accepted` of its `drafted` drafts were kept."""
         self.counters.draft_tokens += drafted
         self.counters.accepted_tokens += accepted
-        shortest = 1 if accepted else LONGEST_NGRAM
-        self._rows[uid] = RowDrafting(min(accepted + 1, self.config.num_tokens), shortest)
 
     def retain(self, uids: list[int]) -> None:
         """Forget the rows that left the batch."""
         if self._rows.keys() - set(uids):
             self._rows = {uid: row for uid, row in self._rows.items() if uid in uids}
+
+
+class NgramSpeculator(Speculator[RowDrafting]):
+    """Prompt lookup: drafts copied from earlier in the sequence itself, no second model.
+
+    Each row drafts one token more than it accepted last time (up to num_tokens), and after a
+    step that accepted nothing only from a match of the longest suffix: a row copying its
+    prompt keeps long drafts, a row writing new text mostly decodes plainly (a speculative
+    step is synchronous, so it also loses the overlap of host work with the next step).
+    """
+
+    def propose(self, uid: int, tokens: list[int], limit: int) -> list[int]:
+        row = self._rows.get(uid) or RowDrafting(self.config.num_tokens)
+        return ngram_drafts(tokens, min(limit, row.length), shortest=row.shortest)
+
+    def record(self, uid: int, drafted: int, accepted: int) -> None:
+        super().record(uid, drafted, accepted)
+        shortest = 1 if accepted else LONGEST_NGRAM
+        self._rows[uid] = RowDrafting(min(accepted + 1, self.config.num_tokens), shortest)
+
+
+@dataclass
+class DraftRow:
+    cache: list[Any]  # the draft model's KV cache for this row
+    fed: int = 0  # tokens in it
+    proposed_after: int = 0  # the row's length when it last drafted
+
+
+class DraftSpeculator(Speculator[DraftRow]):
+    """A small model drafts num_tokens greedily per row, from its own KV cache of the row.
+
+    Each proposal feeds the draft the row's tokens its cache lacks (the whole prompt the
+    first time; afterwards the last step's accepted drafts' tail and the pending token), and
+    after verification its cache is trimmed back to the tokens the target kept.
+    """
+
+    def __init__(self, config: SpeculativeConfig, model: Any):
+        super().__init__(config)
+        self.model = model
+
+    def propose(self, uid: int, tokens: list[int], limit: int) -> list[int]:
+        count = min(limit, self.config.num_tokens)
+        if count <= 0:
+            return []
+        row = self._rows.setdefault(uid, DraftRow(make_prompt_cache(self.model)))
+        missing = tokens[row.fed :]
+        assert missing, "the pending token is always new to the draft"
+        for start in range(0, len(missing), DRAFT_PREFILL_TOKENS):
+            chunk = mx.array([missing[start : start + DRAFT_PREFILL_TOKENS]])
+            logits = self.model(chunk, cache=row.cache)[:, -1, :]
+        # One lazy graph for all drafts; the last one is never fed back.
+        drafts = [mx.argmax(logits, axis=-1)]
+        for _ in range(count - 1):
+            logits = self.model(drafts[-1][:, None], cache=row.cache)[:, -1, :]
+            drafts.append(mx.argmax(logits, axis=-1))
+        row.fed = len(tokens) + count - 1
+        row.proposed_after = len(tokens)
+        return cast(list[int], mx.concatenate(drafts).tolist())
+
+    def record(self, uid: int, drafted: int, accepted: int) -> None:
+        super().record(uid, drafted, accepted)
+        row = self._rows[uid]
+        # The accepted drafts the cache holds stay (the last draft was never fed).
+        kept = row.proposed_after + min(accepted, drafted - 1)
+        trim_prompt_cache(row.cache, row.fed - kept)
+        row.fed = kept
+
+
+def make_speculator(config: SpeculativeConfig, draft_model: Any = None) -> Speculator[Any]:
+    """The speculator of `config.mode`; mode draft needs the draft model loaded."""
+    if config.mode == "draft":
+        if draft_model is None:
+            raise ValueError("speculative mode draft needs its draft model")
+        return DraftSpeculator(config, draft_model)
+    return NgramSpeculator(config)
 
 
 def ngram_drafts(

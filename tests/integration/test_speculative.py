@@ -1,6 +1,6 @@
 """Speculative decoding end to end on SmolLM2: the ngram model answers exactly as the plain one
 at temperature 0 (streamed or not, with a stop string), and its acceptance shows in /v1/status
-and /metrics."""
+and /metrics; so does a model with SmolLM2 as its draft model."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
         "models": {
             "plain": model,
             "ngram": {**model, "speculative": {"mode": "ngram", "num_tokens": 4}},
+            "drafted": {
+                **model,
+                "speculative": {"mode": "draft", "model": "plain", "num_tokens": 4},
+            },
         },
     }
     running = start_daemon(tmp_path_factory.mktemp("speculative"), config)
@@ -91,3 +95,20 @@ def test_acceptance_shows_in_status_and_metrics(daemon: Daemon) -> None:
     )
     assert 0 < samples[("mlxd_speculative_acceptance_rate", "ngram")] <= 1
     assert ("mlxd_speculative_draft_tokens_total", "plain") not in samples
+
+
+def test_a_model_drafting_with_itself_answers_like_plain_decoding(daemon: Daemon) -> None:
+    plain = complete(daemon, "plain").choices[0]
+    response = complete(daemon, "drafted")
+    drafted = response.choices[0]
+    assert drafted.message.content == plain.message.content
+    assert drafted.finish_reason == plain.finish_reason
+    models = httpx.get(f"{daemon.url}/v1/status", timeout=10).json()["models"]
+    figures = models["drafted"]["speculative"]
+    assert figures["mode"] == "draft"
+    # Every step drafts (up to 4 tokens): most of the answer was drafted.
+    assert figures["draft_tokens"] >= response.usage.completion_tokens // 2
+    # The same weights: every draft but a float-rounding near-tie is the target's own token.
+    assert figures["acceptance_rate"] >= 0.9
+    # The draft's weights are counted in the target's memory.
+    assert models["drafted"]["memory_bytes"] > models["plain"]["memory_bytes"]

@@ -38,3 +38,17 @@ def test_check_rejects_unknown_parser_names(tmp_path: Path):
     result = check(bad)
     assert result.returncode == 1
     assert "bad.yaml:4: models.smol.parsers.tool_calls: unknown tool-call parser" in result.stderr
+
+
+def test_check_rejects_a_draft_model_the_file_does_not_serve(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "models:\n  smol: {source: ./x}\n  smol-spec:\n    source: ./x\n"
+        "    speculative: {mode: draft, model: smoll}\n"
+    )
+    result = check(bad)
+    assert result.returncode == 1
+    assert (
+        "bad.yaml:5: models.smol-spec.speculative.model: speculative.model 'smoll' of model "
+        "'smol-spec' must name another llm model in this file"
+    ) in result.stderr

@@ -596,7 +596,7 @@ def test_speculative_settings_point_at_their_lines():
         models:
           smol:
             source: hf://org/repo
-            speculative: {mode: draft, num_tokens: 0}
+            speculative: {mode: medusa, num_tokens: 0}
           mini:
             kind: embedding
             source: hf://org/mini
@@ -604,7 +604,56 @@ def test_speculative_settings_point_at_their_lines():
         """
     )
     assert errors == [
-        "models.yaml:4: models.smol.speculative.mode: must be one of 'ngram' (got 'draft')",
+        "models.yaml:4: models.smol.speculative.mode: must be one of 'ngram', 'draft' "
+        "(got 'medusa')",
         "models.yaml:4: models.smol.speculative.num_tokens: must be >= 1 (got 0)",
         "models.yaml:5: models.mini: speculative decoding runs on single-process llm models only",
     ]
+
+
+def test_a_draft_model_is_another_llm_model_of_the_file():
+    registry = parse(
+        """\
+        models:
+          small: {source: hf://org/small, dtype: float16}
+          big:
+            source: hf://org/big
+            speculative: {mode: draft, model: small, num_tokens: 3}
+        """
+    )
+    speculative = registry.models["big"].speculative
+    assert speculative is not None
+    assert speculative.draft == ("small", "hf://org/small", "float16")
+    # Each model's own settings first (the file's models are checked together after).
+    needs = "mode draft needs `model`, and only mode draft takes it"
+    assert errors_of(
+        """\
+        models:
+          d: {source: hf://org/d, speculative: {mode: draft}}
+          e: {source: hf://org/e, speculative: {mode: ngram, model: d}}
+        """
+    ) == [
+        "models.yaml:2: models.d.speculative: " + needs,
+        "models.yaml:3: models.e.speculative: " + needs,
+    ]
+    errors = errors_of(
+        """\
+        models:
+          mini: {kind: embedding, source: hf://org/mini}
+          a:
+            source: hf://org/a
+            speculative: {mode: draft, model: nope}
+          b:
+            source: hf://org/b
+            speculative: {mode: draft, model: mini}
+          c:
+            source: hf://org/c
+            speculative: {mode: draft, model: c}
+        """
+    )
+    assert [e.split(": ")[:2] for e in errors] == [
+        ["models.yaml:5", "models.a.speculative.model"],
+        ["models.yaml:8", "models.b.speculative.model"],
+        ["models.yaml:11", "models.c.speculative.model"],
+    ]
+    assert "'nope' of model 'a' must name another llm model in this file" in errors[0]

@@ -274,6 +274,18 @@ def test_plan_accepts_a_registry_s_models() -> None:
     assert plan(registry.models, {"m": loaded(cfg())}) == []
 
 
+def test_a_new_draft_source_swaps_the_model_it_drafts_for() -> None:
+    drafting = SpeculativeConfig(mode="draft", model="small")
+
+    def models(draft: str) -> Mapping[str, ModelConfig]:
+        return Registry(models={"small": cfg(draft), "big": cfg(speculative=drafting)}).models
+
+    actual = {name: loaded(config) for name, config in models("small").items()}
+    assert plan(models("small"), actual) == []
+    new = models("smaller")
+    assert plan(new, actual) == [Swap("small", new["small"]), Swap("big", new["big"])]
+
+
 # describe()
 
 

@@ -19,7 +19,12 @@ from mlxd.engines.core import LLMCore, Sequence
 from mlxd.scheduler.fast_batch import FastBatchGenerator
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import GREEDY, make_sequence_sampler
-from mlxd.scheduler.speculative import NgramSpeculator, ngram_drafts, roll_back
+from mlxd.scheduler.speculative import (
+    DraftSpeculator,
+    NgramSpeculator,
+    ngram_drafts,
+    roll_back,
+)
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
 from tests.unit.test_core import LetterTokenizer, run
 
@@ -96,15 +101,13 @@ def _generate(model: Any, prompts: list[list[int]], spec: NgramSpeculator | None
     return [(tokens[u], finish.get(u)) for u in uids]
 
 
-def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol) -> None:
-    tokenizer = smol.tokenizer
+def _smol_rows(tokenizer: Any) -> tuple[list[list[int]], dict[str, Any]]:
     # Plain completions (no chat template): short prompts keep the reference-BLAS prefill cheap.
     texts = [
         f"Original: {DOCUMENT}\nWith the spelling fixed: The",
         "A bicycle works like this:",
         "Three uses for a paperclip:",
     ]
-    prompts = [tokenizer.encode(t) for t in texts]
     rows = {
         "eos": [[t] for t in sorted(tokenizer.eos_token_ids)],
         "max_tokens": [24, 10, 10],
@@ -113,6 +116,12 @@ def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol) -> None:
         # step inside the speculative forward of the others.
         "logits_processors": [[], [], make_logits_processors(repetition_penalty=1.3)],
     }
+    return [tokenizer.encode(t) for t in texts], rows
+
+
+def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol) -> None:
+    tokenizer = smol.tokenizer
+    prompts, rows = _smol_rows(tokenizer)
     plain = _generate(smol.model, prompts, None, **rows)
     spec = speculator()
     assert _generate(smol.model, prompts, spec, **rows) == plain
@@ -124,9 +133,11 @@ def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol) -> None:
     assert spec.counters.draft_tokens > spec.counters.accepted_tokens
 
 
-@pytest.fixture(scope="module")
-def tiny() -> llama.Model:
-    mx.random.seed(3)
+DRAFTING = SpeculativeConfig(mode="draft", model="draft", num_tokens=4, disable_by_batch_size=8)
+
+
+def _tiny_llama(vocab_size: int, seed: int) -> llama.Model:
+    mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=32,
@@ -135,12 +146,50 @@ def tiny() -> llama.Model:
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
-        vocab_size=8,
+        vocab_size=vocab_size,
         tie_word_embeddings=True,
     )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+def test_a_draft_model_gives_the_plain_tokens_on_smollm2(smol) -> None:
+    """SmolLM2 drafting for itself has every draft accepted (so its per-row caches follow
+    the rows exactly); a random draft with SmolLM2's vocabulary changes no token either."""
+    prompts, rows = _smol_rows(smol.tokenizer)
+    plain = _generate(smol.model, prompts, None, **rows)
+    itself = DraftSpeculator(DRAFTING, smol.model)
+    assert _generate(smol.model, prompts, itself, **rows) == plain
+    assert itself.counters.draft_tokens >= 20
+    assert itself.counters.as_dict()["acceptance_rate"] == 1.0
+    assert not itself._rows  # each row's draft cache went when the row finished
+    noise = DraftSpeculator(DRAFTING, _tiny_llama(smol.config["vocab_size"], seed=5))
+    assert _generate(smol.model, prompts, noise, **rows) == plain
+    assert noise.counters.draft_tokens > noise.counters.accepted_tokens
+
+
+def test_the_draft_cache_keeps_exactly_the_tokens_the_target_kept(tiny) -> None:
+    """After any verification the next drafts are those of a fresh draft cache fed the row's
+    tokens: the rejected drafts were trimmed, the kept ones not fed twice."""
+    for accepted in (0, 2, 3):
+        spec = DraftSpeculator(DRAFTING.model_copy(update={"num_tokens": 3}), tiny)
+        tokens = [1, 2, 3, 4, 5, 1, 2]
+        drafts = spec.propose(0, tokens, limit=10)
+        assert len(drafts) == 3
+        spec.record(0, drafted=3, accepted=accepted)
+        # The kept drafts, then the target's own token (the row's next pending token).
+        tokens += [*drafts[:accepted], (drafts[accepted] + 1) % 8 if accepted < 3 else 6]
+        expected = DraftSpeculator(spec.config, tiny).propose(0, tokens, limit=10)
+        assert spec.propose(0, tokens, limit=10) == expected
+        assert spec._rows[0].cache[0].offset == len(tokens) + 2
+    assert spec.propose(1, tokens, limit=1) == expected[:1]
+    assert spec.propose(2, tokens, limit=0) == []
+
+
+@pytest.fixture(scope="module")
+def tiny() -> llama.Model:
+    return _tiny_llama(vocab_size=8, seed=3)
 
 
 def test_a_stop_inside_an_accepted_run_ends_where_plain_decoding_does(tiny) -> None:
