@@ -4,18 +4,24 @@ distribution unchanged at temperature > 0 (chi-square on a tiny random model, fi
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxd.config import BatchConfig, SpeculativeConfig
+from mlxd.config import BatchConfig, SpeculativeConfig, parse_config
 from mlxd.engines.core import LLMCore, Sequence
+from mlxd.engines.llm import _load_draft
+from mlxd.errors import ModelLoadError
 from mlxd.scheduler.fast_batch import FastBatchGenerator
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import GREEDY, make_sequence_sampler
@@ -101,7 +107,13 @@ def _generate(model: Any, prompts: list[list[int]], spec: NgramSpeculator | None
     return [(tokens[u], finish.get(u)) for u in uids]
 
 
-def _smol_rows(tokenizer: Any) -> tuple[list[list[int]], dict[str, Any]]:
+SmolRows = tuple[list[list[int]], dict[str, Any], list[Any]]
+
+
+@pytest.fixture(scope="module")
+def smol_rows(smol) -> SmolRows:
+    """Prompts, their rows' settings, and their plain greedy completions."""
+    tokenizer = smol.tokenizer
     # Plain completions (no chat template): short prompts keep the reference-BLAS prefill cheap.
     texts = [
         f"Original: {DOCUMENT}\nWith the spelling fixed: The",
@@ -116,13 +128,13 @@ def _smol_rows(tokenizer: Any) -> tuple[list[list[int]], dict[str, Any]]:
         # step inside the speculative forward of the others.
         "logits_processors": [[], [], make_logits_processors(repetition_penalty=1.3)],
     }
-    return [tokenizer.encode(t) for t in texts], rows
+    prompts = [tokenizer.encode(t) for t in texts]
+    return prompts, rows, _generate(smol.model, prompts, None, **rows)
 
 
-def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol) -> None:
+def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol, smol_rows) -> None:
     tokenizer = smol.tokenizer
-    prompts, rows = _smol_rows(tokenizer)
-    plain = _generate(smol.model, prompts, None, **rows)
+    prompts, rows, plain = smol_rows
     spec = speculator()
     assert _generate(smol.model, prompts, spec, **rows) == plain
     edited = tokenizer.decode(plain[0][0])
@@ -154,11 +166,10 @@ def _tiny_llama(vocab_size: int, seed: int) -> llama.Model:
     return model
 
 
-def test_a_draft_model_gives_the_plain_tokens_on_smollm2(smol) -> None:
+def test_a_draft_model_gives_the_plain_tokens_on_smollm2(smol, smol_rows) -> None:
     """SmolLM2 drafting for itself has every draft accepted (so its per-row caches follow
     the rows exactly); a random draft with SmolLM2's vocabulary changes no token either."""
-    prompts, rows = _smol_rows(smol.tokenizer)
-    plain = _generate(smol.model, prompts, None, **rows)
+    prompts, rows, plain = smol_rows
     itself = DraftSpeculator(DRAFTING, smol.model)
     assert _generate(smol.model, prompts, itself, **rows) == plain
     assert itself.counters.draft_tokens >= 20
@@ -185,6 +196,28 @@ def test_the_draft_cache_keeps_exactly_the_tokens_the_target_kept(tiny) -> None:
         assert spec._rows[0].cache[0].offset == len(tokens) + 2
     assert spec.propose(1, tokens, limit=1) == expected[:1]
     assert spec.propose(2, tokens, limit=0) == []
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_load(smol, tmp_path: Path) -> None:
+    # A tiny llama on disk with SmolLM2's tokenizer files but a 64-token embedding.
+    model = _tiny_llama(vocab_size=64, seed=1)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol.path / name, tmp_path / name)
+    args = {key: value for key, value in vars(model.args).items() if value is not None}
+    (tmp_path / "config.json").write_text(json.dumps(args))
+    registry = parse_config(
+        f"models:\n  small: {{source: {tmp_path}}}\n  smol:\n    source: {smol.path}\n"
+        "    speculative: {mode: draft, model: small}\n",
+        filename="models.yaml",
+        env={},
+    )
+    speculative = registry.models["smol"].speculative
+    assert speculative is not None
+    with pytest.raises(
+        ModelLoadError, match="'small' has a vocabulary of 64 tokens, this model 49152"
+    ):
+        _load_draft("smol", speculative, smol, tmp_path)
 
 
 @pytest.fixture(scope="module")
