@@ -213,6 +213,8 @@ class FastBatchGenerator(BatchGenerator):
         self._prompt_batch.__class__ = FastPromptProcessingBatch
         self._generation_batch = FastGenerationBatch.empty(self.model, self.sampler)
         self._generation_batch.speculator = speculator
+        if speculator is not None:  # it may outlive a generator whose uids started from 0 too
+            speculator.retain([])
 
 
 def _present(arrays: list[Any]) -> list[mx.array]:

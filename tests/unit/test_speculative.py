@@ -198,6 +198,18 @@ def test_the_draft_cache_keeps_exactly_the_tokens_the_target_kept(tiny) -> None:
     assert spec.propose(2, tokens, limit=0) == []
 
 
+def test_a_new_generator_starts_its_speculator_afresh(tiny) -> None:
+    """A generator rebuilt after a failed step numbers its rows from 0 again: the draft cache
+    of the old generator's row 0 (never filtered out) must not be taken for the new row 0."""
+    prompt = [[1, 2, 3, 4, 1, 2]]
+    rows = {"eos": [], "max_tokens": [6], "samplers": [GREEDY]}
+    plain = _generate(tiny, prompt, None, **rows)
+    spec = DraftSpeculator(DRAFTING, tiny)
+    spec.propose(0, list(range(8)) * 4, limit=4)
+    assert _generate(tiny, prompt, spec, **rows) == plain
+    assert spec.counters.as_dict()["acceptance_rate"] == 1.0
+
+
 def test_a_draft_with_another_vocabulary_is_refused_at_load(smol, tmp_path: Path) -> None:
     # A tiny llama on disk with SmolLM2's tokenizer files but a 64-token embedding.
     model = _tiny_llama(vocab_size=64, seed=1)
