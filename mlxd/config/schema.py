@@ -246,7 +246,8 @@ class SpeculativeConfig(_Section):
     model: str | None = Field(
         None,
         description="mode draft: the name of another llm model in this file whose weights "
-        "draft (its source and dtype; it must share this model's vocabulary).",
+        "draft (its source and dtype; it must share this model's vocabulary). This model's "
+        "worker loads its own copy: give the draft's entry `load: lazy` if it only drafts.",
     )
     num_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens verified per step.")
     disable_by_batch_size: int = Field(
