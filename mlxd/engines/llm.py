@@ -84,7 +84,9 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load weights from a resolved model directory (see models.sources.resolve_source);
         the SSD KV tier lives under the server's cache_dir."""
-        loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
+        loaded = await asyncio.to_thread(
+            load_llm, path, dtype=config.dtype, model_name=name, adapter=config.adapter
+        )
         identity = _identity(config, loaded)
         cache_dir = server().cache_dir
         prefix_cache = await asyncio.to_thread(
@@ -310,14 +312,21 @@ _NO_CACHE: dict[str, Any] = {
 
 
 def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
-    """What makes this model's KV what it is: its source, weight files and compute dtype."""
-    weights = sorted(
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in loaded.path.glob("*.safetensors")
-    )
-    return {
+    """What makes this model's KV what it is: its source, weight files, compute dtype and
+    adapter (no key without one, so a base model's SSD blocks stay valid)."""
+    identity: dict[str, Any] = {
         "source": config.source,
         "path": str(loaded.path),
-        "weights": weights,
+        "weights": _file_stamps(loaded.path),
         "dtype": loaded.dtype,
         "model": loaded.config,
     }
+    if config.adapter is not None:
+        identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}
+    return identity
+
+
+def _file_stamps(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.glob("*.safetensors")
+    )
