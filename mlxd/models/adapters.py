@@ -31,6 +31,15 @@ def adapter_problem(path: Path) -> str | None:
     return None
 
 
+def adapter_bytes(path: Path) -> int:
+    """The adapter's weights as stored (LoRA matrices are small: no dtype arithmetic); 0 for
+    a directory without them, which its load then reports."""
+    try:
+        return (path / WEIGHTS_FILE).stat().st_size
+    except OSError:
+        return 0
+
+
 def check_adapters(registry: Registry) -> list[tuple[Loc, str]]:
     """`mlxd check`'s look at every model's `adapter:` directory (loader.ExtraCheck)."""
     problems: list[tuple[Loc, str]] = []

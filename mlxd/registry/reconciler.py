@@ -352,6 +352,7 @@ class Reconciler:
                 "state": "draining" if removed else runtime.state,
                 "kind": runtime.config.kind,
                 "source": runtime.config.source,
+                "adapter": str(runtime.config.adapter) if runtime.config.adapter else None,
                 "load": runtime.config.load,
                 "aliases": [] if removed else list(runtime.config.aliases),
                 "error": runtime.error,

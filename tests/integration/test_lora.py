@@ -87,6 +87,17 @@ def test_adapter_answers_as_mlx_lm_does(daemon: Daemon, adapter: Path, mlxd_cach
     assert served != reference(base, None)
 
 
+def test_status_names_the_adapter_and_counts_it(daemon: Daemon, adapter: Path):
+    rows = daemon.status()["models"]
+    assert rows["smol"]["adapter"] is None
+    assert Path(rows["smol-fr"]["adapter"]).resolve() == adapter.resolve()
+    # One more copy of the base, plus the adapter's small matrices.
+    extra = rows["smol-fr"]["weights_bytes"] - rows["smol"]["weights_bytes"]
+    assert 0 < extra < rows["smol"]["weights_bytes"] / 100
+    assert rows["smol-fr"]["memory_estimate_bytes"] == rows["smol"]["memory_estimate_bytes"] + extra
+    assert rows["smol-fr"]["pid"] != rows["smol"]["pid"]
+
+
 def test_base_answers_unchanged_beside_the_adapter(daemon: Daemon):
     async def both() -> tuple[list[str], list[str]]:
         base = [ask(daemon, "smol", q) for q in QUESTIONS]
