@@ -25,6 +25,7 @@ from mlxd.scheduler.sampling import sample_rows
 class FastGenerationBatch(GenerationBatch):
     def _step(self) -> tuple[list[int], list[Any]]:
         # Same contract as GenerationBatch._step; rows whose logprobs were skipped hold None.
+        _route_rows(self.model, self.uids)
         inputs = self._next_tokens
         # mlx-lm initialises _current_tokens to None, so its inferred type is None alone.
         self._current_tokens = inputs  # type: ignore[assignment]
@@ -65,6 +66,10 @@ class FastGenerationBatch(GenerationBatch):
 
 
 class FastPromptProcessingBatch(PromptProcessingBatch):
+    def prompt(self, tokens: list[list[int]]) -> None:
+        _route_rows(self.model, self.uids)
+        super().prompt(tokens)
+
     def generate(self, tokens: list[list[int]]) -> FastGenerationBatch:
         # mlx-lm's generate(), building our GenerationBatch.
         if any(len(t) > 1 for t in tokens):
@@ -93,6 +98,14 @@ class FastBatchGenerator(BatchGenerator):
         # kept by `_copy`), so every GenerationBatch is built by FastPromptProcessingBatch.
         self._prompt_batch.__class__ = FastPromptProcessingBatch
         self._generation_batch = FastGenerationBatch.empty(self.model, self.sampler)
+
+
+def _route_rows(model: Any, uids: list[int]) -> None:
+    """Tell a multi-LoRA model (see engines.core) which sequences the next forward pass's
+    rows are, so each row uses its own adapter."""
+    route = getattr(model, "route_rows", None)
+    if route is not None:
+        route(uids)
 
 
 def _present(arrays: list[Any]) -> list[mx.array]:
