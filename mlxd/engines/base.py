@@ -38,6 +38,16 @@ class EventStream:
         self._ended_callback = ended
         self._ended = False
 
+    def also_on_end(self, callback: Callable[[], None]) -> None:
+        """Run `callback` too when the request ends (a view counting its own requests)."""
+        ended = self._ended_callback
+
+        def both() -> None:
+            ended()
+            callback()
+
+        self._ended_callback = both
+
     def __aiter__(self) -> EventStream:
         return self
 

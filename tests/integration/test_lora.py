@@ -1,15 +1,19 @@
-"""LoRA adapters (`adapter:` on a model) on the real SmolLM2: an adapter changes the greedy
-answer to exactly what mlx-lm's own `load(adapter_path=)` gives, and the base model beside it
-answers as before."""
+"""LoRA adapters (`adapter:` on a model) on the real SmolLM2: a base model and two adapter
+models declared together share one worker holding the base weights once; in mixed batches each
+adapter model answers exactly what mlx-lm's own `load(adapter_path=)` gives, and the base
+answers as it does alone."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import openai
+import psutil
 import pytest
 from mlx_lm import generate, load
 from mlx_lm.sample_utils import make_sampler
@@ -32,14 +36,24 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path) -> Path:
-    return build_smol_adapter(tmp_path_factory.mktemp("adapter"), mlxd_cache_dir, seed=0)
+def adapters(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path) -> dict[str, Path]:
+    """Two random adapters (different seeds), and one that does not fit SmolLM2."""
+    made = {
+        name: build_smol_adapter(tmp_path_factory.mktemp(name), mlxd_cache_dir, seed=seed)
+        for name, seed in (("fr", 0), ("de", 1), ("bad", 2))
+    }
+    weights = mx.load(str(made["bad"] / "adapters.safetensors"))
+    name = next(n for n in sorted(weights) if n.endswith("q_proj.lora_b"))
+    weights[name] = mx.zeros((8, 100))  # as from an adapter trained for another model
+    mx.save_safetensors(str(made["bad"] / "adapters.safetensors"), weights)
+    return made
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path, adapter: Path):
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path, adapters):
     workdir = tmp_path_factory.mktemp("lora")
-    (workdir / "fr").symlink_to(adapter)  # `adapter:` paths are relative to the config file
+    for name, path in adapters.items():
+        (workdir / name).symlink_to(path)  # `adapter:` paths are relative to the config file
     smol = {
         "source": SMOL_GGUF,
         "context_length": 512,
@@ -47,7 +61,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path, adapt
     }
     config = {
         "server": {"cache_dir": str(mlxd_cache_dir)},
-        "models": {"smol": smol, "smol-fr": {**smol, "adapter": "./fr"}},
+        "models": {
+            "smol": smol,
+            **{f"smol-{name}": {**smol, "adapter": f"./{name}"} for name in adapters},
+        },
     }
     running = start_daemon(workdir, config)
     yield running
@@ -62,6 +79,13 @@ async def ask(daemon: Daemon, model: str, question: str) -> str:
             model=model, messages=[{"role": "user", "content": question}]
         )
     return reply.choices[0].message.content or ""
+
+
+async def ask_all(daemon: Daemon, models: list[str]) -> dict[str, list[str]]:
+    """Every question to every model at once: one worker, so mixed batches."""
+    answers = await asyncio.gather(*(ask(daemon, m, q) for m in models for q in QUESTIONS))
+    n = len(QUESTIONS)
+    return {model: answers[i * n : (i + 1) * n] for i, model in enumerate(models)}
 
 
 def reference(base: Path, adapter: Path | None) -> list[str]:
@@ -79,37 +103,67 @@ def reference(base: Path, adapter: Path | None) -> list[str]:
     return answers
 
 
-def test_adapter_answers_as_mlx_lm_does(daemon: Daemon, adapter: Path, mlxd_cache_dir: Path):
+def test_adapters_and_base_in_mixed_batches_answer_as_mlx_lm_does(
+    daemon: Daemon, adapters: dict[str, Path], mlxd_cache_dir: Path
+):
     base = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=mlxd_cache_dir)
-    expected = reference(base, adapter)
-    served = [asyncio.run(ask(daemon, "smol-fr", q)) for q in QUESTIONS]
-    assert served == expected
-    assert served != reference(base, None)
-
-
-def test_status_names_the_adapter_and_counts_it(daemon: Daemon, adapter: Path):
-    rows = daemon.status()["models"]
-    assert rows["smol"]["adapter"] is None
-    assert Path(rows["smol-fr"]["adapter"]).resolve() == adapter.resolve()
-    # One more copy of the base, plus the adapter's small matrices.
-    extra = rows["smol-fr"]["weights_bytes"] - rows["smol"]["weights_bytes"]
-    assert 0 < extra < rows["smol"]["weights_bytes"] / 100
-    assert rows["smol-fr"]["memory_estimate_bytes"] == rows["smol"]["memory_estimate_bytes"] + extra
-    assert rows["smol-fr"]["pid"] != rows["smol"]["pid"]
-
-
-def test_base_answers_unchanged_beside_the_adapter(daemon: Daemon):
-    async def both() -> tuple[list[str], list[str]]:
-        base = [ask(daemon, "smol", q) for q in QUESTIONS]
-        tuned = [ask(daemon, "smol-fr", q) for q in QUESTIONS]
-        answers = await asyncio.gather(*base, *tuned)
-        return answers[: len(QUESTIONS)], answers[len(QUESTIONS) :]
-
     alone = [asyncio.run(ask(daemon, "smol", q)) for q in QUESTIONS]
-    base, tuned = asyncio.run(both())
-    assert base == alone
+    assert alone == reference(base, None)
     assert "Paris" in alone[0]
-    assert tuned != base
+    together = asyncio.run(ask_all(daemon, ["smol", "smol-fr", "smol-de"]))
+    assert together["smol"] == alone  # the base's answers are unchanged beside its adapters
+    assert together["smol-fr"] == reference(base, adapters["fr"])
+    assert together["smol-de"] == reference(base, adapters["de"])
+    assert len({tuple(answers) for answers in together.values()}) == 3
+    assert daemon.status()["models"]["smol"]["max_batch_seen"] > 1
+
+
+def test_one_worker_holds_the_base_once_plus_the_adapters(
+    daemon: Daemon, adapters: dict[str, Path]
+):
+    rows = daemon.status()["models"]
+    shared = ["smol", "smol-de", "smol-fr"]
+    assert rows["smol"]["adapter"] is None
+    assert Path(rows["smol-fr"]["adapter"]).resolve() == adapters["fr"].resolve()
+    assert len({rows[name]["pid"] for name in shared}) == 1
+    for name in shared:
+        assert rows[name]["shares_engine_with"] == [n for n in shared if n != name]
+    # One base's weights plus the two adapters' small matrices, counted once in all.
+    assert len({rows[name]["weights_bytes"] for name in shared}) == 1
+    memory = sorted(rows[name]["memory_bytes"] for name in shared)
+    assert memory[:2] == [0, 0] and memory[2] >= rows["smol"]["weights_bytes"]
+    worker = psutil.Process(rows["smol"]["pid"])
+    assert worker.ppid() == daemon.process.pid
+    assert [p.pid for p in psutil.Process(daemon.process.pid).children()] == [worker.pid]
+
+
+def test_an_adapter_that_does_not_fit_fails_alone_with_the_reason(daemon: Daemon):
+    deadline = time.monotonic() + 120
+    while (row := daemon.status()["models"]["smol-bad"])["state"] == "loading":
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+    assert row["state"] == "failed"
+    assert row["error"].startswith("model 'smol-bad': adapter ")
+    assert "does not fit the model: " in row["error"]
+    assert "q_proj: adapter maps 576 -> 100 but the layer maps 576 -> 576" in row["error"]
+
+
+def test_unloading_adapter_models_leaves_the_others_serving(daemon: Daemon):
+    pid = daemon.status()["models"]["smol"]["pid"]
+    before = asyncio.run(ask_all(daemon, ["smol", "smol-de"]))
+    unload = f"{daemon.url}/admin/models/{{}}/unload"
+    httpx.post(unload.format("smol-fr"), timeout=60).raise_for_status()
+    rows = daemon.status()["models"]
+    assert rows["smol"]["pid"] == rows["smol-de"]["pid"] == pid
+    assert rows["smol"]["shares_engine_with"] == ["smol-de"]
+    assert asyncio.run(ask_all(daemon, ["smol", "smol-de"])) == before
+    httpx.post(unload.format("smol"), timeout=60).raise_for_status()
+    assert asyncio.run(ask_all(daemon, ["smol-de"]))["smol-de"] == before["smol-de"]
+    assert psutil.pid_exists(pid)
+    httpx.post(unload.format("smol-de"), timeout=60).raise_for_status()
+    assert not psutil.pid_exists(pid)  # the worker went with its last model
+    # Its next request loads the base again, with the adapter it names.
+    assert asyncio.run(ask_all(daemon, ["smol-fr"]))["smol-fr"]
 
 
 def test_bad_adapters_fail_the_load_with_the_reason(tmp_path: Path, mlxd_cache_dir: Path):
