@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -146,6 +148,26 @@ def test_an_adapter_that_does_not_fit_fails_alone_with_the_reason(daemon: Daemon
     assert row["error"].startswith("model 'smol-bad': adapter ")
     assert "does not fit the model: " in row["error"]
     assert "q_proj: adapter maps 576 -> 100 but the layer maps 576 -> 576" in row["error"]
+
+
+def test_a_worker_death_restarts_every_model_into_one_new_worker(daemon: Daemon):
+    shared = ["smol", "smol-de", "smol-fr"]
+    before = asyncio.run(ask_all(daemon, shared))
+    victim = daemon.status()["models"]["smol"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+
+    def serving() -> bool:
+        rows = daemon.status()["models"]
+        return all(rows[n]["state"] == "loaded" and rows[n]["pid"] != victim for n in shared)
+
+    deadline = time.monotonic() + 120
+    while not serving():
+        assert time.monotonic() < deadline, daemon.status()["models"]
+        time.sleep(0.2)
+    rows = daemon.status()["models"]
+    assert len({rows[n]["pid"] for n in shared}) == 1
+    assert all(rows[n]["restarts"] == 1 for n in shared)
+    assert asyncio.run(ask_all(daemon, shared)) == before  # each adapter attached again
 
 
 def test_unloading_adapter_models_leaves_the_others_serving(daemon: Daemon):
