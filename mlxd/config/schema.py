@@ -392,7 +392,9 @@ class ModelConfig(_Section):
         None,
         description="A LoRA adapter applied on top of `source` (mlx-lm's format, as "
         "mlx_lm.lora writes it: a directory with adapter_config.json and "
-        "adapters.safetensors); relative to the config file. llm models only.",
+        "adapters.safetensors); relative to the config file. llm models only. Models of "
+        "the same source and engine settings with different adapters share one engine "
+        "holding the base weights once.",
     )
     distributed: DistributedConfig | None = Field(
         None,
