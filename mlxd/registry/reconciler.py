@@ -19,7 +19,7 @@ from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.engines.client import WorkerEngine
 from mlxd.engines.factory import load_engine, locate
-from mlxd.engines.shared import AdapterHost, EnginePool
+from mlxd.engines.shared import AdapterHost, EnginePool, SharedView
 from mlxd.errors import MlxdError, Unavailable
 from mlxd.registry.plan import (
     ENGINE_FIELDS,
@@ -234,10 +234,21 @@ class Reconciler:
         if budget is None:
             return
         draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
+        # Models sharing an engine are evicted together: only the last one out frees it.
+        groups: dict[str, list[ModelRuntime]] = {}
+        for rt in self.models.values():
+            if rt is not loading and rt.engine is not None:
+                engine = rt.engine
+                key = f"engine {id(engine.base)}" if isinstance(engine, SharedView) else rt.name
+                groups.setdefault(key, []).append(rt)
         residents = [
-            Resident(rt.name, rt.engine.memory_bytes, rt.engine.last_used, rt.engine.idle)
-            for rt in self.models.values()
-            if rt is not loading and rt.engine is not None
+            Resident(
+                key,
+                sum(rt.engine.memory_bytes for rt in rts if rt.engine),
+                max(rt.engine.last_used for rt in rts if rt.engine),
+                all(rt.engine.idle for rt in rts if rt.engine),
+            )
+            for key, rts in groups.items()
         ]
         victims = evictions(need + draining, budget, residents)
         if victims is None:
@@ -248,10 +259,11 @@ class Reconciler:
                 f"({budget / 2**30:.2f} GiB) has {max(budget - in_use, 0) / 2**30:.2f} GiB "
                 f"free; loaded and busy: {busy}"
             )
-        for name in victims:
-            log.info("memory budget: unloading idle model '%s' to make room", name)
-            # Idle, so it closes at once; its memory is back once its worker has exited.
-            await self._park(self.models[name])
+        for key in victims:
+            for rt in groups[key]:
+                log.info("memory budget: unloading idle model '%s' to make room", rt.name)
+            # Idle, so they close at once; the memory is back once their worker has exited.
+            await asyncio.gather(*(self._park(rt) for rt in groups[key]))
 
     async def engine_for(self, name: str) -> Engine:
         """The serving engine of model `name`, loading it first if it is lazy or still loading.

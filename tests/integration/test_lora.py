@@ -203,3 +203,34 @@ def test_bad_adapters_fail_the_load_with_the_reason(tmp_path: Path, mlxd_cache_d
     assert f"{name}: adapter shape (8, 100) does not match model parameter shape (8, 576)" in str(
         raised.value
     )
+
+
+def test_the_memory_budget_evicts_a_shared_worker_with_all_its_models(
+    tmp_path: Path, mlxd_cache_dir: Path, adapters: dict[str, Path]
+):
+    # Each worker: 538 MB of float32 weights + 64 MiB KV budget ≈ 0.6 GB; two do not fit.
+    smol = {"source": SMOL_GGUF, "load": "lazy", "cache": {"ram": "64MiB"}}
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "900MiB"},
+        "models": {
+            "smol": smol,
+            "smol-fr": {**smol, "adapter": str(adapters["fr"])},
+            "other": {**smol, "batch": {"max_batch_size": 4}},  # its own worker
+        },
+    }
+    daemon = start_daemon(tmp_path, config)
+    try:
+        asyncio.run(ask_all(daemon, ["smol-fr"]))
+        asyncio.run(ask_all(daemon, ["smol"]))  # joins the worker smol-fr started
+        rows = daemon.status()["models"]
+        pid = rows["smol"]["pid"]
+        assert rows["smol-fr"]["pid"] == pid
+        asyncio.run(ask_all(daemon, ["other"]))
+        rows = daemon.status()["models"]
+        states = {name: row["state"] for name, row in rows.items()}
+        assert states == {"smol": "unloaded", "smol-fr": "unloaded", "other": "loaded"}
+        assert "unloading idle model 'smol'" in daemon.log()
+        assert "unloading idle model 'smol-fr'" in daemon.log()
+        assert not psutil.pid_exists(pid)  # the shared worker's memory really went back
+    finally:
+        daemon.stop()
