@@ -80,6 +80,7 @@ class LLMEngine:
         self._constrainer_lock = threading.Lock()
         self._faults = faults_from_env()  # tests only; empty unless MLXD_FAULT_INJECT is set
         self._adapter_slots: dict[str, int] = {}  # attached adapters by key (engines/shared.py)
+        self._lora_lock = threading.Lock()
 
     @classmethod
     async def load(
@@ -141,9 +142,10 @@ class LLMEngine:
         then run with it, in the same batches as everyone else (models/lora.py)."""
 
         def attach() -> int:
-            if self.core.lora is None:
-                dtype = FLOAT_DTYPES.get(self.loaded.dtype)
-                self.core.lora = MultiLoRA(self.loaded.model, dtype)
+            with self._lora_lock:  # two views attaching at once make one MultiLoRA
+                if self.core.lora is None:
+                    dtype = FLOAT_DTYPES.get(self.loaded.dtype)  # None: kept as stored
+                    self.core.lora = MultiLoRA(self.loaded.model, dtype)
             return self.core.lora.attach(adapter)
 
         try:
