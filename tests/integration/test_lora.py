@@ -209,7 +209,12 @@ def test_the_memory_budget_evicts_a_shared_worker_with_all_its_models(
     tmp_path: Path, mlxd_cache_dir: Path, adapters: dict[str, Path]
 ):
     # Each worker: 538 MB of float32 weights + 64 MiB KV budget ≈ 0.6 GB; two do not fit.
-    smol = {"source": SMOL_GGUF, "load": "lazy", "cache": {"ram": "64MiB"}}
+    smol = {
+        "source": SMOL_GGUF,
+        "load": "lazy",
+        "cache": {"ram": "64MiB"},
+        "defaults": {"max_tokens": 4},
+    }
     config = {
         "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "900MiB"},
         "models": {
