@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.errors import ModelLoadError
+from mlxd.models.adapters import adapter_bytes
 from mlxd.models.estimate import estimate_model_bytes
 from mlxd.models.sources import resolve_source
 
@@ -26,6 +27,8 @@ async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path,
     )
     kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
     need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
+    if config.adapter is not None:
+        need += await asyncio.to_thread(adapter_bytes, config.adapter)
     return path, need
 
 
