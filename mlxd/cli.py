@@ -133,10 +133,14 @@ def _levels(text: str) -> list[int]:
 def _check(args: argparse.Namespace) -> int:
     from mlxd.config import load_config
     from mlxd.distributed.config import check_distributed
+    from mlxd.models.adapters import check_adapters
 
     try:
-        # Beyond the schema: a distributed model's rank count against its heads and layers.
-        registry = load_config(args.file, extra_checks=check_distributed)
+        # Beyond the schema: a distributed model's rank count against its heads and layers,
+        # each adapter directory's files.
+        registry = load_config(
+            args.file, extra_checks=lambda r: check_distributed(r) + check_adapters(r)
+        )
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 1

@@ -54,6 +54,9 @@ class GenerationRequest:
     # Extra variables for the chat template (e.g. {"enable_thinking": False}): the model's
     # YAML `chat_template_kwargs` overlaid with the request's.
     chat_template_kwargs: dict[str, Any] | None = None
+    # The LoRA adapter to run with, for a model that shares its base's engine (set by its
+    # view, engines/shared.py; the engine's key for the attached adapter). None: the base.
+    adapter: str | None = None
 
 
 # Arguments of `apply_chat_template` itself: chat_template_kwargs may not set them (they

@@ -354,6 +354,16 @@ class SamplingDefaults(_Section):
     )
 
 
+def _anchored(path: Path, info: ValidationInfo) -> Path:
+    """A path from the config file, relative ones taken from the file's directory."""
+    path = path.expanduser()
+    base_dir = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    # normpath, not resolve(): tidy `./` and `../` without chasing symlinks.
+    return Path(os.path.normpath(path))
+
+
 class DistributedConfig(_Section):
     """One model split over a group of ranks started by `mlx.launch` (see docs/distributed.md)."""
 
@@ -384,13 +394,7 @@ class DistributedConfig(_Section):
     @field_validator("hostfile")
     @classmethod
     def _anchor_hostfile(cls, hostfile: Path | None, info: ValidationInfo) -> Path | None:
-        if hostfile is None:
-            return None
-        hostfile = hostfile.expanduser()
-        base_dir = (info.context or {}).get("base_dir")
-        if not hostfile.is_absolute() and base_dir is not None:
-            hostfile = Path(base_dir) / hostfile
-        return Path(os.path.normpath(hostfile))
+        return None if hostfile is None else _anchored(hostfile, info)
 
     @field_validator("hosts")
     @classmethod
@@ -471,6 +475,14 @@ class ModelConfig(_Section):
         description="Embedding models: cut inputs longer than the model's maximum length "
         "(true) or reject them with 400 (false).",
     )
+    adapter: Path | None = Field(
+        None,
+        description="A LoRA adapter applied on top of `source` (mlx-lm's format, as "
+        "mlx_lm.lora writes it: a directory with adapter_config.json and "
+        "adapters.safetensors); relative to the config file. llm models only. Models of "
+        "the same source and engine settings with different adapters share one engine "
+        "holding the base weights once.",
+    )
     distributed: DistributedConfig | None = Field(
         None,
         description="Split this llm over several ranks (machines, or processes on loopback); "
@@ -518,6 +530,19 @@ class ModelConfig(_Section):
                 "speculative decoding runs on single-process llm models only",
             )
         return self
+
+    @model_validator(mode="after")
+    def _adapter_on_local_llm_only(self) -> ModelConfig:
+        if self.adapter is not None and (self.kind != "llm" or self.distributed is not None):
+            raise PydanticCustomError(
+                "adapter_kind", "adapter applies to llm models run in one process only"
+            )
+        return self
+
+    @field_validator("adapter")
+    @classmethod
+    def _anchor_adapter(cls, adapter: Path | None, info: ValidationInfo) -> Path | None:
+        return None if adapter is None else _anchored(adapter, info)
 
     @field_validator("aliases")
     @classmethod

@@ -39,6 +39,16 @@ class EventStream:
         self._ended = False
         self._on_cut_off: Callable[[int], None] | None = None
 
+    def also_on_end(self, callback: Callable[[], None]) -> None:
+        """Run `callback` too when the request ends (a view counting its own requests)."""
+        ended = self._ended_callback
+
+        def both() -> None:
+            ended()
+            callback()
+
+        self._ended_callback = both
+
     def __aiter__(self) -> EventStream:
         return self
 

@@ -20,6 +20,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -31,6 +32,7 @@ from mlxd.engines.ranks import RankGroup
 from mlxd.engines.wire import read_message, write_message
 from mlxd.engines.worker import WorkerSpec
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
+from mlxd.models.adapters import adapter_bytes
 from mlxd.types import Finished, GenerationRequest
 
 log = logging.getLogger("mlxd.worker")
@@ -233,6 +235,14 @@ class WorkerEngine:
         self.estimate_bytes += cache.ram - self._cache_ram
         self._cache_ram = cache.ram
         self._send(("call", next(self._ids), "resize_cache", (cache,), {}))  # reply unawaited
+
+    async def attach_adapter(self, key: str, adapter: Path, model_name: str) -> None:
+        """See LLMEngine.attach_adapter; the budget counts the adapter's weights too."""
+        await self._call("attach_adapter", key, adapter, model_name)
+        self.estimate_bytes += adapter_bytes(adapter)
+
+    async def detach_adapter(self, key: str) -> None:
+        await self._call("detach_adapter", key)
 
     async def close(self) -> None:
         """Ask the worker to finish and exit; kill it if it does not in time."""

@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from mlxd.cache.lease import PrefixLease
 from mlxd.config import BatchConfig, SpeculativeConfig
+from mlxd.models.lora import MultiLoRA
 from mlxd.scheduler.fast_batch import FastBatchGenerator
 from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
@@ -85,6 +86,7 @@ class Sequence:
     fault: str | None = None
     prefill: MediaPrefill | None = None  # image prompts bypass the prefix cache
     lease: PrefixLease | None = None
+    slot: int = 0  # its LoRA adapter's slot in a multi-LoRA model (0: the base)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.request.stop)
@@ -129,6 +131,8 @@ class LLMCore:
         self._generator: FastBatchGenerator | None = None
         # Outlives the generator (rebuilt after a failed step), so its counters do too.
         self.speculator = make_speculator(speculative, draft_model) if speculative else None
+        # Set once a LoRA adapter is attached: each forward pass then routes its rows.
+        self.lora: MultiLoRA | None = None
 
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them."""
@@ -354,10 +358,12 @@ class LLMCore:
 
     def _new_generator(self) -> FastBatchGenerator:
         stop_tokens = [[t] for t in sorted(self._eos)]
+        model = SkipPrefillLogits(self.model)
+        model.route_rows = self._route_rows  # see fast_batch._route_rows
         # mlx-lm's BatchGenerator, minus per-step work nobody asked for (see fast_batch.py).
         return FastBatchGenerator(
             # Duck-typed: the generator only calls the model and reads its layers.
-            cast(nn.Module, SkipPrefillLogits(self.model)),
+            cast(nn.Module, model),
             stop_tokens=stop_tokens,
             completion_batch_size=self.config.max_batch_size,
             # Our admission forms the prefill groups; the generator must not split them.
@@ -366,6 +372,10 @@ class LLMCore:
             stream=mx.new_stream(mx.default_device()),
             speculator=self.speculator,
         )
+
+    def _route_rows(self, uids: list[int]) -> None:
+        if self.lora is not None:
+            self.lora.set_rows([_slot(self._running.get(uid)) for uid in uids])
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -387,6 +397,10 @@ def prefill_group_size(
             break
         count, tokens = count + 1, tokens + length
     return count
+
+
+def _slot(sequence: Sequence | None) -> int:
+    return 0 if sequence is None else sequence.slot
 
 
 def _guarded(sequence: Sequence, processors: list[Any]) -> list[Any]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.errors import ModelLoadError
+from mlxd.models.adapters import adapter_bytes
 from mlxd.models.estimate import estimate_model_bytes
 from mlxd.models.sources import resolve_source
 
@@ -30,6 +31,8 @@ async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path,
     if draft is not None:  # loaded into this model's worker too
         draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
         need += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
+    if config.adapter is not None:
+        need += await asyncio.to_thread(adapter_bytes, config.adapter)
     return path, need
 
 

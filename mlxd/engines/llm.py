@@ -23,8 +23,10 @@ from mlxd.engines.core import LLMCore, MediaPrefill, Output, Sequence
 from mlxd.engines.factory import resolve_draft
 from mlxd.engines.loop import Core, ModelLoop
 from mlxd.engines.prompt import render_chat, template_supports_tools
-from mlxd.errors import InvalidRequest, ModelLoadError
-from mlxd.models.loader import LoadedModel, load_llm
+from mlxd.errors import InvalidRequest, ModelLoadError, Unavailable
+from mlxd.models.adapters import adapter_bytes
+from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, load_llm
+from mlxd.models.lora import MultiLoRA
 from mlxd.parsers.reasoning import prompt_opens_reasoning
 from mlxd.scheduler.faults import fault_processors, faults_from_env
 from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
@@ -91,6 +93,8 @@ class LLMEngine:
         self._constrainer_instance: Constrainer | None = None
         self._constrainer_lock = threading.Lock()
         self._faults = faults_from_env()  # tests only; empty unless MLXD_FAULT_INJECT is set
+        self._adapter_slots: dict[str, int] = {}  # attached adapters by key (engines/shared.py)
+        self._lora_lock = threading.Lock()
         # Last: the model thread starts here, and `drive` may use everything above.
         driven = self.core if drive is None else drive(self)
         self.loop = ModelLoop(name, driven, _deliver, config.batch.max_queue)
@@ -101,7 +105,9 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load weights from a resolved model directory (see models.sources.resolve_source);
         the SSD KV tier lives under the server's cache_dir."""
-        loaded = await asyncio.to_thread(load_llm, path, dtype=config.dtype, model_name=name)
+        loaded = await asyncio.to_thread(
+            load_llm, path, dtype=config.dtype, model_name=name, adapter=config.adapter
+        )
         identity = _identity(config, loaded)
         cache_dir = server().cache_dir
         draft = None
@@ -131,7 +137,9 @@ class LLMEngine:
             sequence = Sequence(request, prepared.prompt_ids, reply)
             sequence.processors = prepared.processors
             sequence.prefill = prepared.prefill
-            if self.prefix_cache is not None and prepared.prefill is None:
+            sequence.slot = self._slot(request)
+            # The prefix cache holds the base model's KV: an adapter's differs.
+            if self.prefix_cache is not None and prepared.prefill is None and not sequence.slot:
                 cache = self.prefix_cache
                 keys = await asyncio.to_thread(_prefetch, cache, prepared.prompt_ids)
                 sequence.lease = PrefixLease(cache, prepared.prompt_ids, keys)
@@ -142,6 +150,40 @@ class LLMEngine:
         return EventStream(
             reply.events, prepared.admission, lambda: self.loop.abort(sequence), self._ended
         )
+
+    def _slot(self, request: GenerationRequest) -> int:
+        if request.adapter is None:
+            return 0
+        slot = self._adapter_slots.get(request.adapter)
+        if slot is None:  # detached while the request was on its way
+            raise Unavailable(f"model '{self.name}': adapter {request.adapter!r} is not attached")
+        return slot
+
+    async def attach_adapter(self, key: str, adapter: Path, model_name: str) -> None:
+        """Load a LoRA adapter beside the base weights; requests whose `adapter` is `key`
+        then run with it, in the same batches as everyone else (models/lora.py)."""
+
+        def attach() -> int:
+            with self._lora_lock:  # two views attaching at once make one MultiLoRA
+                if self.core.lora is None:
+                    dtype = FLOAT_DTYPES.get(self.loaded.dtype)  # None: kept as stored
+                    self.core.lora = MultiLoRA(self.loaded.model, dtype)
+            return self.core.lora.attach(adapter)
+
+        try:
+            slot = await asyncio.to_thread(attach)
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"model '{model_name}': adapter {adapter} does not fit the model: {exc}"
+            ) from exc
+        self._adapter_slots[key] = slot
+        size = adapter_bytes(adapter)
+        self.loaded = replace(self.loaded, nbytes=self.loaded.nbytes + size)
+        self.memory_bytes += size
+
+    async def detach_adapter(self, key: str) -> None:
+        """Stop routing to the adapter (its slot stays: slots never move under a batch)."""
+        self._adapter_slots.pop(key, None)
 
     def _ended(self) -> None:
         self._open -= 1
@@ -362,14 +404,21 @@ def _load_draft(
 
 
 def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
-    """What makes this model's KV what it is: its source, weight files and compute dtype."""
-    weights = sorted(
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in loaded.path.glob("*.safetensors")
-    )
-    return {
+    """What makes this model's KV what it is: its source, weight files, compute dtype and
+    adapter (no key without one, so a base model's SSD blocks stay valid)."""
+    identity: dict[str, Any] = {
         "source": config.source,
         "path": str(loaded.path),
-        "weights": weights,
+        "weights": _file_stamps(loaded.path),
         "dtype": loaded.dtype,
         "model": loaded.config,
     }
+    if config.adapter is not None:
+        identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}
+    return identity
+
+
+def _file_stamps(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.glob("*.safetensors")
+    )

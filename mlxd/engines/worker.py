@@ -45,7 +45,9 @@ log = logging.getLogger("mlxd.worker")
 LOAD_NICE = 10
 WATCH_S = 0.1
 # The engine methods the daemon may call; everything else is a message of its own.
-CALLS = frozenset({"count_prompt_tokens", "embed", "stats", "resize_cache"})
+CALLS = frozenset(
+    {"count_prompt_tokens", "embed", "stats", "resize_cache", "attach_adapter", "detach_adapter"}
+)
 HOST_CALLS = frozenset({"stats"})  # answered by the host: the engine's figures and MLX's
 EXIT_ENGINE_DIED = 3
 

@@ -16,11 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import dequantize_model, load
+from mlx_lm.utils import dequantize_model, load, load_adapters
 
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
+from mlxd.models.adapters import adapter_problem
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPES = ("auto", "keep", *FLOAT_DTYPES)
@@ -79,21 +80,42 @@ def check_model_dir(path: Path, dtype: str, model_name: str) -> Path:
     return path
 
 
+def _with_adapter(model: nn.Module, adapter: Path, dtype: str | None, model_name: str) -> nn.Module:
+    """`model` with the LoRA adapter at `adapter` applied, cast to `dtype` unless None."""
+    try:
+        # mlx-lm's own loader: it wraps the layers the adapter names in LoRA layers and
+        # rejects tensors whose names or shapes do not fit this base model.
+        model = load_adapters(model, str(adapter))
+    except Exception as exc:  # a bad config raises KeyError, TypeError, ValueError…
+        raise ModelLoadError(
+            f"model '{model_name}': adapter {adapter} does not fit the model: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    model.eval()  # the new LoRA layers start in training mode (dropout on)
+    if dtype is not None:
+        model.set_dtype(FLOAT_DTYPES[dtype])
+    return model
+
+
 def load_llm(
     path: Path,
     *,
     dtype: str = "auto",
     model_name: str,
+    adapter: Path | None = None,
     before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
     dtype: "auto" (float32 on the CPU backend, as stored elsewhere), "keep", or a float dtype
-    (quantized weights are dequantized first). `before_eval(model, config)` may replace the
+    (quantized weights are dequantized first). `adapter`: a LoRA adapter directory in mlx-lm's
+    format, applied on top in the same dtype. `before_eval(model, config)` may replace the
     model while its weights are still lazy (a distributed rank keeps only its shard, so only
     that part is ever read). Raises ModelLoadError naming `model_name`.
     """
     path = check_model_dir(path, dtype, model_name)
+    if adapter is not None and (problem := adapter_problem(adapter)):
+        raise ModelLoadError(f"model '{model_name}': {problem}")
     try:
         # Lazy: when casting, the stored weights are only read while computing the cast ones.
         loaded = load(str(path), lazy=True, return_config=True)
@@ -108,6 +130,8 @@ def load_llm(
             model.set_dtype(FLOAT_DTYPES[target])
             config.pop("quantization", None)  # describe the weights as they now are
             config.pop("quantization_config", None)
+        if adapter is not None:
+            model = _with_adapter(model, adapter, target, model_name)
         if before_eval is not None:
             model = before_eval(model, config)
         mx.eval(model.parameters())
@@ -115,6 +139,8 @@ def load_llm(
             # The CPU backend evaluates exp element by element: the exact SiLU was ≈12% of a
             # batch-32 decode step on SmolLM2; the rational one is ≈10x cheaper (test_fast_silu).
             use_rational_swiglu(model)
+    except ModelLoadError:
+        raise
     except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind
         raise ModelLoadError(
             f"model '{model_name}': cannot load {path}: {type(exc).__name__}: {exc}"

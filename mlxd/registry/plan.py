@@ -21,6 +21,7 @@ from mlxd.config import ModelConfig
 ENGINE_FIELDS = (
     "kind",
     "source",
+    "adapter",
     "dtype",
     "batch",
     "cache",

@@ -8,17 +8,21 @@ removed engines drain — they close once idle or after `server.drain_timeout`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import cast
 
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.engines.base import Engine
 from mlxd.engines.client import WorkerEngine
 from mlxd.engines.factory import load_engine, locate
+from mlxd.engines.shared import AdapterHost, EnginePool, SharedView
 from mlxd.errors import MlxdError, Unavailable
 from mlxd.registry.plan import (
+    ENGINE_FIELDS,
     Action,
     Load,
     Park,
@@ -51,6 +55,7 @@ class Reconciler:
         # Removed models whose engines still drain: shown in status, no longer routable.
         self.removed: list[ModelRuntime] = []
         self.loads: Counter[tuple[str, str]] = Counter()  # (model, "ok" | "failed")
+        self.pool = EnginePool()  # engines shared by a base model and its adapters
 
     # -- reconcile ---------------------------------------------------------------------
 
@@ -194,6 +199,26 @@ class Reconciler:
             self._retire(runtime, previous)
 
     async def _build(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
+        key = self._share_key(runtime.name, config)
+        if key is None:
+            return await self._start_engine(runtime, config)
+        base = config.model_copy(update={"adapter": None})
+
+        async def start() -> AdapterHost:
+            return cast(AdapterHost, await self._start_engine(runtime, base))
+
+        return await self.pool.view(runtime.name, config, key, start)
+
+    def _share_key(self, name: str, config: ModelConfig) -> str | None:
+        """The key of the engine `name` shares with the other declared models of its source and
+        engine settings, when one of them has another `adapter:` (None: its own engine)."""
+        key = _share_group(config)
+        if key is None:
+            return None
+        siblings = [m for n, m in self.desired.items() if n != name and _share_group(m) == key]
+        return key if any(m.adapter != config.adapter for m in siblings) else None
+
+    async def _start_engine(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
         async def make_room(need: int) -> None:
             await self._make_room(need, runtime)
 
@@ -209,10 +234,21 @@ class Reconciler:
         if budget is None:
             return
         draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
+        # Models sharing an engine are evicted together: only the last one out frees it.
+        groups: dict[str, list[ModelRuntime]] = {}
+        for rt in self.models.values():
+            if rt is not loading and rt.engine is not None:
+                engine = rt.engine
+                key = f"engine {id(engine.base)}" if isinstance(engine, SharedView) else rt.name
+                groups.setdefault(key, []).append(rt)
         residents = [
-            Resident(rt.name, rt.engine.memory_bytes, rt.engine.last_used, rt.engine.idle)
-            for rt in self.models.values()
-            if rt is not loading and rt.engine is not None
+            Resident(
+                key,
+                sum(rt.engine.memory_bytes for rt in rts if rt.engine),
+                max(rt.engine.last_used for rt in rts if rt.engine),
+                all(rt.engine.idle for rt in rts if rt.engine),
+            )
+            for key, rts in groups.items()
         ]
         victims = evictions(need + draining, budget, residents)
         if victims is None:
@@ -223,10 +259,11 @@ class Reconciler:
                 f"({budget / 2**30:.2f} GiB) has {max(budget - in_use, 0) / 2**30:.2f} GiB "
                 f"free; loaded and busy: {busy}"
             )
-        for name in victims:
-            log.info("memory budget: unloading idle model '%s' to make room", name)
-            # Idle, so it closes at once; its memory is back once its worker has exited.
-            await self._park(self.models[name])
+        for key in victims:
+            for rt in groups[key]:
+                log.info("memory budget: unloading idle model '%s' to make room", rt.name)
+            # Idle, so they close at once; the memory is back once their worker has exited.
+            await asyncio.gather(*(self._park(rt) for rt in groups[key]))
 
     async def engine_for(self, name: str) -> Engine:
         """The serving engine of model `name`, loading it first if it is lazy or still loading.
@@ -352,6 +389,7 @@ class Reconciler:
                 "state": "draining" if removed else runtime.state,
                 "kind": runtime.config.kind,
                 "source": runtime.config.source,
+                "adapter": str(runtime.config.adapter) if runtime.config.adapter else None,
                 "load": runtime.config.load,
                 "aliases": [] if removed else list(runtime.config.aliases),
                 "error": runtime.error,
@@ -368,3 +406,12 @@ class Reconciler:
                 **(runtime.engine.stats() if runtime.engine is not None else {}),
             }
         return rows
+
+
+def _share_group(config: ModelConfig) -> str | None:
+    """What must match for models to share an engine: every engine field but `adapter`
+    (None: a kind or setup that never shares)."""
+    if config.kind != "llm" or config.distributed is not None:
+        return None
+    fields = set(ENGINE_FIELDS) - {"adapter"}
+    return json.dumps(config.model_dump(mode="json", include=fields), sort_keys=True)

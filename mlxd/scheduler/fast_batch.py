@@ -33,6 +33,7 @@ class FastGenerationBatch(GenerationBatch):
     def _step(self) -> tuple[list[list[int]], list[list[Any]]]:  # type: ignore[override]
         """Each row's tokens this step (one, or more when drafts were accepted) and, per
         token, its log-probabilities (None where skipped)."""
+        _route_rows(self.model, self.uids)
         drafts = self._drafts()
         if drafts is not None:
             return self._speculative_step(drafts)
@@ -184,6 +185,10 @@ class FastGenerationBatch(GenerationBatch):
 
 
 class FastPromptProcessingBatch(PromptProcessingBatch):
+    def prompt(self, tokens: list[list[int]]) -> None:
+        _route_rows(self.model, self.uids)
+        super().prompt(tokens)
+
     def generate(self, tokens: list[list[int]]) -> FastGenerationBatch:
         # mlx-lm's generate(), building our GenerationBatch.
         if any(len(t) > 1 for t in tokens):
@@ -215,6 +220,14 @@ class FastBatchGenerator(BatchGenerator):
         self._generation_batch.speculator = speculator
         if speculator is not None:  # it may outlive a generator whose uids started from 0 too
             speculator.retain([])
+
+
+def _route_rows(model: Any, uids: list[int]) -> None:
+    """Tell a multi-LoRA model (see engines.core) which sequences the next forward pass's
+    rows are, so each row uses its own adapter."""
+    route = getattr(model, "route_rows", None)
+    if route is not None:
+        route(uids)
 
 
 def _present(arrays: list[Any]) -> list[mx.array]:

@@ -9,6 +9,7 @@ cores), so multi-token calls run the backbone alone. Decode steps (one token) ar
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -17,6 +18,9 @@ import mlx.nn as nn
 
 class SkipPrefillLogits:
     """Wraps an mlx-lm model; attribute access goes to the model (layers, make_cache, …)."""
+
+    # Called with the batch's sequence ids before each forward pass (multi-LoRA routing).
+    route_rows: Callable[[list[int]], None] | None = None
 
     def __init__(self, model: nn.Module):
         self._model = model

@@ -40,6 +40,42 @@ def test_check_rejects_unknown_parser_names(tmp_path: Path):
     assert "bad.yaml:4: models.smol.parsers.tool_calls: unknown tool-call parser" in result.stderr
 
 
+def test_check_reads_adapter_directories_relative_to_the_file(tmp_path: Path):
+    good = tmp_path / "adapters" / "good"
+    good.mkdir(parents=True)
+    (good / "adapter_config.json").write_text('{"num_layers": 2}')
+    (good / "adapters.safetensors").write_bytes(b"")
+    half = tmp_path / "adapters" / "half"
+    half.mkdir()
+    (half / "adapters.safetensors").write_bytes(b"")
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        "models:\n"
+        "  good: {source: ./x, adapter: adapters/good}\n"
+        "  gone: {source: ./x, adapter: ./adapters/gone}\n"
+        "  half: {source: ./x, adapter: adapters/half}\n"
+    )
+    result = check(config)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"{config}:3: models.gone.adapter: adapter directory {tmp_path}/adapters/gone "
+        "does not exist",
+        f"{config}:4: models.half.adapter: adapter directory {half} has no adapter_config.json",
+    ]
+    (half / "adapter_config.json").write_text("[1]")
+    assert f"{half}/adapter_config.json is not a JSON object" in check(config).stderr
+    (half / "adapter_config.json").write_text("{}")
+    assert "models.half" not in check(config).stderr
+
+
+def test_check_rejects_an_adapter_on_an_embedding_model(tmp_path: Path):
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  e: {kind: embedding, source: ./x, adapter: ./a}\n")
+    result = check(config)
+    assert result.returncode == 1
+    assert "models.e: adapter applies to llm models run in one process only" in result.stderr
+
+
 def test_check_rejects_a_draft_model_the_file_does_not_serve(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(

@@ -53,6 +53,7 @@ def loaded(config: ModelConfig) -> Actual:
 ENGINE_CHANGES: dict[str, Any] = {
     "kind": "vlm",
     "source": "b",
+    "adapter": "/adapters/fr",
     "dtype": "float16",
     "batch": BatchConfig(max_batch_size=4),
     "cache": CacheConfig(kv_bits=8),
