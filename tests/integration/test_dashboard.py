@@ -60,12 +60,25 @@ def page(daemon: Daemon):
     driver.quit()
 
 
+RESCANS = 50
+
+
 def by_name(driver, role: str, name: str):
-    """The element with ARIA `role` and accessible name `name`, as a screen reader finds it."""
-    for element in driver.find_elements("css selector", CONTROLS + ", [role], [aria-label]"):
-        if element.aria_role == role and element.accessible_name == name:
-            return element
-    return None
+    """The element with ARIA `role` and accessible name `name`, as a screen reader finds it.
+    The page re-renders its tables every couple of seconds: a scan that meets an element
+    replaced under it starts again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    selector = CONTROLS + ", [role], [aria-label]"
+    for _ in range(RESCANS):
+        try:
+            for element in driver.find_elements("css selector", selector):
+                if element.aria_role == role and element.accessible_name == name:
+                    return element
+            return None
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"the page kept changing under every scan for {role} {name!r}")
 
 
 def row_state(driver, model: str) -> str:
@@ -109,12 +122,19 @@ def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
 
 def test_every_control_has_an_accessible_name(page, tmp_path: Path) -> None:
     eventually(lambda: by_name(page, "button", "Unload smol"))
-    unnamed = [
-        element.get_attribute("outerHTML")[:80]
-        for element in page.find_elements("css selector", CONTROLS)
-        if element.is_displayed() and not element.accessible_name.strip()
-    ]
-    assert unnamed == []
+
+    def unnamed() -> tuple[list[str]]:
+        # In a tuple, so that an empty list is a result: `eventually` retries only when the
+        # page replaced an element under the loop (its tables re-render every few seconds).
+        return (
+            [
+                element.get_attribute("outerHTML")[:80]
+                for element in page.find_elements("css selector", CONTROLS)
+                if element.is_displayed() and not element.accessible_name.strip()
+            ],
+        )
+
+    assert eventually(unnamed) == ([],)
     for role, name in [("combobox", "Chat model"), ("textbox", "Message"), ("button", "Send"),
                        ("combobox", "Embedding model"), ("button", "Reload config"),
                        ("combobox", "Filter by model")]:  # fmt: skip
