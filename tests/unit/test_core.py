@@ -7,7 +7,6 @@ import threading
 import time
 from typing import Any
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
@@ -17,6 +16,7 @@ from mlxd.engines.core import LLMCore, Output, Sequence, SequenceStatus
 from mlxd.engines.loop import ModelLoop
 from mlxd.errors import Overloaded, Unavailable
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
+from tests.tiny_llama import tiny_llama
 
 S = SequenceStatus
 
@@ -42,21 +42,7 @@ class LetterTokenizer:
 
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
-    tiny = llama.Model(args)
-    mx.eval(tiny.parameters())
-    return tiny
+    return tiny_llama()
 
 
 def core_for(model: Any, **batch: int) -> LLMCore:

@@ -15,6 +15,7 @@ from mlx_lm.utils import load_adapters
 
 from mlxd.engines.core import LLMCore
 from mlxd.models.lora import MultiLoRA
+from tests.tiny_llama import tiny_llama
 from tests.unit.test_core import core_for, run, sequence, tokens_of
 
 LORA = {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "mlp.up_proj"]}
@@ -22,21 +23,7 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
 
 
 def tiny() -> llama.Model:
-    mx.random.seed(0)  # the same base weights every time
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama()  # the same base weights every time
 
 
 def write_adapter(directory: Path, seed: int, num_layers: int) -> Path:

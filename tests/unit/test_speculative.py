@@ -32,6 +32,7 @@ from mlxd.scheduler.speculative import (
     roll_back,
 )
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
+from tests.tiny_llama import tiny_llama
 from tests.unit.test_core import LetterTokenizer, run
 
 DOCUMENT = "The quick brown fox jumpd over the lazy dog. It was a sunny day."
@@ -148,24 +149,6 @@ def test_greedy_speculation_gives_the_plain_tokens_on_smollm2(smol, smol_rows) -
 DRAFTING = SpeculativeConfig(mode="draft", model="draft", num_tokens=4, disable_by_batch_size=8)
 
 
-def _tiny_llama(vocab_size: int, seed: int) -> llama.Model:
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab_size,
-        tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
 def test_a_draft_model_gives_the_plain_tokens_on_smollm2(smol, smol_rows) -> None:
     """SmolLM2 drafting for itself has every draft accepted (so its per-row caches follow
     the rows exactly); a random draft with SmolLM2's vocabulary changes no token either."""
@@ -175,7 +158,7 @@ def test_a_draft_model_gives_the_plain_tokens_on_smollm2(smol, smol_rows) -> Non
     assert itself.counters.draft_tokens >= 20
     assert itself.counters.as_dict()["acceptance_rate"] == 1.0
     assert not itself._rows  # each row's draft cache went when the row finished
-    noise = DraftSpeculator(DRAFTING, _tiny_llama(smol.config["vocab_size"], seed=5))
+    noise = DraftSpeculator(DRAFTING, tiny_llama(smol.config["vocab_size"], seed=5))
     assert _generate(smol.model, prompts, noise, **rows) == plain
     assert noise.counters.draft_tokens > noise.counters.accepted_tokens
 
@@ -212,7 +195,7 @@ def test_a_new_generator_starts_its_speculator_afresh(tiny) -> None:
 
 def test_a_draft_with_another_vocabulary_is_refused_at_load(smol, tmp_path: Path) -> None:
     # A tiny llama on disk with SmolLM2's tokenizer files but a 64-token embedding.
-    model = _tiny_llama(vocab_size=64, seed=1)
+    model = tiny_llama(vocab_size=64, seed=1)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol.path / name, tmp_path / name)
@@ -234,7 +217,7 @@ def test_a_draft_with_another_vocabulary_is_refused_at_load(smol, tmp_path: Path
 
 @pytest.fixture(scope="module")
 def tiny() -> llama.Model:
-    return _tiny_llama(vocab_size=8, seed=3)
+    return tiny_llama(vocab_size=8, seed=3)
 
 
 def test_a_stop_inside_an_accepted_run_ends_where_plain_decoding_does(tiny) -> None:
