@@ -246,7 +246,13 @@ def test_anthropic_stream_equals_non_streaming(claude: anthropic.Anthropic):
 def test_aborted_image_stream_frees_its_slot(daemon: Daemon, oai: openai.OpenAI):
     cancelled_before = daemon.status()["models"]["vlm"]["cancelled"]
     stream = oai.chat.completions.create(
-        model="vlm", max_tokens=1500, messages=openai_image(data_url(4)), stream=True
+        model="vlm",
+        max_tokens=1500,
+        messages=openai_image(data_url(4)),
+        stream=True,
+        # This image's greedy answer ends after 6 tokens: without its end token the sequence
+        # runs on, so the close below cancels it instead of racing its natural end.
+        logit_bias={"2": -100},  # <|im_end|>
     )
     assert sum(1 for _, _ in zip(stream, range(4), strict=False)) == 4
     stream.close()
