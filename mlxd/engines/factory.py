@@ -26,7 +26,9 @@ async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path,
         resolve_source, config.source, model_name=name, cache_dir=cache_dir
     )
     kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
-    need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget)
+    # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
+    packs = config.distributed is None
+    need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget, packs=packs)
     draft = config.speculative.draft if config.speculative else None
     if draft is not None:  # loaded into this model's worker too
         draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from mlxd import kernels
 from mlxd.errors import ModelLoadError
 from mlxd.models.loader import DTYPES, _target_dtype
 
@@ -63,13 +64,68 @@ def _quantization(model_dir: Path) -> dict[str, Any]:
     return quant if isinstance(quant, dict) else {}
 
 
-def estimate_weight_bytes(model_dir: Path, dtype: str) -> int:
+def _quantized_modules(
+    tensors: dict[str, dict[str, Any]], quant: dict[str, Any]
+) -> dict[str, tuple[int, int, int, int]]:
+    """Each quantized module's (out, in, group size, bits), from its packed weight and scales."""
+    modules = {}
+    for name, entry in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        scales = tensors.get(f"{module}.scales")
+        if leaf != "weight" or scales is None:
+            continue
+        override = quant.get(module)
+        group_size = (override if isinstance(override, dict) else quant).get(
+            "group_size", _DEFAULT_GROUP_SIZE
+        )
+        # The packed weight has the dequantized shape except its last (input) dimension.
+        out_dims, in_dims = math.prod(entry["shape"][:-1]), scales["shape"][-1] * group_size
+        bits = entry["shape"][-1] * 32 // in_dims
+        modules[module] = (out_dims, in_dims, group_size, bits)
+    return modules
+
+
+def _packed_bytes(
+    tensors: dict[str, dict[str, Any]], modules: dict[str, tuple[int, int, int, int]]
+) -> int | None:
+    """Bytes once models/packed.py packs every quantized module, or None when it would not.
+
+    Packed: the stored bits, a float32 scale and bias per 32 inputs, other tensors float32;
+    an embedding keeps its stored table for lookups beside the packed copy.
+    """
+    packable = all(
+        out % 32 == 0 and group % 32 == 0 and bits in (4, 8)
+        for out, _, group, bits in modules.values()
+    )
+    if not (modules and packable and kernels.available()):
+        return None
+    total = 0
+    for name, entry in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        begin, end = entry["data_offsets"]
+        if module in modules:
+            if leaf == "weight":
+                out, in_dims, _, _ = modules[module]
+                total += (end - begin) + out * in_dims // 32 * 8
+                if module.endswith("embed_tokens"):
+                    total += end - begin  # the lookup table
+            elif module.endswith("embed_tokens"):
+                total += math.prod(entry["shape"]) * 4  # the lookup table's scales and biases
+        elif entry["dtype"] in _FLOAT_DTYPES:
+            total += math.prod(entry["shape"]) * 4
+        else:
+            total += end - begin
+    return total
+
+
+def estimate_weight_bytes(model_dir: Path, dtype: str, *, packs: bool = True) -> int:
     """Bytes of the model's parameters once loaded with `dtype` (see loader.load_llm).
 
-    Kept weights count as stored. A cast turns every float tensor into numel × itemsize of the
-    target, and each quantized group (`x.weight` packed uint32, `x.scales`, `x.biases`) into the
-    dense out × in weight it dequantizes to. Raises ModelLoadError for an unknown dtype, a missing
-    dir, no weight files, or an unreadable header.
+    `packs`: whether the loader may pack quantized weights for the CPU kernel (not for a
+    distributed rank). Kept weights count as stored. A cast turns every float tensor into
+    numel × itemsize of the target, and each quantized group (`x.weight` packed uint32,
+    `x.scales`, `x.biases`) into the dense out × in weight it dequantizes to. Raises
+    ModelLoadError for an unknown dtype, a missing dir, no weight files, or an unreadable header.
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -89,21 +145,17 @@ def estimate_weight_bytes(model_dir: Path, dtype: str) -> int:
         return sum(end - begin for begin, end in (t["data_offsets"] for t in tensors.values()))
 
     itemsize = _ITEMSIZE[target]
-    quant = _quantization(model_dir)
+    modules = _quantized_modules(tensors, _quantization(model_dir))
+    if packs and dtype == "auto" and (packed := _packed_bytes(tensors, modules)) is not None:
+        return packed
     total = 0
     for name, entry in tensors.items():
         module, _, leaf = name.rpartition(".")
-        scales = tensors.get(f"{module}.scales")
-        if scales is not None and leaf in ("scales", "biases"):
+        if module in modules and leaf in ("scales", "biases"):
             continue  # counted with the packed weight, into which they dequantize
-        if scales is not None and leaf == "weight":
-            override = quant.get(module)
-            group_size = (override if isinstance(override, dict) else quant).get(
-                "group_size", _DEFAULT_GROUP_SIZE
-            )
-            # The packed weight has the dequantized shape except its last (input) dimension.
-            in_dims = scales["shape"][-1] * group_size
-            total += math.prod(entry["shape"][:-1]) * in_dims * itemsize
+        if module in modules and leaf == "weight":
+            out_dims, in_dims, _, _ = modules[module]
+            total += out_dims * in_dims * itemsize
         elif entry["dtype"] in _FLOAT_DTYPES:
             total += math.prod(entry["shape"]) * itemsize
         else:
@@ -112,6 +164,6 @@ def estimate_weight_bytes(model_dir: Path, dtype: str) -> int:
     return total
 
 
-def estimate_model_bytes(model_dir: Path, dtype: str, kv_budget: int) -> int:
+def estimate_model_bytes(model_dir: Path, dtype: str, kv_budget: int, *, packs: bool = True) -> int:
     """Bytes the model needs resident: its weights loaded with `dtype` plus its KV cache budget."""
-    return estimate_weight_bytes(model_dir, dtype) + kv_budget
+    return estimate_weight_bytes(model_dir, dtype, packs=packs) + kv_budget

@@ -1,8 +1,9 @@
-"""Load a resolved model directory with mlx-lm, in the weight dtype the backend runs best.
+"""Load a resolved model directory with mlx-lm, in the weight format the backend runs best.
 
-The MLX CPU backend has no fast quantized matmul, while float32 matmul goes through BLAS: on the
-CPU a dequantized float32 model decodes ~2x faster at batch 1 and ~15x at batch 32 than the 4-bit
-one. Metal and CUDA have fast quantized kernels, so there the stored weights are kept.
+Metal and CUDA have fast quantized kernels, so there the stored weights are kept. The MLX CPU
+backend's own quantized matmul is slower than float32 BLAS; on the CPU a quantized model runs on
+mlxd's packed kernel (models/packed.py: stored bits, faster than float32 at every batch size)
+when it is built and takes every layer, and is dequantized to float32 otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
+from mlxd.models.packed import can_pack, pack_model
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPES = ("auto", "keep", *FLOAT_DTYPES)
@@ -123,7 +125,14 @@ def load_llm(
         assert len(loaded) == 3
         model, tokenizer, config = loaded
         target = _target_dtype(dtype)
-        if target is not None:
+        # Distributed shards (before_eval) slice quantized layers with mlx-lm's own code,
+        # which knows only its own layer types.
+        packed = target == "float32" and dtype == "auto" and before_eval is None
+        packed = packed and can_pack(model)
+        if packed:
+            model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
+            target = None
+        elif target is not None:
             # Scales in float32 first: the CPU dequantizes ~3x faster from float32 than float16.
             model.set_dtype(mx.float32)
             model = dequantize_model(model)
@@ -131,7 +140,10 @@ def load_llm(
             config.pop("quantization", None)  # describe the weights as they now are
             config.pop("quantization_config", None)
         if adapter is not None:
-            model = _with_adapter(model, adapter, target, model_name)
+            # mlx-lm's LoRA layers wrap the quantized layers, whose insides are packed next.
+            model = _with_adapter(model, adapter, "float32" if packed else target, model_name)
+        if packed:
+            pack_model(model)
         if before_eval is not None:
             model = before_eval(model, config)
         mx.eval(model.parameters())

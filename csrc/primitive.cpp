@@ -1,0 +1,79 @@
+// The MLX op around qmatmul_cpu: shape checks, output allocation, dispatch on the CPU stream.
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "qmatmul.h"
+
+namespace mx = mlx::core;
+
+namespace mlxd {
+
+mx::array qmatmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("qmatmul: bits must be 4 or 8");
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || w.dtype() != mx::uint8) {
+    throw std::invalid_argument("qmatmul: x [..., K] and uint8 w [N, K * bits / 8]");
+  }
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  if (K % 32 != 0 || w.shape(1) * 8 != K * bits || scales.size() != size_t(N) * (K / 32) ||
+      biases.shape() != scales.shape()) {
+    throw std::invalid_argument("qmatmul: shapes of x, w, scales and biases do not agree");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = N;
+  auto as_f32 = [&](const mx::array& a) {
+    return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream);
+  };
+  return mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<QMatmul>(stream, bits),
+      {as_f32(x), mx::contiguous(w, false, stream), as_f32(scales), as_f32(biases)});
+}
+
+void QMatmul::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(y);
+  const int K = x.shape(-1);
+  const int M = static_cast<int>(x.size() / K);
+  const int N = w.shape(0);
+  encoder.dispatch([xp = x.data<float>(),
+                    wp = w.data<uint8_t>(),
+                    sp = scales.data<float>(),
+                    bp = biases.data<float>(),
+                    yp = y.data<float>(),
+                    M,
+                    N,
+                    K,
+                    bits = bits_]() { qmatmul_cpu(xp, wp, sp, bp, yp, M, N, K, bits); });
+}
+
+void QMatmul::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  throw std::runtime_error("QMatmulCPU runs on the CPU stream only");
+}
+
+}  // namespace mlxd

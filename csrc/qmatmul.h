@@ -1,0 +1,53 @@
+// The packed-weight CPU matmul (see qmatmul.cpp) and the MLX op that runs it.
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace mlxd {
+
+// y[M, N] = x[M, K] @ dequantize(w)^T for weights packed by `qmatmul_pack` (Python side).
+void qmatmul_cpu(
+    const float* x,
+    const uint8_t* w,
+    const float* scales,
+    const float* biases,
+    float* y,
+    int M,
+    int N,
+    int K,
+    int bits);
+
+// x [..., K] float32; w uint8 [N, K * bits / 8]; scales, biases float32 [N, K / 32].
+mlx::core::array qmatmul(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const mlx::core::array& biases,
+    int bits);
+
+class QMatmul : public mlx::core::Primitive {
+ public:
+  QMatmul(mlx::core::Stream stream, int bits) : Primitive(stream), bits_(bits) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  const char* name() const override {
+    return "QMatmulCPU";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    return bits_ == static_cast<const QMatmul&>(other).bits_;
+  }
+
+ private:
+  int bits_;
+};
+
+}  // namespace mlxd

@@ -1,0 +1,49 @@
+"""Build mlxd's CPU kernels (csrc/) against the installed MLX: `python -m mlxd.kernels.build`.
+
+`make` runs this after installing the package. The module lands next to this file as
+`_cpu.<abi>.so`, compiled for this machine's CPU (-march=native). It needs a C++ compiler,
+CMake and nanobind at the ABI MLX was built with; without them mlxd still runs (float32
+weights on the CPU, as before), which `mlxd.kernels.available()` reports.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import mlx
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_DIR = PACKAGE_DIR.parent.parent / "csrc"
+
+
+def module_path() -> Path:
+    return PACKAGE_DIR / f"_cpu{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def build() -> Path:
+    mlx_cmake = Path(mlx.__path__[0]) / "share" / "cmake" / "MLX"
+    with tempfile.TemporaryDirectory(prefix="mlxd-kernels-") as build_dir:
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(SOURCE_DIR),
+                "-B",
+                build_dir,
+                "-DCMAKE_BUILD_TYPE=Release",
+                f"-DMLX_DIR={mlx_cmake}",
+                f"-DPython_EXECUTABLE={sys.executable}",
+                f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={PACKAGE_DIR}",
+            ],
+            check=True,
+        )
+        subprocess.run(["cmake", "--build", build_dir, "-j"], check=True)
+    return module_path()
+
+
+if __name__ == "__main__":
+    print(build())

@@ -1,0 +1,89 @@
+"""Quantized layers that run on mlxd's CPU kernel (mlxd.kernels) instead of float32 BLAS.
+
+On the CPU backend a quantized model used to be dequantized to float32 at load: MLX 0.32's own
+quantized matmul is slower still. With the kernel the weights stay as stored (a Q4_1 GGUF: 4.5
+bits a weight instead of 32), which is what bounds a decode step at small batches, and the
+kernel also beats float32 BLAS at batch 32 (docs/performance.md). `pack_model` swaps every
+`nn.QuantizedLinear` for a `PackedLinear`; a quantized embedding keeps its table for lookups
+and gains a packed copy for the tied output projection (`as_linear`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from mlxd import kernels
+from mlxd.kernels import Packed
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W in the kernel's packed layout; float32 out."""
+
+    def __init__(self, packed: Packed, bias: mx.array | None) -> None:
+        super().__init__()
+        self.weight = packed.weight
+        self.scales = packed.scales
+        self.biases = packed.biases
+        self.bits = packed.bits
+        if bias is not None:
+            self.bias = bias
+        self.output_dims, self.input_dims = packed.shape
+
+    @property
+    def packed(self) -> Packed:
+        return Packed(self.weight, self.scales, self.biases, self.bits)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = kernels.qmatmul(x, self.packed)
+        return y + self["bias"] if "bias" in self else y
+
+
+class PackedEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding whose `as_linear` (tied output projection) runs packed."""
+
+    def __init__(self, embedding: nn.QuantizedEmbedding) -> None:
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = embedding.group_size, embedding.bits, "affine"
+        self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
+        self.weight, self.scales, self.biases = embedding.weight, embedding.scales, embedding.biases
+        self.output = PackedLinear(_pack(embedding), None)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.output(x)
+
+
+def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> Packed:
+    assert module.biases is not None  # affine quantization (see _packable)
+    return kernels.pack(module.weight, module.scales, module.biases, module.group_size, module.bits)
+
+
+def _packable(module: nn.Module) -> bool:
+    if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        return module.mode == "affine" and kernels.packable(
+            module.weight, module.group_size, module.bits
+        )
+    return False
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Whether the kernels are built and take every quantized layer of `model` (and it has some)."""
+    quantized = [
+        m
+        for _, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    ]
+    return kernels.available() and bool(quantized) and all(map(_packable, quantized))
+
+
+def pack_model(model: nn.Module) -> None:
+    """Swap `model`'s quantized layers for packed ones in place (see `can_pack`)."""
+    replacements: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            bias = module.get("bias")
+            replacements.append((name, PackedLinear(_pack(module), bias)))
+        elif isinstance(module, nn.QuantizedEmbedding):
+            replacements.append((name, PackedEmbedding(module)))
+    model.update_modules(tree_unflatten(replacements))
