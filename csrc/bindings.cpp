@@ -1,13 +1,22 @@
 // Python module mlxd.kernels._cpu (nanobind; arrays cross as mlx.core.array).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 
+#include "attention.h"
 #include "qmatmul.h"
+#include "rope.h"
+#include "threads.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_cpu, m) {
   m.doc() = "mlxd's CPU kernels for MLX";
+  m.def(
+      "set_threads",
+      [](int threads) { mlxd::kernel_threads().store(threads < 1 ? 1 : threads); },
+      "threads"_a,
+      "How many threads the kernels use (1: no OpenMP threads are started).");
   m.def(
       "qmatmul",
       &mlxd::qmatmul,
@@ -17,4 +26,24 @@ NB_MODULE(_cpu, m) {
       "biases"_a,
       "bits"_a,
       "x @ dequantize(w).T for weights packed by mlxd.kernels.pack (float32 result).");
+  m.def(
+      "rope",
+      &mlxd::rope,
+      "x"_a,
+      "inv_freq"_a,
+      "offsets"_a,
+      "dims"_a,
+      "traditional"_a,
+      "scale"_a,
+      "Rotary position embedding of float32 x [B, H, L, D] (mx.fast.rope's arithmetic).");
+  m.def(
+      "attention",
+      &mlxd::attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "scale"_a,
+      "mask"_a.none(),
+      "causal"_a,
+      "Scaled dot-product attention of float32 q, k, v [B, H, L, D] (grouped-query heads).");
 }

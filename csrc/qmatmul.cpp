@@ -14,6 +14,7 @@
 // GCC vector extensions keep the code portable: -march=native turns them into AVX-512 or AVX2.
 
 #include "qmatmul.h"
+#include "threads.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -143,7 +144,8 @@ void rows(const Problem& p, int t0, int m0, int count) {
 template <int BITS>
 void run(const Problem& p) {
   const int pairs = p.N / (LANES * TILES);
-#pragma omp parallel for schedule(static)
+  const int threads = kernel_threads().load();
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < pairs; ++t) {
     for (int m = 0; m < p.M; m += MAX_ROWS) {
       rows<BITS>(p, t * TILES, m, std::min(MAX_ROWS, p.M - m));

@@ -10,6 +10,7 @@ and biases per block of 32 inputs).
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -114,3 +115,39 @@ def qmatmul(x: mx.array, packed: Packed) -> mx.array:
         raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
     result: mx.array = _cpu.qmatmul(x, packed.weight, packed.scales, packed.biases, packed.bits)
     return result
+
+
+def rope(
+    x: mx.array, inv_freq: mx.array, offsets: mx.array, dims: int, traditional: bool, scale: float
+) -> mx.array:
+    """mx.fast.rope's rotation of float32 x [B, H, L, D] at positions offsets[b] + l."""
+    if _cpu is None:
+        raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
+    result: mx.array = _cpu.rope(x, inv_freq, offsets, dims, traditional, scale)
+    return result
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None
+) -> mx.array:
+    """mx.fast.scaled_dot_product_attention for float32 q, k, v [B, H, L, D] (no sinks)."""
+    if _cpu is None:
+        raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
+    causal = isinstance(mask, str)
+    if causal and mask != "causal":
+        raise ValueError(f"unknown mask {mask!r}")
+    result: mx.array = _cpu.attention(q, k, v, scale, None if causal else mask, causal)
+    return result
+
+
+_blas_in_process = False
+
+
+def share_cores(packed: bool) -> None:
+    """Called at each model load: the kernels use every core while this process's models all
+    run packed, one thread once any does its matmuls on OpenBLAS (float32): OpenBLAS's
+    threads and OpenMP's would spin against each other (csrc/threads.h)."""
+    global _blas_in_process
+    _blas_in_process |= not packed
+    if _cpu is not None:
+        _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))

@@ -8,6 +8,7 @@ weights on the CPU, as before), which `mlxd.kernels.available()` reports.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -37,11 +38,13 @@ def build() -> Path:
                 "-DCMAKE_BUILD_TYPE=Release",
                 f"-DMLX_DIR={mlx_cmake}",
                 f"-DPython_EXECUTABLE={sys.executable}",
-                f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={PACKAGE_DIR}",
+                f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={build_dir}/out",
             ],
             check=True,
         )
         subprocess.run(["cmake", "--build", build_dir, "-j"], check=True)
+        # A rename, not an overwrite: processes that loaded the old module keep their copy.
+        os.replace(Path(build_dir) / "out" / module_path().name, module_path())
     return module_path()
 
 

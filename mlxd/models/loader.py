@@ -19,10 +19,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load, load_adapters
 
+from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
+from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_rope
 from mlxd.models.packed import can_pack, pack_model
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -151,6 +153,10 @@ def load_llm(
             # The CPU backend evaluates exp element by element: the exact SiLU was ≈12% of a
             # batch-32 decode step on SmolLM2; the rational one is ≈10x cheaper (test_fast_silu).
             use_rational_swiglu(model)
+            kernels.share_cores(packed)
+            # MLX composes rope and attention from element-wise ops on the CPU.
+            use_kernel_rope(model)
+            use_kernel_attention(model)
     except ModelLoadError:
         raise
     except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind

@@ -22,3 +22,11 @@ def smol(mlxd_cache_dir: Path):
     cache_dir = home_cache if (home_cache / "gguf").is_dir() else mlxd_cache_dir
     path = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=cache_dir)
     return load_llm(path, dtype="float32", model_name="smol")
+
+
+@pytest.fixture(scope="session")
+def smol_packed(smol):
+    """The same GGUF as `smol`, loaded as the CPU engine does: packed for mlxd's kernel."""
+    from mlxd.models.loader import load_llm
+
+    return load_llm(smol.path, dtype="auto", model_name="smol")

@@ -14,7 +14,17 @@ PACKAGE = Path(mlxd.__file__).parent
 # Lowest first. A module may import from its own layer and the ones below it.
 # `parsers` sits at the bottom with `config`, which checks parser names against its registry.
 LAYERS: list[set[str]] = [
-    {"types", "errors", "config", "settings", "accel", "logs", "process_exit", "parsers"},
+    {
+        "types",
+        "errors",
+        "config",
+        "settings",
+        "accel",
+        "logs",
+        "process_exit",
+        "parsers",
+        "kernels",
+    },
     {"cache", "scheduler", "models", "constrain", "media", "distributed"},
     {"engines"},
     {"registry"},

@@ -1,0 +1,48 @@
+// Scaled dot-product attention on the CPU, as an MLX primitive (see attention.cpp).
+#pragma once
+
+#include <optional>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace mlxd {
+
+// q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], float32 (any strides).
+// mask: none, causal (lower right: query i sees keys up to Lk - Lq + i), or an array that
+// broadcasts to [B, Hq, Lq, Lk], bool (true: attend) or float32 (added to the scores).
+mlx::core::array attention(
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    float scale,
+    const std::optional<mlx::core::array>& mask,
+    bool causal);
+
+class Attention : public mlx::core::Primitive {
+ public:
+  Attention(mlx::core::Stream stream, float scale, bool causal, bool has_mask)
+      : Primitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  const char* name() const override {
+    return "AttentionCPU";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    const auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+  bool has_mask_;
+};
+
+}  // namespace mlxd

@@ -1,0 +1,109 @@
+"""RoPE and attention through mlxd's CPU kernels: one pass each instead of MLX's composition.
+
+On the CPU backend MLX composes mx.fast.rope and mx.fast.scaled_dot_product_attention from
+element-wise ops and BLAS calls: ≈50 µs and ≈35 µs for one decode token, per layer and call,
+more than the layer's matmuls once those run packed; the kernels do the same arithmetic in a
+few µs (docs/performance.md). Only float32 [B, H, L, D] inputs take them; anything else (other
+dtypes, attention sinks, a quantized KV cache) goes to MLX as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from mlxd import kernels
+
+
+class KernelRoPE(nn.Module):
+    """A plain nn.RoPE (scaled variants such as Llama 3's keep MLX's)."""
+
+    def __init__(self, rope: nn.RoPE) -> None:
+        super().__init__()
+        self.dims, self.traditional, self.base, self.scale = (
+            rope.dims,
+            rope.traditional,
+            rope.base,
+            rope.scale,
+        )
+        exponents = mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims
+        self._inv_freq = mx.power(mx.array(self.base, mx.float32), -exponents)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.ndim != 4 or x.dtype != mx.float32:
+            return mx.fast.rope(
+                x,
+                self.dims,
+                traditional=self.traditional,
+                base=self.base,
+                scale=self.scale,
+                offset=offset,
+            )
+        offsets = mx.broadcast_to(mx.array(offset, mx.int32), (x.shape[0],))
+        return kernels.rope(x, self._inv_freq, offsets, self.dims, self.traditional, self.scale)
+
+
+def use_kernel_rope(model: nn.Module) -> int:
+    """Swap `model`'s plain nn.RoPE layers for KernelRoPE; how many were swapped."""
+    if not kernels.available():
+        return 0
+    swaps = [
+        (name, KernelRoPE(module))
+        for name, module in model.named_modules()
+        if type(module) is nn.RoPE and module.base is not None
+    ]
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
+
+
+def kernel_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` (models/base.py), on the kernel where it can."""
+    if (
+        sinks is None
+        and not hasattr(cache, "bits")  # a quantized KV cache
+        and all(a.ndim == 4 and a.dtype == mx.float32 for a in (queries, keys, values))
+    ):
+        return kernels.attention(queries, keys, values, scale, mask)
+    return _mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _mlx_lm_attention(*args: Any, **kwargs: Any) -> mx.array:
+    from mlx_lm.models import base
+
+    result: mx.array = base.scaled_dot_product_attention(*args, **kwargs)
+    return result
+
+
+def use_kernel_attention(model: nn.Module) -> int:
+    """Point the attention of `model`'s architecture at `kernel_attention`; how many modules.
+
+    mlx-lm's model files call `scaled_dot_product_attention` from models/base.py by a module
+    global, so the swap is that global in the architecture's module (e.g. mlx_lm.models.llama):
+    it holds for every model of that architecture in this process (a worker serves one model).
+    """
+    from mlx_lm.models import base
+
+    if not kernels.available():
+        return 0
+    modules = {type(m).__module__ for _, m in model.named_modules()}
+    swapped = 0
+    for name in modules:
+        module = sys.modules.get(name)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if module is not None and current is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = kernel_attention  # type: ignore[attr-defined]
+            swapped += 1
+    return swapped
