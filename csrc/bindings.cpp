@@ -4,6 +4,7 @@
 
 #include "attention.h"
 #include "qmatmul.h"
+#include "rms_norm.h"
 #include "rope.h"
 #include "threads.h"
 
@@ -22,10 +23,16 @@ NB_MODULE(_cpu, m) {
       &mlxd::qmatmul,
       "x"_a,
       "w"_a,
-      "scales"_a,
-      "biases"_a,
+      "scale_bias"_a,
       "bits"_a,
       "x @ dequantize(w).T for weights packed by mlxd.kernels.pack (float32 result).");
+  m.def(
+      "rms_norm",
+      &mlxd::rms_norm,
+      "x"_a,
+      "weight"_a,
+      "eps"_a,
+      "mx.fast.rms_norm for float32 x [..., D] and a weight [D].");
   m.def(
       "rope",
       &mlxd::rope,

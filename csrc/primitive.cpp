@@ -12,8 +12,7 @@ namespace mlxd {
 mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
-    const mx::array& scales,
-    const mx::array& biases,
+    const mx::array& scale_bias,
     int bits) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("qmatmul: bits must be 4 or 8");
@@ -23,21 +22,20 @@ mx::array qmatmul(
   }
   const int K = x.shape(-1);
   const int N = w.shape(0);
-  if (K % 32 != 0 || w.shape(1) * 8 != K * bits || scales.size() != size_t(N) * (K / 32) ||
-      biases.shape() != scales.shape()) {
-    throw std::invalid_argument("qmatmul: shapes of x, w, scales and biases do not agree");
+  if (K % 32 != 0 || w.shape(1) * 8 != K * bits || scale_bias.size() != size_t(N) * (K / 16) ||
+      (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
+    throw std::invalid_argument("qmatmul: shapes of x, w and scale_bias do not agree");
   }
   auto stream = mx::default_stream(mx::Device::cpu);
   auto shape = x.shape();
   shape.back() = N;
-  auto as_f32 = [&](const mx::array& a) {
-    return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream);
-  };
   return mx::array(
       shape,
       mx::float32,
       std::make_shared<QMatmul>(stream, bits),
-      {as_f32(x), mx::contiguous(w, false, stream), as_f32(scales), as_f32(biases)});
+      {mx::contiguous(mx::astype(x, mx::float32, stream), false, stream),
+       mx::contiguous(w, false, stream),
+       mx::contiguous(scale_bias, false, stream)});
 }
 
 void QMatmul::eval_cpu(
@@ -45,29 +43,31 @@ void QMatmul::eval_cpu(
     std::vector<mx::array>& outputs) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
-  const auto& scales = inputs[2];
-  const auto& biases = inputs[3];
+  const auto& scale_bias = inputs[2];
   auto& y = outputs[0];
   y.set_data(mx::allocator::malloc(y.nbytes()));
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(x);
   encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
+  encoder.set_input_array(scale_bias);
   encoder.set_output_array(y);
   const int K = x.shape(-1);
   const int M = static_cast<int>(x.size() / K);
   const int N = w.shape(0);
-  encoder.dispatch([xp = x.data<float>(),
-                    wp = w.data<uint8_t>(),
-                    sp = scales.data<float>(),
-                    bp = biases.data<float>(),
-                    yp = y.data<float>(),
-                    M,
-                    N,
-                    K,
-                    bits = bits_]() { qmatmul_cpu(xp, wp, sp, bp, yp, M, N, K, bits); });
+  const float* xp = x.data<float>();
+  const uint8_t* wp = w.data<uint8_t>();
+  float* yp = y.data<float>();
+  const int bits = bits_;
+  if (scale_bias.dtype() == mx::float16) {
+    encoder.dispatch([=, sp = scale_bias.data<uint16_t>()]() {
+      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits);
+    });
+  } else {
+    encoder.dispatch([=, sp = scale_bias.data<float>()]() {
+      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits);
+    });
+  }
 }
 
 void QMatmul::eval_gpu(

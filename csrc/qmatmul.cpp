@@ -9,8 +9,10 @@
 // no horizontal sums are needed: output rows go in tiles of 16, and for each tile and input k
 //   8 bits: 16 bytes, q[n0 + j][k] for j < 16
 //   4 bits: 16 bytes per pair (k, k + 1), byte j = q[n0 + j][k] | q[n0 + j][k + 1] << 4
-// with float32 scales and biases per tile and block of 32 inputs, 16 lanes each:
-// w = scale * q + bias (MLX's affine quantization).
+// and per tile and block of 32 inputs 16 scales then 16 biases, float16 (when that is exact,
+// as for a GGUF's) or float32: w = scale * q + bias (MLX's affine quantization). At batch 1 a
+// step streams every weight from memory, so the bytes per weight set its pace: 4.5 bits here
+// with float16 scales, as a Q4_1 GGUF.
 // GCC vector extensions keep the code portable: -march=native turns them into AVX-512 or AVX2.
 
 #include "qmatmul.h"
@@ -61,11 +63,35 @@ inline i32x16 load_u8(const uint8_t* p) {
 #endif
 }
 
+// 16 scales or biases as float32, from float32 or float16 (uint16_t bits).
+template <typename S>
+inline f32x16 load_scales(const S* p) {
+  if constexpr (sizeof(S) == 4) {
+    return load_f32(reinterpret_cast<const float*>(p));
+  } else {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+    const __m256 halves[2] = {
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+    f32x16 v;
+    std::memcpy(&v, halves, sizeof(v));
+    return v;
+#else
+    typedef _Float16 f16x16 __attribute__((vector_size(32)));
+    f16x16 h;
+    std::memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, f32x16);
+#endif
+  }
+}
+
+template <typename S>
 struct Problem {
   const float* x;  // [M, K]
   const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes]
-  const float* scales;  // [N / 16 tiles, K / 32 blocks, 16]
-  const float* biases;  // same
+  const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;
 };
@@ -86,8 +112,8 @@ inline void dequantize_pair(
 
 // y[m0 .. m0 + MB, n0 .. n0 + 32] for tiles t0 and t0 + 1. With few rows the FMAs alone cannot
 // hide their latency, so inputs k and k + 1 accumulate apart (SPLIT) and are summed at the end.
-template <int BITS, int MB>
-void tile_pair(const Problem& p, int t0, int m0) {
+template <int BITS, int MB, typename S>
+void tile_pair(const Problem<S>& p, int t0, int m0) {
   constexpr int SPLIT = MB <= 4 ? 2 : 1;
   const size_t tile_bytes = size_t(p.K) * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
@@ -95,9 +121,9 @@ void tile_pair(const Problem& p, int t0, int m0) {
   for (int b = 0; b < blocks; ++b) {
     f32x16 scale[TILES], bias[TILES];
     for (int v = 0; v < TILES; ++v) {
-      const size_t at = (size_t(t0 + v) * blocks + b) * LANES;
-      scale[v] = load_f32(p.scales + at);
-      bias[v] = load_f32(p.biases + at);
+      const S* at = p.scale_bias + (size_t(t0 + v) * blocks + b) * 2 * LANES;
+      scale[v] = load_scales(at);
+      bias[v] = load_scales(at + LANES);
     }
     for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
       f32x16 w0[TILES], w1[TILES];
@@ -125,57 +151,55 @@ void tile_pair(const Problem& p, int t0, int m0) {
   }
 }
 
-template <int BITS>
-void rows(const Problem& p, int t0, int m0, int count) {
+template <int BITS, typename S>
+void rows(const Problem<S>& p, int t0, int m0, int count) {
   switch (count) {
-    case 1: return tile_pair<BITS, 1>(p, t0, m0);
-    case 2: return tile_pair<BITS, 2>(p, t0, m0);
-    case 3: return tile_pair<BITS, 3>(p, t0, m0);
-    case 4: return tile_pair<BITS, 4>(p, t0, m0);
-    case 5: return tile_pair<BITS, 5>(p, t0, m0);
-    case 6: return tile_pair<BITS, 6>(p, t0, m0);
-    case 7: return tile_pair<BITS, 7>(p, t0, m0);
-    default: return tile_pair<BITS, 8>(p, t0, m0);
+    case 1: return tile_pair<BITS, 1, S>(p, t0, m0);
+    case 2: return tile_pair<BITS, 2, S>(p, t0, m0);
+    case 3: return tile_pair<BITS, 3, S>(p, t0, m0);
+    case 4: return tile_pair<BITS, 4, S>(p, t0, m0);
+    case 5: return tile_pair<BITS, 5, S>(p, t0, m0);
+    case 6: return tile_pair<BITS, 6, S>(p, t0, m0);
+    case 7: return tile_pair<BITS, 7, S>(p, t0, m0);
+    default: return tile_pair<BITS, 8, S>(p, t0, m0);
   }
 }
 
 // Work items are pairs of tiles, split over the threads; each walks every row of x in passes of
 // up to 8, re-reading its 32 weight rows from L1/L2.
-template <int BITS>
-void run(const Problem& p) {
+template <int BITS, typename S>
+void run(const Problem<S>& p) {
   const int pairs = p.N / (LANES * TILES);
   const int threads = kernel_threads().load();
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int t = 0; t < pairs; ++t) {
     for (int m = 0; m < p.M; m += MAX_ROWS) {
-      rows<BITS>(p, t * TILES, m, std::min(MAX_ROWS, p.M - m));
+      rows<BITS, S>(p, t * TILES, m, std::min(MAX_ROWS, p.M - m));
     }
   }
 }
 
 }  // namespace
 
-void qmatmul_cpu(
-    const float* x,
-    const uint8_t* w,
-    const float* scales,
-    const float* biases,
-    float* y,
-    int M,
-    int N,
-    int K,
-    int bits) {
+template <typename S>
+void qmatmul_cpu(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N,
+                 int K, int bits) {
   if (K % BLOCK != 0 || N % (LANES * TILES) != 0) {
     throw std::invalid_argument("qmatmul: K must be a multiple of 32 and N of 32");
   }
-  const Problem p{x, w, scales, biases, y, M, N, K};
+  const Problem<S> p{x, w, scale_bias, y, M, N, K};
   if (bits == 4) {
-    run<4>(p);
+    run<4, S>(p);
   } else if (bits == 8) {
-    run<8>(p);
+    run<8, S>(p);
   } else {
     throw std::invalid_argument("qmatmul: bits must be 4 or 8");
   }
 }
+
+template void qmatmul_cpu<float>(const float*, const uint8_t*, const float*, float*, int, int,
+                                 int, int);
+template void qmatmul_cpu<uint16_t>(const float*, const uint8_t*, const uint16_t*, float*, int,
+                                    int, int, int);
 
 }  // namespace mlxd

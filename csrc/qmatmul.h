@@ -8,24 +8,17 @@
 
 namespace mlxd {
 
-// y[M, N] = x[M, K] @ dequantize(w)^T for weights packed by `qmatmul_pack` (Python side).
-void qmatmul_cpu(
-    const float* x,
-    const uint8_t* w,
-    const float* scales,
-    const float* biases,
-    float* y,
-    int M,
-    int N,
-    int K,
-    int bits);
+// y[M, N] = x[M, K] @ dequantize(w)^T for weights packed by mlxd.kernels.pack; S is float
+// or uint16_t (float16 bits) for the scales and biases.
+template <typename S>
+void qmatmul_cpu(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N,
+                 int K, int bits);
 
-// x [..., K] float32; w uint8 [N, K * bits / 8]; scales, biases float32 [N, K / 32].
+// x [..., K]; w uint8 [N, K * bits / 8]; scale_bias float16 or float32 [N / 16, K / 32, 2, 16].
 mlx::core::array qmatmul(
     const mlx::core::array& x,
     const mlx::core::array& w,
-    const mlx::core::array& scales,
-    const mlx::core::array& biases,
+    const mlx::core::array& scale_bias,
     int bits);
 
 class QMatmul : public mlx::core::Primitive {

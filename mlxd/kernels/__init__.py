@@ -3,8 +3,8 @@
 `qmatmul(x, packed)` multiplies float32 activations with affine-quantized weights (4 or 8 bits)
 at the speed the CPU's vector units allow, which MLX 0.32's CPU backend does not: its quantized
 matmul is 2-4x slower than float32 BLAS. `pack` rearranges MLX's quantized layout (uint32 words,
-groups of 32/64/128) once into the kernel's (bytes in tiles of 16 output rows, float32 scales
-and biases per block of 32 inputs).
+groups of 32/64/128) once into the kernel's (bytes in tiles of 16 output rows, scales and
+biases per block of 32 inputs).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _load() -> ModuleType | None:
         x = mx.ones((1, 32))
         weight, scales, biases = mx.quantize(w, group_size=32, bits=8)
         packed = pack(weight, scales, biases, group_size=32, bits=8)
-        y = module.qmatmul(x, packed.weight, packed.scales, packed.biases, 8)
+        y = module.qmatmul(x, packed.weight, packed.scale_bias, 8)
         expected = x @ mx.dequantize(weight, scales, biases, group_size=32, bits=8).T
         if not mx.allclose(y, expected, atol=1e-4).item():
             return None
@@ -52,8 +52,7 @@ class Packed:
     """Weights [N, K] in the kernel's layout."""
 
     weight: mx.array  # uint8 [N, K * bits / 8], tiled
-    scales: mx.array  # float32 [N / 16, K / 32, 16]
-    biases: mx.array  # same
+    scale_bias: mx.array  # float16 or float32 [N / 16, K / 32, 2 (scale, bias), 16]
     bits: int
 
     @property
@@ -62,7 +61,7 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+        return self.weight.nbytes + self.scale_bias.nbytes
 
 
 def packable(weight: mx.array, group_size: int, bits: int) -> bool:
@@ -82,7 +81,8 @@ def pack(
 
     The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
     for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
-    scales and biases per tile and block of 32 inputs, 16 lanes each.
+    per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
+    exactly (a GGUF's do), else float32.
     """
     if not packable(weight, group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
@@ -95,14 +95,14 @@ def pack(
         tiles = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
     packed_weight = np.ascontiguousarray(tiles.transpose(0, 2, 1)).reshape(rows, -1)
 
-    def per_tile(a: mx.array) -> mx.array:
-        per_block = np.repeat(np.asarray(a.astype(mx.float32)), group_size // BLOCK, axis=1)
-        return mx.array(
-            np.ascontiguousarray(per_block.reshape(rows // LANES, LANES, -1).transpose(0, 2, 1))
-        )
-
-    packed = Packed(mx.array(packed_weight), per_tile(scales), per_tile(biases), bits)
-    mx.eval(packed.weight, packed.scales, packed.biases)
+    # [rows, K / group] → [tiles, K / 32 blocks, 2, 16]: the tile's 16 scales, then biases.
+    both = np.stack([np.asarray(scales.astype(mx.float32)), np.asarray(biases.astype(mx.float32))])
+    both = np.repeat(both, group_size // BLOCK, axis=2).reshape(2, rows // LANES, LANES, -1)
+    both = np.ascontiguousarray(both.transpose(1, 3, 0, 2))
+    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
+        both = both.astype(np.float16)
+    packed = Packed(mx.array(packed_weight), mx.array(both), bits)
+    mx.eval(packed.weight, packed.scale_bias)
     return packed
 
 
@@ -113,7 +113,7 @@ def qmatmul(x: mx.array, packed: Packed) -> mx.array:
     """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
     if _cpu is None:
         raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
-    result: mx.array = _cpu.qmatmul(x, packed.weight, packed.scales, packed.biases, packed.bits)
+    result: mx.array = _cpu.qmatmul(x, packed.weight, packed.scale_bias, packed.bits)
     return result
 
 
@@ -151,3 +151,11 @@ def share_cores(packed: bool) -> None:
     _blas_in_process |= not packed
     if _cpu is not None:
         _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """mx.fast.rms_norm for float32 x [..., D] and weight [D]."""
+    if _cpu is None:
+        raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
+    result: mx.array = _cpu.rms_norm(x, weight, eps)
+    return result

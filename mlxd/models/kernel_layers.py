@@ -1,10 +1,10 @@
-"""RoPE and attention through mlxd's CPU kernels: one pass each instead of MLX's composition.
+"""RoPE, RMSNorm and attention through mlxd's CPU kernels: one pass each, not MLX's composition.
 
-On the CPU backend MLX composes mx.fast.rope and mx.fast.scaled_dot_product_attention from
-element-wise ops and BLAS calls: ≈50 µs and ≈35 µs for one decode token, per layer and call,
-more than the layer's matmuls once those run packed; the kernels do the same arithmetic in a
-few µs (docs/performance.md). Only float32 [B, H, L, D] inputs take them; anything else (other
-dtypes, attention sinks, a quantized KV cache) goes to MLX as before.
+On the CPU backend MLX composes mx.fast.rope, mx.fast.rms_norm and
+mx.fast.scaled_dot_product_attention from element-wise ops and BLAS calls: ≈50, 25 and 35 µs
+for one decode token, per layer and call, more than the layer's matmuls once those run packed;
+the kernels do the same arithmetic in a few µs (docs/performance.md). Only float32 inputs take
+them; anything else (other dtypes, attention sinks, a quantized KV cache) goes to MLX as before.
 """
 
 from __future__ import annotations
@@ -47,15 +47,30 @@ class KernelRoPE(nn.Module):
         return kernels.rope(x, self._inv_freq, offsets, self.dims, self.traditional, self.scale)
 
 
-def use_kernel_rope(model: nn.Module) -> int:
-    """Swap `model`'s plain nn.RoPE layers for KernelRoPE; how many were swapped."""
+class KernelRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same weight) on the kernel for float32 inputs."""
+
+    def __init__(self, norm: nn.RMSNorm) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype != mx.float32 or self.weight.dtype != mx.float32:
+            return super().__call__(x)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def use_kernel_layers(model: nn.Module) -> int:
+    """Swap `model`'s plain nn.RoPE and nn.RMSNorm layers for the kernel ones (subclasses and
+    other variants keep MLX's); how many were swapped."""
     if not kernels.available():
         return 0
-    swaps = [
-        (name, KernelRoPE(module))
-        for name, module in model.named_modules()
-        if type(module) is nn.RoPE and module.base is not None
-    ]
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module) is nn.RoPE and module.base is not None:
+            swaps.append((name, KernelRoPE(module)))
+        elif type(module) is nn.RMSNorm:
+            swaps.append((name, KernelRMSNorm(module)))
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)

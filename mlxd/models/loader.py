@@ -24,7 +24,7 @@ from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
-from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_rope
+from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
 from mlxd.models.packed import can_pack, pack_model
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -154,8 +154,8 @@ def load_llm(
             # batch-32 decode step on SmolLM2; the rational one is ≈10x cheaper (test_fast_silu).
             use_rational_swiglu(model)
             kernels.share_cores(packed)
-            # MLX composes rope and attention from element-wise ops on the CPU.
-            use_kernel_rope(model)
+            # MLX composes rope, norms and attention from element-wise ops on the CPU.
+            use_kernel_layers(model)
             use_kernel_attention(model)
     except ModelLoadError:
         raise

@@ -24,8 +24,7 @@ class PackedLinear(nn.Module):
     def __init__(self, packed: Packed, bias: mx.array | None) -> None:
         super().__init__()
         self.weight = packed.weight
-        self.scales = packed.scales
-        self.biases = packed.biases
+        self.scale_bias = packed.scale_bias
         self.bits = packed.bits
         if bias is not None:
             self.bias = bias
@@ -33,7 +32,7 @@ class PackedLinear(nn.Module):
 
     @property
     def packed(self) -> Packed:
-        return Packed(self.weight, self.scales, self.biases, self.bits)
+        return Packed(self.weight, self.scale_bias, self.bits)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = kernels.qmatmul(x, self.packed)

@@ -17,20 +17,24 @@ def test_the_kernels_are_built_and_load() -> None:
 
 
 def _reference(x: mx.array, weight: mx.array, scales, biases, group_size: int, bits: int):
+    # In float32, as the kernel computes (float16 scales would round each weight to float16).
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     w = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
     return x.astype(mx.float32) @ w.T
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_qmatmul_equals_dequantize_then_matmul(bits: int, group_size: int) -> None:
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_qmatmul_equals_dequantize_then_matmul(bits: int, group_size: int, dtype) -> None:
     mx.random.seed(bits * 1000 + group_size)
     out_dims, in_dims = 96, 384
-    weight, scales, biases = mx.quantize(
-        mx.random.normal((out_dims, in_dims)) * 0.1, group_size=group_size, bits=bits
-    )
+    weights = (mx.random.normal((out_dims, in_dims)) * 0.1).astype(dtype)
+    weight, scales, biases = mx.quantize(weights, group_size=group_size, bits=bits)
     packed = kernels.pack(weight, scales, biases, group_size, bits)
     assert packed.shape == (out_dims, in_dims)
+    # float16 scales (a float16 model's, a GGUF's) stay float16; float32 ones stay float32.
+    assert packed.scale_bias.dtype == dtype
     # Every row count the kernel tiles differently: 1-8 in one pass, then passes of 8.
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33):
         x = mx.random.normal((rows, in_dims))

@@ -1,0 +1,67 @@
+// RMS normalisation on the CPU in one pass per row.
+//
+// MLX 0.32's CPU backend runs mx.fast.rms_norm as several element-wise ops: ≈25 µs for one
+// decode token's 576 features, 61 times a SmolLM2 step. One row here is two short vector loops.
+#include "rms_norm.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+namespace mx = mlx::core;
+
+namespace mlxd {
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || weight.ndim() != 1 ||
+      weight.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument("rms_norm: float32 x [..., D] and weight [D]");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<RMSNorm>(stream, eps),
+      {mx::contiguous(x, false, stream),
+       mx::contiguous(mx::astype(weight, mx::float32, stream), false, stream)});
+}
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(inputs[1]);
+  encoder.set_output_array(y);
+  const int D = x.shape(-1);
+  encoder.dispatch([xp = x.data<float>(),
+                    wp = inputs[1].data<float>(),
+                    yp = y.data<float>(),
+                    rows = x.size() / D,
+                    D,
+                    eps = eps_]() {
+    for (size_t r = 0; r < rows; ++r) {
+      const float* in = xp + r * D;
+      float* out = yp + r * D;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int d = 0; d < D; ++d) {
+        squares += in[d] * in[d];
+      }
+      const float inv = 1.0f / std::sqrt(squares / D + eps);
+#pragma omp simd
+      for (int d = 0; d < D; ++d) {
+        out[d] = in[d] * inv * wp[d];
+      }
+    }
+  });
+}
+
+void RMSNorm::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  throw std::runtime_error("RMSNormCPU runs on the CPU stream only");
+}
+
+}  // namespace mlxd
