@@ -32,6 +32,9 @@ class KernelRoPE(nn.Module):
         )
         exponents = mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims
         self._inv_freq = mx.power(mx.array(self.base, mx.float32), -exponents)
+        # Now, on the loading thread: MLX streams belong to the thread that made them, and
+        # the model runs on another.
+        mx.eval(self._inv_freq)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if x.ndim != 4 or x.dtype != mx.float32:
