@@ -109,6 +109,174 @@ Strides strides_of(const mx::array& a) {
   return {a.strides()[0], a.strides()[1], a.strides()[2]};
 }
 
+struct Args {
+  const float *q, *k, *v;
+  float* y;
+  Strides qs, ks, vs;
+  const void* mask;  // nullptr, bool or float32, strides ms
+  mx::Strides ms;
+  bool bool_mask, causal;
+  int B, Hq, Lq, D, Hkv, Lk, Dv;
+  float scale;
+
+  int group() const {
+    return Hq / Hkv;
+  }
+  int padded() const {
+    return (Lk + LANES - 1) / LANES * LANES;
+  }
+  int visible(int i) const {  // keys query row i may see
+    return causal ? std::min(Lk, Lk - Lq + i + 1) : Lk;
+  }
+  const float* q_row(int b, int h, int i) const {
+    return q + b * qs.b + h * qs.h + i * qs.l;
+  }
+  const float* keys(int b, int hk) const {
+    return k + b * ks.b + hk * ks.h;
+  }
+  const float* values(int b, int hk) const {
+    return v + b * vs.b + hk * vs.h;
+  }
+  float* out_row(int b, int h, int i) const {
+    return y + ((size_t(b) * Hq + h) * Lq + i) * Dv;
+  }
+};
+
+// Scores sc[0, visible) of row (b, h, i) in, padded to a multiple of 16: applies the mask,
+// turns them into unnormalised probabilities in place and returns their sum (0: none visible).
+float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
+  const int visible = a.visible(i), padded = a.padded();
+  std::fill(sc + visible, sc + padded, NEG_INF);
+  if (a.mask != nullptr) {
+    const int64_t row = b * a.ms[0] + h * a.ms[1] + i * a.ms[2];
+    for (int j = 0; j < visible; ++j) {
+      const int64_t at = row + j * a.ms[3];
+      if (a.bool_mask) {
+        sc[j] = static_cast<const bool*>(a.mask)[at] ? sc[j] : NEG_INF;
+      } else {
+        sc[j] += static_cast<const float*>(a.mask)[at];
+      }
+    }
+  }
+  f32x16 tops = f32x16{} + NEG_INF;
+  for (int j = 0; j < padded; j += LANES) {
+    const f32x16 s = load(sc + j);
+    tops = s > tops ? s : tops;
+  }
+  float top = NEG_INF;
+  for (int lane = 0; lane < LANES; ++lane) {
+    top = tops[lane] > top ? tops[lane] : top;
+  }
+  if (top == NEG_INF) {
+    return 0.0f;
+  }
+  f32x16 total = {};
+  for (int j = 0; j < padded; j += LANES) {
+    const f32x16 p = exp_nonpositive(load(sc + j) - top);
+    std::memcpy(sc + j, &p, sizeof(p));
+    total += p;
+  }
+  return hsum(total);
+}
+
+// One query row against its keys (decode: a row per head, no reuse of the keys to exploit).
+void attend_row(const Args& a, int b, int h, int i, float* sc, float* acc) {
+  const int hk = h / a.group();
+  dot_scores(a.q_row(b, h, i), a.keys(b, hk), a.ks.l, a.D, a.visible(i), a.scale, sc);
+  const float sum = softmax_in_place(a, b, h, i, sc);
+  float* out = a.out_row(b, h, i);
+  if (sum == 0.0f) {  // nothing visible: zeros, not NaN
+    std::fill(out, out + a.Dv, 0.0f);
+    return;
+  }
+  std::fill(acc, acc + a.Dv, 0.0f);
+  const float* vb = a.values(b, hk);
+  for (int j = 0; j < a.Lk; ++j) {
+    const float p = sc[j];
+    if (p == 0.0f) {
+      continue;
+    }
+    const float* vj = vb + j * a.vs.l;
+#pragma omp simd
+    for (int d = 0; d < a.Dv; ++d) {
+      acc[d] += p * vj[d];
+    }
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int d = 0; d < a.Dv; ++d) {
+    out[d] = acc[d] * inv;
+  }
+}
+
+constexpr int TILE_ROWS = 8;  // query rows sharing each pass over a kv head's keys and values
+
+// Keys of every (b, kv head) 16 at a time, head dimension outermost: [B, Hkv, blocks, D, 16].
+void transpose_keys(const Args& a, float* kt, int b, int hk) {
+  const float* kb = a.keys(b, hk);
+  const int padded = a.padded();
+  float* dst = kt + (size_t(b) * a.Hkv + hk) * padded * a.D;
+  for (int j = 0; j < padded; ++j) {
+    float* block = dst + size_t(j / LANES) * a.D * LANES + j % LANES;
+    for (int d = 0; d < a.D; ++d) {
+      block[d * LANES] = j < a.Lk ? kb[j * a.ks.l + d] : 0.0f;
+    }
+  }
+}
+
+// Up to 8 query rows of one kv head (rows r of its group: head hk * group + r / Lq, position
+// r % Lq) in one pass over its keys and one over its values: each key block and value row read
+// from cache feeds every row, where a row at a time re-read them all per row.
+void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
+  const int padded = a.padded(), D = a.D;
+  int hs[TILE_ROWS], is[TILE_ROWS], most = 0;
+  float qscaled[TILE_ROWS][256];
+  for (int r = 0; r < rows; ++r) {
+    hs[r] = hk * a.group() + (r0 + r) / a.Lq;
+    is[r] = (r0 + r) % a.Lq;
+    most = std::max(most, a.visible(is[r]));
+    const float* qi = a.q_row(b, hs[r], is[r]);
+    for (int d = 0; d < D; ++d) {
+      qscaled[r][d] = qi[d] * a.scale;
+    }
+  }
+  const float* kth = kt + (size_t(b) * a.Hkv + hk) * padded * D;
+  for (int blk = 0; blk < (most + LANES - 1) / LANES; ++blk) {
+    const float* kblock = kth + size_t(blk) * D * LANES;
+    f32x16 s[TILE_ROWS] = {};
+    for (int d = 0; d < D; ++d) {
+      const f32x16 kd = load(kblock + d * LANES);
+      for (int r = 0; r < rows; ++r) {
+        s[r] += qscaled[r][d] * kd;
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(sc + size_t(r) * padded + blk * LANES, &s[r], sizeof(s[r]));
+    }
+  }
+  float inv[TILE_ROWS];
+  for (int r = 0; r < rows; ++r) {
+    const float sum = softmax_in_place(a, b, hs[r], is[r], sc + size_t(r) * padded);
+    inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // nothing visible: zeros, not NaN
+  }
+  const float* vb = a.values(b, hk);
+  for (int d0 = 0; d0 < a.Dv; d0 += LANES) {
+    const int width = std::min(LANES, a.Dv - d0);
+    f32x16 acc[TILE_ROWS] = {};
+    for (int j = 0; j < most; ++j) {
+      f32x16 vj = {};
+      std::memcpy(&vj, vb + j * a.vs.l + d0, width * sizeof(float));
+      for (int r = 0; r < rows; ++r) {
+        acc[r] += sc[size_t(r) * padded + j] * vj;
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const f32x16 out = acc[r] * inv[r];
+      std::memcpy(a.out_row(b, hs[r], is[r]) + d0, &out, width * sizeof(float));
+    }
+  }
+}
+
 }  // namespace
 
 mx::array attention(
@@ -154,100 +322,61 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     encoder.set_input_array(a);
   }
   encoder.set_output_array(y);
-
   const bool has_mask = has_mask_;
-  const bool bool_mask = has_mask && inputs[3].dtype() == mx::bool_;
-  const void* mp = has_mask ? inputs[3].data<void>() : nullptr;
-  const auto ms = has_mask ? inputs[3].strides() : mx::Strides{0, 0, 0, 0};
-  encoder.dispatch([qp = q.data<float>(),
-                    kp = k.data<float>(),
-                    vp = v.data<float>(),
-                    yp = y.data<float>(),
-                    qs = strides_of(q),
-                    ks = strides_of(k),
-                    vs = strides_of(v),
-                    mp,
-                    ms,
-                    bool_mask,
-                    B = q.shape(0),
-                    Hq = q.shape(1),
-                    Lq = q.shape(2),
-                    D = q.shape(3),
-                    Hkv = k.shape(1),
-                    Lk = k.shape(2),
-                    Dv = v.shape(3),
-                    scale = scale_,
-                    causal = causal_]() {
-    const int group = Hq / Hkv;
-    const int padded = (Lk + LANES - 1) / LANES * LANES;
+  const Args args{
+      q.data<float>(),
+      k.data<float>(),
+      v.data<float>(),
+      y.data<float>(),
+      strides_of(q),
+      strides_of(k),
+      strides_of(v),
+      has_mask ? inputs[3].data<void>() : nullptr,
+      has_mask ? inputs[3].strides() : mx::Strides{0, 0, 0, 0},
+      has_mask && inputs[3].dtype() == mx::bool_,
+      causal_,
+      q.shape(0),
+      q.shape(1),
+      q.shape(2),
+      q.shape(3),
+      k.shape(1),
+      k.shape(2),
+      v.shape(3),
+      scale_};
+  encoder.dispatch([a = args]() {
     const int threads = kernel_threads().load();
+    const int padded = a.padded(), group_rows = a.group() * a.Lq;
+    // Tiles when each key serves several query rows (prefill, verification); decode rows go
+    // one at a time, where transposing the keys would cost more than it saves.
+    if (group_rows >= TILE_ROWS && a.D <= 256) {
+      std::vector<float> kt(size_t(a.B) * a.Hkv * padded * a.D);
+      const int tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-      std::vector<float> scores(padded);
-      std::vector<float> acc(Dv);
+      {
+        std::vector<float> scores(size_t(TILE_ROWS) * padded);
 #pragma omp for collapse(2) schedule(static)
-      for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < Hq; ++h) {
-          const int hk = h / group;
-          const float* kb = kp + b * ks.b + hk * ks.h;
-          const float* vb = vp + b * vs.b + hk * vs.h;
-          for (int i = 0; i < Lq; ++i) {
-            const float* qi = qp + b * qs.b + h * qs.h + i * qs.l;
-            const int visible = causal ? std::min(Lk, Lk - Lq + i + 1) : Lk;
-            const int64_t mrow = b * ms[0] + h * ms[1] + i * ms[2];
-            float* sc = scores.data();
-            dot_scores(qi, kb, ks.l, D, visible, scale, sc);
-            std::fill(sc + visible, sc + padded, NEG_INF);
-            if (mp != nullptr) {
-              for (int j = 0; j < visible; ++j) {
-                const int64_t at = mrow + j * ms[3];
-                if (bool_mask) {
-                  sc[j] = static_cast<const bool*>(mp)[at] ? sc[j] : NEG_INF;
-                } else {
-                  sc[j] += static_cast<const float*>(mp)[at];
-                }
-              }
-            }
-            f32x16 tops = f32x16{} + NEG_INF;
-            for (int j = 0; j < padded; j += LANES) {
-              const f32x16 s = load(sc + j);
-              tops = s > tops ? s : tops;
-            }
-            float top = NEG_INF;
-            for (int lane = 0; lane < LANES; ++lane) {
-              top = tops[lane] > top ? tops[lane] : top;
-            }
-            float* out = yp + ((size_t(b) * Hq + h) * Lq + i) * Dv;
-            if (top == NEG_INF) {  // nothing visible: zeros, not NaN
-              std::fill(out, out + Dv, 0.0f);
-              continue;
-            }
-            f32x16 total = {};
-            for (int j = 0; j < padded; j += LANES) {
-              const f32x16 p = exp_nonpositive(load(sc + j) - top);
-              std::memcpy(sc + j, &p, sizeof(p));
-              total += p;
-            }
-            const float sum = hsum(total);
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int j = 0; j < Lk; ++j) {
-              const float p = scores[j];
-              if (p == 0.0f) {
-                continue;
-              }
-              const float* vj = vb + j * vs.l;
-#pragma omp simd
-              for (int d = 0; d < Dv; ++d) {
-                acc[d] += p * vj[d];
-              }
-            }
-            const float inv = 1.0f / sum;
-#pragma omp simd
-            for (int d = 0; d < Dv; ++d) {
-              out[d] = acc[d] * inv;
-            }
+        for (int b = 0; b < a.B; ++b) {
+          for (int hk = 0; hk < a.Hkv; ++hk) {
+            transpose_keys(a, kt.data(), b, hk);
           }
         }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < int64_t(a.B) * a.Hkv * tiles; ++item) {
+          const int b = item / (a.Hkv * tiles), hk = item / tiles % a.Hkv, t = item % tiles;
+          const int r0 = t * TILE_ROWS;
+          attend_tile(
+              a, kt.data(), b, hk, r0, std::min(TILE_ROWS, group_rows - r0), scores.data());
+        }
+      }
+      return;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      std::vector<float> scores(padded), acc(a.Dv);
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < int64_t(a.B) * a.Hq * a.Lq; ++row) {
+        attend_row(
+            a, row / (a.Hq * a.Lq), row / a.Lq % a.Hq, row % a.Lq, scores.data(), acc.data());
       }
     }
   });
