@@ -1,13 +1,16 @@
-"""mlxd's CPU kernel (csrc/qmatmul.cpp) against MLX's own dequantize + matmul, and a real
-quantized model run packed against the same model dequantized to float32."""
+"""mlxd's CPU kernels (csrc/) against MLX's own ops: the packed matmul against dequantize +
+matmul, RoPE, RMSNorm and attention against mx.fast; and a real quantized model run packed
+against the same model dequantized to float32."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from mlxd import kernels
+from mlxd.models.kernel_layers import KernelRMSNorm, KernelRoPE, kernel_attention
 from mlxd.models.packed import PackedEmbedding, PackedLinear
 
 
@@ -97,3 +100,87 @@ def _greedy(model: nn.Module, ids: mx.array, tokens: int = 24) -> list[int]:
         out.append(token.item())
         x = token[None]
     return out
+
+
+def _rope_float64(x: mx.array, dims: int, traditional: bool, offsets: np.ndarray) -> np.ndarray:
+    """RoPE computed in float64 with numpy: the truth both MLX and the kernel approximate."""
+    a = np.array(x, dtype=np.float64)
+    positions = offsets[:, None] + np.arange(a.shape[2])  # [B, L]
+    inv_freq = 100000.0 ** (-np.arange(0, dims, 2) / dims)
+    theta = positions[:, None, :, None] * inv_freq  # [B, 1, L, dims / 2]
+    first, second = (
+        (a[..., 0:dims:2], a[..., 1:dims:2])
+        if traditional
+        else (a[..., : dims // 2], a[..., dims // 2 : dims])
+    )
+    cos, sin = np.cos(theta), np.sin(theta)
+    out = a.copy()
+    rotated = (first * cos - second * sin, first * sin + second * cos)
+    if traditional:
+        out[..., 0:dims:2], out[..., 1:dims:2] = rotated
+    else:
+        out[..., : dims // 2], out[..., dims // 2 : dims] = rotated
+    return out
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_rope_equals_mlx(traditional: bool, dims: int) -> None:
+    rope = nn.RoPE(dims, traditional=traditional, base=100000.0)
+    kernel = KernelRoPE(rope)
+    contiguous = mx.random.normal((3, 9, 5, 64))
+    strided = mx.random.normal((3, 5, 9, 64)).transpose(0, 2, 1, 3)  # as attention passes it
+    for x in (contiguous, strided):
+        for offset in (0, 17, mx.array([3, 100, 4000])):  # a batch's per-row offsets
+            got = kernel(x, offset=offset)
+            expected = mx.fast.rope(
+                x, dims, traditional=traditional, base=100000.0, scale=1.0, offset=offset
+            )
+            # Both round the angle of a late position (≈5e-4 at 4000 for MLX's float32
+            # angles): each is held to the float64 truth, the kernel no further than MLX.
+            offsets = np.broadcast_to(np.array(offset), (x.shape[0],))
+            truth = _rope_float64(x, dims, traditional, offsets)
+            kernel_error = np.abs(np.array(got) - truth).max()
+            mlx_error = np.abs(np.array(expected) - truth).max()
+            assert kernel_error <= max(mlx_error, 1e-5), (kernel_error, mlx_error)
+
+
+def test_rms_norm_equals_mlx() -> None:
+    norm = nn.RMSNorm(96, eps=1e-5)
+    norm.weight = mx.random.normal((96,))
+    kernel = KernelRMSNorm(norm)
+    for x in (mx.random.normal((2, 7, 96)), mx.random.normal((96, 3)).T[:, None, :]):
+        assert mx.allclose(kernel(x), norm(x), atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # (B, q heads, kv heads, query rows, keys, head dim): decode rows one at a time,
+        # prefill and verification rows in tiles (group × rows >= 8), odd sizes.
+        (1, 9, 3, 1, 64, 64),
+        (4, 9, 3, 1, 70, 64),
+        (2, 9, 3, 5, 20, 64),
+        (2, 4, 4, 7, 7, 80),
+        (3, 9, 3, 16, 40, 64),
+        (1, 2, 1, 33, 50, 32),
+    ],
+)
+def test_attention_equals_mlx(shape: tuple[int, ...]) -> None:
+    b, hq, hkv, lq, lk, d = shape
+    q = mx.random.normal((b, lq, hq, d)).transpose(0, 2, 1, 3)
+    k = mx.random.normal((b, hkv, lk + 5, d))[:, :, :lk]  # a cache's view: strided
+    v = mx.random.normal((b, hkv, lk, d))
+    masks = [
+        None,
+        "causal",
+        mx.random.uniform(shape=(b, 1, lq, lk)) > 0.3,  # bool, as batch padding masks
+        mx.random.normal((b, 1, lq, lk)),  # additive
+        mx.random.uniform(shape=(lq, lk)) > 0.5,
+    ]
+    for mask in masks:
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = kernel_attention(q, k, v, cache=None, scale=0.125, mask=mask)
+        # A row whose mask hides every key: MLX gives NaN, the kernel zeros.
+        expected = mx.where(mx.isnan(expected), 0.0, expected)
+        assert mx.allclose(got, expected, atol=1e-5).item(), (shape, mask)
