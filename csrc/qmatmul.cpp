@@ -33,6 +33,7 @@ constexpr int BLOCK = 32;  // inputs sharing one scale and bias
 constexpr int LANES = 16;  // output rows per tile
 constexpr int TILES = 2;  // tiles per work item: each broadcast x value feeds two FMAs
 constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
+constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weights are fetched
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -115,12 +116,20 @@ inline void dequantize_pair(
 template <int BITS, int MB, typename S>
 void tile_pair(const Problem<S>& p, int t0, int m0) {
   constexpr int SPLIT = MB <= 4 ? 2 : 1;
+  constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   const size_t tile_bytes = size_t(p.K) * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
   f32x16 acc[MB][TILES][SPLIT] = {};
   for (int b = 0; b < blocks; ++b) {
     f32x16 scale[TILES], bias[TILES];
     for (int v = 0; v < TILES; ++v) {
+      // The hardware prefetcher alone streamed a decode step's weights at ≈10 GB/s of the
+      // ≈33 this machine reads: ask for the block a few ahead (past the end: harmless).
+      const uint8_t* ahead = p.w + (t0 + v) * tile_bytes + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
+      for (int line = 0; line < BLOCK_BYTES; line += 64) {
+        __builtin_prefetch(ahead + line);
+      }
+      __builtin_prefetch(p.scale_bias + (size_t(t0 + v) * blocks + b + PREFETCH_BLOCKS) * 2 * LANES);
       const S* at = p.scale_bias + (size_t(t0 + v) * blocks + b) * 2 * LANES;
       scale[v] = load_scales(at);
       bias[v] = load_scales(at + LANES);

@@ -451,8 +451,9 @@ class ModelConfig(_Section):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = Field(
         "auto",
-        description="Compute dtype. auto picks per backend (float32 on CPU when it fits the "
-        "budget); keep leaves the weights as stored (e.g. quantized).",
+        description="Compute dtype. auto picks per backend: on the CPU a quantized model runs "
+        "packed on mlxd's kernels (stored bits), anything else as float32; on Metal/CUDA as "
+        "stored. keep leaves the weights as stored (e.g. quantized, on MLX's own kernels).",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Reject prompts longer than this; null means the context length."

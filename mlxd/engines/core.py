@@ -133,6 +133,9 @@ class LLMCore:
         self.speculator = make_speculator(speculative, draft_model) if speculative else None
         # Set once a LoRA adapter is attached: each forward pass then routes its rows.
         self.lora: MultiLoRA | None = None
+        # A failed step fails its batch and the core goes on, unless the step was collective
+        # (a distributed group: a lost rank leaves nothing to go on with; engines/group.py).
+        self.step_errors_are_fatal = False
 
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them."""
@@ -271,6 +274,8 @@ class LLMCore:
         try:
             _, responses = self.generator.next()
         except Exception as exc:  # one bad step must not kill the engine: fail the batch, go on
+            if self.step_errors_are_fatal:
+                raise
             log.exception("model '%s': batch step failed", self.name)
             outputs.extend(self.fail_all(f"generation failed: {exc}"))
             self._generator = self._new_generator()

@@ -54,6 +54,9 @@ class LeaderCore:
 
     def __init__(self, core: LLMCore, group: mx.distributed.Group):
         self.core = core
+        # A step that fails here (a rank died mid-collective) ends the model thread: its
+        # requests get the restart's 503 and the daemon restarts the group.
+        core.step_errors_are_fatal = True
         self._group = group
         self._pending: list[Command] = []
         self._keys: dict[Sequence, int] = {}  # sequences the followers know, until finished

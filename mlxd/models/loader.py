@@ -8,6 +8,7 @@ when it is built and takes every layer, and is dequantized to float32 otherwise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
 from mlxd.models.packed import can_pack, pack_model
+
+log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 DTYPES = ("auto", "keep", *FLOAT_DTYPES)
@@ -131,6 +134,12 @@ def load_llm(
         # which knows only its own layer types.
         packed = target == "float32" and dtype == "auto" and before_eval is None
         packed = packed and can_pack(model)
+        if not packed and target == "float32" and not kernels.available():
+            log.warning(
+                "model '%s': mlxd's CPU kernels are not built (python -m mlxd.kernels.build); "
+                "running float32 on BLAS",
+                model_name,
+            )
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None

@@ -111,7 +111,8 @@ def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
     )
     assert "/nonexistent/model-dir" in missing  # the reason, under the state
     smol_row = page.find_element("css selector", 'tr[data-model="smol"]').text
-    assert "default" in smol_row and "llm" in smol_row and "float32" in smol_row
+    # The GGUF's 4/8-bit weights, packed for mlxd's CPU kernels.
+    assert "default" in smol_row and "llm" in smol_row and "q4/q8" in smol_row
     assert by_name(page, "button", "Unload smol") is not None
     meter = page.find_element("css selector", 'tr[data-model="smol"] meter')
     assert meter.accessible_name == "smol memory of budget"
@@ -147,7 +148,8 @@ def test_playground_streams_a_reply_token_by_token(page, tmp_path: Path) -> None
     Select(by_name(page, "combobox", "Chat model")).select_by_value("smol")
     message = by_name(page, "textbox", "Message")
     message.clear()
-    message.send_keys("What is the capital of France?")
+    # A reply of many tokens: a one-line answer can arrive between two looks at the page.
+    message.send_keys("Write three sentences about the history of Paris.")
     by_name(page, "button", "Send").click()
     reply = page.find_element("id", "chat-reply")
     seen: set[str] = set()

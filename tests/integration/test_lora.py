@@ -208,7 +208,7 @@ def test_bad_adapters_fail_the_load_with_the_reason(tmp_path: Path, mlxd_cache_d
 def test_the_memory_budget_evicts_a_shared_worker_with_all_its_models(
     tmp_path: Path, mlxd_cache_dir: Path, adapters: dict[str, Path]
 ):
-    # Each worker: 538 MB of float32 weights + 64 MiB KV budget ≈ 0.6 GB; two do not fit.
+    # Each worker: 134 MB of packed 4/8-bit weights + 64 MiB KV budget ≈ 0.2 GB; two do not fit.
     smol = {
         "source": SMOL_GGUF,
         "load": "lazy",
@@ -216,7 +216,7 @@ def test_the_memory_budget_evicts_a_shared_worker_with_all_its_models(
         "defaults": {"max_tokens": 4},
     }
     config = {
-        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "900MiB"},
+        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "300MiB"},
         "models": {
             "smol": smol,
             "smol-fr": {**smol, "adapter": str(adapters["fr"])},

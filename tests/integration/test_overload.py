@@ -155,6 +155,9 @@ def test_request_timeout_is_408_and_frees_the_slot(daemon: Daemon):
             for _ in stream:
                 pass
         assert "request_timeout" in caught.value.message
+        # The Messages API has no logit_bias to keep the answer going: a deadline the model
+        # cannot beat to its own end (≈20 tokens at the fastest machine's pace).
+        set_request_timeout(daemon, "0.3s")
         with pytest.raises(anthropic.APIStatusError) as caught:
             claude(daemon).messages.create(model="smol", max_tokens=500, messages=COUNT)
         assert caught.value.status_code == 408

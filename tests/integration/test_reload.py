@@ -256,9 +256,9 @@ def test_lazy_model_loads_once_on_first_use_and_unloads_when_idle(tmp_path, mlxd
 
 
 def test_memory_budget_evicts_idle_models_and_refuses_what_cannot_fit(tmp_path, mlxd_cache_dir):
-    # Each model: 538 MB of float32 weights + 64 MiB KV budget ≈ 0.6 GB.
+    # Each model: 134 MB of packed 4/8-bit weights + 64 MiB KV budget ≈ 0.2 GB.
     config = {
-        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "900MiB"},
+        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "300MiB"},
         "models": {
             "a": smol(load="lazy"),
             "b": smol(load="lazy", batch={"max_batch_size": 4}),
