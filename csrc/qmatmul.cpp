@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 namespace mlxd {
 
@@ -174,16 +175,75 @@ void rows(const Problem<S>& p, int t0, int m0, int count) {
   }
 }
 
+// Many rows (prefill): a tile pair's weights dequantized once into `wbuf` [TILES][K][16]
+// (L2-resident), then each pass of 8 rows loads them instead of dequantizing again: 2 loads
+// and 8 broadcasts feed 16 FMAs, where dequantizing cost about as much as the FMAs.
+template <int BITS, typename S>
+void dequantize_tiles(const Problem<S>& p, int t0, float* wbuf) {
+  const size_t tile_bytes = size_t(p.K) * BITS / 8 * LANES;
+  const int blocks = p.K / BLOCK;
+  for (int v = 0; v < TILES; ++v) {
+    for (int b = 0; b < blocks; ++b) {
+      const S* at = p.scale_bias + (size_t(t0 + v) * blocks + b) * 2 * LANES;
+      const f32x16 scale = load_scales(at), bias = load_scales(at + LANES);
+      for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
+        f32x16 w0, w1;
+        dequantize_pair<BITS>(p.w + (t0 + v) * tile_bytes, k, scale, bias, w0, w1);
+        std::memcpy(wbuf + (size_t(v) * p.K + k) * LANES, &w0, sizeof(w0));
+        std::memcpy(wbuf + (size_t(v) * p.K + k + 1) * LANES, &w1, sizeof(w1));
+      }
+    }
+  }
+}
+
+template <int MB, typename S>
+void buffered_pair(const Problem<S>& p, const float* wbuf, int t0, int m0) {
+  f32x16 acc[MB][TILES] = {};
+  for (int k = 0; k < p.K; ++k) {
+    f32x16 w[TILES];
+    for (int v = 0; v < TILES; ++v) {
+      w[v] = load_f32(wbuf + (size_t(v) * p.K + k) * LANES);
+    }
+    for (int i = 0; i < MB; ++i) {
+      const float xk = p.x[size_t(m0 + i) * p.K + k];
+      for (int v = 0; v < TILES; ++v) {
+        acc[i][v] += w[v] * xk;
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int v = 0; v < TILES; ++v) {
+      std::memcpy(p.y + size_t(m0 + i) * p.N + (t0 + v) * LANES, &acc[i][v], sizeof(acc[i][v]));
+    }
+  }
+}
+
 // Work items are pairs of tiles, split over the threads; each walks every row of x in passes of
-// up to 8, re-reading its 32 weight rows from L1/L2.
+// up to 8: decode batches dequantize in registers per pass, larger ones once into a buffer.
 template <int BITS, typename S>
 void run(const Problem<S>& p) {
   const int pairs = p.N / (LANES * TILES);
   const int threads = kernel_threads().load();
+  if (p.M <= MAX_ROWS) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int t = 0; t < pairs; ++t) {
-    for (int m = 0; m < p.M; m += MAX_ROWS) {
-      rows<BITS, S>(p, t * TILES, m, std::min(MAX_ROWS, p.M - m));
+    for (int t = 0; t < pairs; ++t) {
+      rows<BITS, S>(p, t * TILES, 0, p.M);
+    }
+    return;
+  }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> wbuf(size_t(TILES) * p.K * LANES);
+#pragma omp for schedule(static)
+    for (int t = 0; t < pairs; ++t) {
+      dequantize_tiles<BITS, S>(p, t * TILES, wbuf.data());
+      int m = 0;
+      for (; m + MAX_ROWS <= p.M; m += MAX_ROWS) {
+        buffered_pair<MAX_ROWS, S>(p, wbuf.data(), t * TILES, m);
+      }
+      for (; m < p.M; ++m) {
+        buffered_pair<1, S>(p, wbuf.data(), t * TILES, m);
+      }
     }
   }
 }
