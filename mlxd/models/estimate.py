@@ -90,7 +90,7 @@ def _packed_bytes(
 ) -> int | None:
     """Bytes once models/packed.py packs every quantized module, or None when it would not.
 
-    Packed: the stored bits, a float32 scale and bias per 32 inputs, other tensors float32;
+    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32;
     an embedding keeps its stored table for lookups beside the packed copy.
     """
     packable = all(
@@ -106,7 +106,12 @@ def _packed_bytes(
         if module in modules:
             if leaf == "weight":
                 out, in_dims, _, _ = modules[module]
-                total += (end - begin) + out * in_dims // 32 * 8
+                # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
+                # float32 (kernels.pack keeps float16 only where it is exact).
+                halves = all(
+                    tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases")
+                )
+                total += (end - begin) + out * in_dims // 32 * (4 if halves else 8)
                 if module.endswith("embed_tokens"):
                     total += end - begin  # the lookup table
             elif module.endswith("embed_tokens"):
