@@ -22,16 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.profile_step import best_ms  # noqa: E402
-
-
-def reexec_with_blas() -> None:
-    from mlxd.accel import REEXEC_GUARD, optimized_env
-
-    env = optimized_env(os.environ)
-    if env != dict(os.environ) and not os.environ.get(REEXEC_GUARD):
-        env[REEXEC_GUARD] = "1"
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernels", *sys.argv[1:]], env)
+from benchmarks.profile_step import best_ms, reexec_with_blas  # noqa: E402
 
 
 def op_rows(model, batch: int, context: int) -> list[tuple[str, Callable, Callable]]:
@@ -110,7 +101,7 @@ def step_ms(model, batch: int, context: int, rounds: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    reexec_with_blas()
+    reexec_with_blas("benchmarks.kernels")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--context", type=int, default=128)

@@ -315,13 +315,8 @@ mx::array attention(
 
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+  auto& encoder = prepare(inputs, outputs);
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(y);
   const bool has_mask = has_mask_;
   const Args args{
       q.data<float>(),
@@ -382,8 +377,5 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   });
 }
 
-void Attention::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  throw std::runtime_error("AttentionCPU runs on the CPU stream only");
-}
 
 }  // namespace mlxd

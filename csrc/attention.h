@@ -4,7 +4,7 @@
 #include <optional>
 
 #include "mlx/array.h"
-#include "mlx/primitives.h"
+#include "cpu_primitive.h"
 
 namespace mlxd {
 
@@ -19,15 +19,12 @@ mlx::core::array attention(
     const std::optional<mlx::core::array>& mask,
     bool causal);
 
-class Attention : public mlx::core::Primitive {
+class Attention : public CpuPrimitive {
  public:
   Attention(mlx::core::Stream stream, float scale, bool causal, bool has_mask)
-      : Primitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
+      : CpuPrimitive(stream), scale_(scale), causal_(causal), has_mask_(has_mask) {}
 
   void eval_cpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 

@@ -44,14 +44,8 @@ void QMatmul::eval_cpu(
   const auto& x = inputs[0];
   const auto& w = inputs[1];
   const auto& scale_bias = inputs[2];
+  auto& encoder = prepare(inputs, outputs);
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scale_bias);
-  encoder.set_output_array(y);
   const int K = x.shape(-1);
   const int M = static_cast<int>(x.size() / K);
   const int N = w.shape(0);
@@ -70,10 +64,5 @@ void QMatmul::eval_cpu(
   }
 }
 
-void QMatmul::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  throw std::runtime_error("QMatmulCPU runs on the CPU stream only");
-}
 
 }  // namespace mlxd

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "mlx/array.h"
-#include "mlx/primitives.h"
+#include "cpu_primitive.h"
 
 namespace mlxd {
 
@@ -21,14 +21,11 @@ mlx::core::array qmatmul(
     const mlx::core::array& scale_bias,
     int bits);
 
-class QMatmul : public mlx::core::Primitive {
+class QMatmul : public CpuPrimitive {
  public:
-  QMatmul(mlx::core::Stream stream, int bits) : Primitive(stream), bits_(bits) {}
+  QMatmul(mlx::core::Stream stream, int bits) : CpuPrimitive(stream), bits_(bits) {}
 
   void eval_cpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 

@@ -30,12 +30,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto& x = inputs[0];
+  auto& encoder = prepare(inputs, outputs);
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(inputs[1]);
-  encoder.set_output_array(y);
   const int D = x.shape(-1);
   encoder.dispatch([xp = x.data<float>(),
                     wp = inputs[1].data<float>(),
@@ -60,8 +56,5 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   });
 }
 
-void RMSNorm::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  throw std::runtime_error("RMSNormCPU runs on the CPU stream only");
-}
 
 }  // namespace mlxd

@@ -2,21 +2,18 @@
 #pragma once
 
 #include "mlx/array.h"
-#include "mlx/primitives.h"
+#include "cpu_primitive.h"
 
 namespace mlxd {
 
 // x [..., D] float32, weight float32 [D]: x / sqrt(mean(x²) + eps) * weight.
 mlx::core::array rms_norm(const mlx::core::array& x, const mlx::core::array& weight, float eps);
 
-class RMSNorm : public mlx::core::Primitive {
+class RMSNorm : public CpuPrimitive {
  public:
-  RMSNorm(mlx::core::Stream stream, float eps) : Primitive(stream), eps_(eps) {}
+  RMSNorm(mlx::core::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
 
   void eval_cpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 

@@ -43,13 +43,8 @@ mx::array rope(
 
 void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const auto& x = inputs[0];
+  auto& encoder = prepare(inputs, outputs);
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(y);
   const auto& st = x.strides();
   encoder.dispatch([xp = x.data<float>(),
                     fp = inputs[1].data<float>(),
@@ -98,8 +93,5 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   });
 }
 
-void RoPE::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  throw std::runtime_error("RoPECPU runs on the CPU stream only");
-}
 
 }  // namespace mlxd

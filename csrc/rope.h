@@ -2,7 +2,7 @@
 #pragma once
 
 #include "mlx/array.h"
-#include "mlx/primitives.h"
+#include "cpu_primitive.h"
 
 namespace mlxd {
 
@@ -16,15 +16,12 @@ mlx::core::array rope(
     bool traditional,
     float scale);
 
-class RoPE : public mlx::core::Primitive {
+class RoPE : public CpuPrimitive {
  public:
   RoPE(mlx::core::Stream stream, int dims, bool traditional, float scale)
-      : Primitive(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
+      : CpuPrimitive(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
 
   void eval_cpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  void eval_gpu(
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 
