@@ -188,12 +188,16 @@ class LLMCore:
             self._decode(outputs)
         return outputs
 
-    def fail_all(self, message: str) -> list[Output]:
+    def fail_all(self, message: str, status: int = 500) -> list[Output]:
         outputs: list[Output] = []
         for sequence in [*self._running.values(), *self._waiting]:
             self.stats.failed += 1
             event = Finished(
-                "error", len(sequence.prompt_ids), sequence.completion_tokens, error=message
+                "error",
+                len(sequence.prompt_ids),
+                sequence.completion_tokens,
+                error=message,
+                error_status=status,
             )
             self._finish(sequence, event, outputs, in_generator=False)
         return outputs

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.config import BatchConfig
-from mlxd.errors import MlxdError
+from mlxd.errors import MlxdError, Unavailable
 
 log = logging.getLogger("mlxd.scheduler")
 
@@ -152,8 +152,9 @@ class EmbeddingCore:
             self._pass(self._round.popleft(), outputs)
         return outputs
 
-    def fail_all(self, message: str) -> list[Output]:
-        outputs: list[Output] = [(job, EmbeddingFailed(message)) for job in self._active]
+    def fail_all(self, message: str, status: int = 500) -> list[Output]:
+        error = Unavailable(message) if status == 503 else EmbeddingFailed(message)
+        outputs: list[Output] = [(job, error) for job in self._active]
         self.stats.failed += len(outputs)
         self._active.clear()
         self._round.clear()

@@ -101,9 +101,9 @@ class LeaderCore:
                 self._keys.pop(sequence, None)
         return outputs
 
-    def fail_all(self, message: str) -> list[Output]:
+    def fail_all(self, message: str, status: int = 500) -> list[Output]:
         """The loop's last call (closing, or its thread died): the followers stop too."""
-        outputs = self.core.fail_all(message)
+        outputs = self.core.fail_all(message, status)
         self._keys.clear()
         if self._started:
             self._broadcast(("stop",))
@@ -185,8 +185,8 @@ class FollowerCore:
         elif kind == "stop":
             self.stopped.set()
 
-    def fail_all(self, message: str) -> list[Output]:
-        self.core.fail_all(message)
+    def fail_all(self, message: str, status: int = 500) -> list[Output]:
+        self.core.fail_all(message, status)
         return []
 
 

@@ -53,7 +53,7 @@ class Core(Protocol[ItemIn, Output]):
 
     def step(self) -> list[Output]: ...
 
-    def fail_all(self, message: str) -> list[Output]: ...
+    def fail_all(self, message: str, status: int = 500) -> list[Output]: ...
 
 
 class ModelLoop(Generic[Item, Output]):
@@ -131,10 +131,12 @@ class ModelLoop(Generic[Item, Output]):
                             core.add(item)
                 self._in_inbox = 0
             message = f"model '{self.name}' failed ({self.failure}); it is being restarted"
-            self._deliver_quietly(core.fail_all(message))
+            self._deliver_quietly(core.fail_all(message, status=503))
             return
         self._deliver_quietly(
-            core.fail_all(f"model '{self.name}' was unloaded before this request finished")
+            core.fail_all(
+                f"model '{self.name}' was unloaded before this request finished", status=503
+            )
         )
 
     def _take(self, block: bool) -> bool:

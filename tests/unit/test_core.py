@@ -207,7 +207,7 @@ class CountingCore:
             raise SystemExit("the model thread is gone")  # not an Exception: nothing catches it
         return [(self.items.pop(0), "done")]
 
-    def fail_all(self, message: str) -> list[tuple[str, str]]:
+    def fail_all(self, message: str, status: int = 500) -> list[tuple[str, str]]:
         failed = [(item, message) for item in self.items]
         self.items.clear()
         return failed

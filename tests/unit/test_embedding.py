@@ -18,12 +18,12 @@ from mlxd.api.protocol.openai import EmbeddingRequest
 from mlxd.config import BatchConfig
 from mlxd.engines.embedding_core import (
     EmbeddingCore,
-    EmbeddingFailed,
     EmbeddingJob,
     deliver,
     plan_batches,
 )
 from mlxd.engines.loop import ModelLoop
+from mlxd.errors import Unavailable
 from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
 from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
 
@@ -215,7 +215,7 @@ def test_model_loop_close_fails_what_is_still_open():
         closing = asyncio.create_task(asyncio.to_thread(model_loop.close))
         await asyncio.sleep(0.05)
         release.set()
-        with pytest.raises(EmbeddingFailed, match="unloaded"):
+        with pytest.raises(Unavailable, match="unloaded"):  # a 503: the model went away
             await job.future
         await closing
 
