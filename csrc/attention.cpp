@@ -1,14 +1,15 @@
-// Scaled dot-product attention on the CPU in one pass per query row.
+// Scaled dot-product attention on the CPU, without materialising the score matrix.
 //
 // MLX 0.32's CPU backend runs mx.fast.scaled_dot_product_attention as separate ops (two
 // matmuls through BLAS, a softmax with element-wise exp, the mask): ≈70 µs a layer for one
 // decode token and ≈0.7 ms at 32, most of it dispatch and exp. Decode attention is small
-// (one query row against the cached keys), so here each (batch, head) row computes its scores,
-// a vectorised softmax and the weighted sum of values directly, rows spread over the threads.
+// (one query row against the cached keys), so each (batch, head) row computes its scores, a
+// vectorised softmax and the weighted sum of values directly; prefill rows go in tiles of 8
+// over transposed keys (attend_tile). Rows or tiles are spread over the threads.
 #include "attention.h"
+#include "simd.h"
 #include "threads.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -17,7 +18,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 namespace mx = mlx::core;
@@ -26,9 +26,6 @@ namespace mlxd {
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-constexpr int LANES = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: relative error < 2e-7.
@@ -51,25 +48,8 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   return p * scale;
 }
 
-inline float hsum(f32x16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  float s = 0.0f;
-  for (int lane = 0; lane < LANES; ++lane) {
-    s += v[lane];
-  }
-  return s;
-#endif
-}
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-constexpr int MAX_CHUNKS = 16;  // head dims up to 256 keep q in registers
+constexpr int MAX_HEAD_DIM = 256;  // q of one row (or a tile's rows) kept in registers/stack
+constexpr int MAX_CHUNKS = MAX_HEAD_DIM / LANES;
 
 // scale * q · k_j for the first `visible` keys.
 inline void dot_scores(
@@ -78,13 +58,13 @@ inline void dot_scores(
     const int chunks = D / LANES;
     f32x16 qv[MAX_CHUNKS];
     for (int c = 0; c < chunks; ++c) {
-      qv[c] = load(q + c * LANES) * scale;
+      qv[c] = load_f32(q + c * LANES) * scale;
     }
     for (int j = 0; j < visible; ++j) {
       const float* kj = k + j * k_stride;
-      f32x16 acc = qv[0] * load(kj);
+      f32x16 acc = qv[0] * load_f32(kj);
       for (int c = 1; c < chunks; ++c) {
-        acc += qv[c] * load(kj + c * LANES);
+        acc += qv[c] * load_f32(kj + c * LANES);
       }
       out[j] = hsum(acc);
     }
@@ -160,7 +140,7 @@ float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
   }
   f32x16 tops = f32x16{} + NEG_INF;
   for (int j = 0; j < padded; j += LANES) {
-    const f32x16 s = load(sc + j);
+    const f32x16 s = load_f32(sc + j);
     tops = s > tops ? s : tops;
   }
   float top = NEG_INF;
@@ -172,7 +152,7 @@ float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
   }
   f32x16 total = {};
   for (int j = 0; j < padded; j += LANES) {
-    const f32x16 p = exp_nonpositive(load(sc + j) - top);
+    const f32x16 p = exp_nonpositive(load_f32(sc + j) - top);
     std::memcpy(sc + j, &p, sizeof(p));
     total += p;
   }
@@ -230,7 +210,7 @@ void transpose_keys(const Args& a, float* kt, int b, int hk) {
 void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
   const int padded = a.padded(), D = a.D;
   int hs[TILE_ROWS], is[TILE_ROWS], most = 0;
-  float qscaled[TILE_ROWS][256];
+  float qscaled[TILE_ROWS][MAX_HEAD_DIM];
   for (int r = 0; r < rows; ++r) {
     hs[r] = hk * a.group() + (r0 + r) / a.Lq;
     is[r] = (r0 + r) % a.Lq;
@@ -245,7 +225,7 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows
     const float* kblock = kth + size_t(blk) * D * LANES;
     f32x16 s[TILE_ROWS] = {};
     for (int d = 0; d < D; ++d) {
-      const f32x16 kd = load(kblock + d * LANES);
+      const f32x16 kd = load_f32(kblock + d * LANES);
       for (int r = 0; r < rows; ++r) {
         s[r] += qscaled[r][d] * kd;
       }
@@ -343,7 +323,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     const int padded = a.padded(), group_rows = a.group() * a.Lq;
     // Tiles when each key serves several query rows (prefill, verification); decode rows go
     // one at a time, where transposing the keys would cost more than it saves.
-    if (group_rows >= TILE_ROWS && a.D <= 256) {
+    if (group_rows >= TILE_ROWS && a.D <= MAX_HEAD_DIM) {
       std::vector<float> kt(size_t(a.B) * a.Hkv * padded * a.D);
       const int tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel num_threads(threads) if (threads > 1)

@@ -1,7 +1,6 @@
 // The MLX op around qmatmul_cpu: shape checks, output allocation, dispatch on the CPU stream.
 #include <stdexcept>
 
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "qmatmul.h"
 
@@ -22,7 +21,9 @@ mx::array qmatmul(
   }
   const int K = x.shape(-1);
   const int N = w.shape(0);
-  if (K % 32 != 0 || w.shape(1) * 8 != K * bits || scale_bias.size() != size_t(N) * (K / 16) ||
+  // K in blocks of 32 inputs, N in the kernel's work items of two 16-row tiles.
+  if (K % 32 != 0 || N % 32 != 0 || w.shape(1) * 8 != K * bits ||
+      scale_bias.size() != size_t(N) * (K / 16) ||
       (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
     throw std::invalid_argument("qmatmul: shapes of x, w and scale_bias do not agree");
   }

@@ -3,7 +3,8 @@
 // MLX 0.32's CPU backend dequantizes quantized weights element by element, 2-4x slower than
 // float32 BLAS; float32 weights in turn move 8x the bytes of a 4-bit file at batch 1, where a
 // decode step is bound by memory bandwidth. This kernel reads the packed weights once per step,
-// turns them into float32 in registers and multiplies them with up to 8 rows of x at a time.
+// turns them into float32 in registers and multiplies them with up to 8 rows of x at a time;
+// with many rows (prefill) each tile pair is dequantized once into a buffer instead.
 //
 // `mlxd.kernels.pack` lays the weights out (once, at load) for vectors along the output axis, so
 // no horizontal sums are needed: output rows go in tiles of 16, and for each tile and input k
@@ -16,9 +17,9 @@
 // GCC vector extensions keep the code portable: -march=native turns them into AVX-512 or AVX2.
 
 #include "qmatmul.h"
+#include "simd.h"
 #include "threads.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -30,8 +31,7 @@ namespace mlxd {
 
 namespace {
 
-constexpr int BLOCK = 32;  // inputs sharing one scale and bias
-constexpr int LANES = 16;  // output rows per tile
+constexpr int BLOCK = 32;  // inputs sharing one scale and bias (a tile: LANES output rows)
 constexpr int TILES = 2;  // tiles per work item: each broadcast x value feeds two FMAs
 constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
 // From this many rows on, dequantizing a tile pair once into a buffer beats dequantizing it
@@ -39,15 +39,7 @@ constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
 constexpr int BUFFER_MIN_ROWS = 64;
 constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weights are fetched
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
-inline f32x16 load_f32(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // 16 bytes widened to 16 int32 lanes. GCC's generic __builtin_convertvector does this byte by
 // byte in scalar code, so the x86 widening instructions are named where they exist.
@@ -99,6 +91,14 @@ struct Problem {
   const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;
+
+  template <int BITS>
+  const uint8_t* tile(int t) const {
+    return w + size_t(t) * K * BITS / 8 * LANES;
+  }
+  const S* scales(int t, int block) const {  // the tile's 16 scales; its biases follow
+    return scale_bias + (size_t(t) * (K / BLOCK) + block) * 2 * LANES;
+  }
 };
 
 // Weights of inputs k and k + 1 for the 16 rows of a tile, as float32.
@@ -121,7 +121,6 @@ template <int BITS, int MB, typename S>
 void tile_pair(const Problem<S>& p, int t0, int m0) {
   constexpr int SPLIT = MB <= 4 ? 2 : 1;
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
-  const size_t tile_bytes = size_t(p.K) * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
   f32x16 acc[MB][TILES][SPLIT] = {};
   for (int b = 0; b < blocks; ++b) {
@@ -129,19 +128,18 @@ void tile_pair(const Problem<S>& p, int t0, int m0) {
     for (int v = 0; v < TILES; ++v) {
       // The hardware prefetcher alone streamed a decode step's weights at ≈10 GB/s of the
       // ≈33 this machine reads: ask for the block a few ahead (past the end: harmless).
-      const uint8_t* ahead = p.w + (t0 + v) * tile_bytes + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
+      const uint8_t* ahead = p.template tile<BITS>(t0 + v) + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
       for (int line = 0; line < BLOCK_BYTES; line += 64) {
         __builtin_prefetch(ahead + line);
       }
-      __builtin_prefetch(p.scale_bias + (size_t(t0 + v) * blocks + b + PREFETCH_BLOCKS) * 2 * LANES);
-      const S* at = p.scale_bias + (size_t(t0 + v) * blocks + b) * 2 * LANES;
-      scale[v] = load_scales(at);
-      bias[v] = load_scales(at + LANES);
+      __builtin_prefetch(p.scales(t0 + v, b + PREFETCH_BLOCKS));
+      scale[v] = load_scales(p.scales(t0 + v, b));
+      bias[v] = load_scales(p.scales(t0 + v, b) + LANES);
     }
     for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
       f32x16 w0[TILES], w1[TILES];
       for (int v = 0; v < TILES; ++v) {
-        dequantize_pair<BITS>(p.w + (t0 + v) * tile_bytes, k, scale[v], bias[v], w0[v], w1[v]);
+        dequantize_pair<BITS>(p.template tile<BITS>(t0 + v), k, scale[v], bias[v], w0[v], w1[v]);
       }
       for (int i = 0; i < MB; ++i) {
         const float* xr = p.x + size_t(m0 + i) * p.K + k;
@@ -183,15 +181,13 @@ void rows(const Problem<S>& p, int t0, int m0, int count) {
 // and 8 broadcasts feed 16 FMAs, where dequantizing cost about as much as the FMAs.
 template <int BITS, typename S>
 void dequantize_tiles(const Problem<S>& p, int t0, float* wbuf) {
-  const size_t tile_bytes = size_t(p.K) * BITS / 8 * LANES;
-  const int blocks = p.K / BLOCK;
   for (int v = 0; v < TILES; ++v) {
-    for (int b = 0; b < blocks; ++b) {
-      const S* at = p.scale_bias + (size_t(t0 + v) * blocks + b) * 2 * LANES;
-      const f32x16 scale = load_scales(at), bias = load_scales(at + LANES);
+    for (int b = 0; b < p.K / BLOCK; ++b) {
+      const f32x16 scale = load_scales(p.scales(t0 + v, b));
+      const f32x16 bias = load_scales(p.scales(t0 + v, b) + LANES);
       for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
         f32x16 w0, w1;
-        dequantize_pair<BITS>(p.w + (t0 + v) * tile_bytes, k, scale, bias, w0, w1);
+        dequantize_pair<BITS>(p.template tile<BITS>(t0 + v), k, scale, bias, w0, w1);
         std::memcpy(wbuf + (size_t(v) * p.K + k) * LANES, &w0, sizeof(w0));
         std::memcpy(wbuf + (size_t(v) * p.K + k + 1) * LANES, &w1, sizeof(w1));
       }
@@ -258,9 +254,6 @@ void run(const Problem<S>& p) {
 template <typename S>
 void qmatmul_cpu(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N,
                  int K, int bits) {
-  if (K % BLOCK != 0 || N % (LANES * TILES) != 0) {
-    throw std::invalid_argument("qmatmul: K must be a multiple of 32 and N of 32");
-  }
   const Problem<S> p{x, w, scale_bias, y, M, N, K};
   if (bits == 4) {
     run<4, S>(p);

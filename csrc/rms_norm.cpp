@@ -7,7 +7,6 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 namespace mx = mlx::core;

@@ -10,7 +10,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 namespace mx = mlx::core;

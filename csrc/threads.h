@@ -1,4 +1,4 @@
-// How many threads mlxd's kernels use (set from Python: mlxd.kernels.set_threads).
+// How many threads mlxd's kernels use (set from Python: mlxd.kernels.share_cores).
 //
 // OpenMP threads that just finished a kernel spin a while before sleeping, as OpenBLAS's do:
 // in a process whose matmuls run on OpenBLAS (float32 models) both sets spin on the same cores
