@@ -59,19 +59,11 @@ class Packed:
     def shape(self) -> tuple[int, int]:
         return self.weight.shape[0], self.weight.shape[1] * 8 // self.bits
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + self.scale_bias.nbytes
 
-
-def packable(weight: mx.array, group_size: int, bits: int) -> bool:
-    """Whether `pack` takes an MLX-quantized matrix of this shape, group size and width."""
-    return (
-        weight.ndim == 2
-        and bits in (4, 8)
-        and group_size % BLOCK == 0
-        and weight.shape[0] % (2 * LANES) == 0
-    )
+def packable(rows: int, group_size: int, bits: int) -> bool:
+    """Whether `pack` takes an MLX-quantized matrix with this many (output) rows, group size
+    and width (rows: the kernel works on pairs of 16-row tiles)."""
+    return bits in (4, 8) and group_size % BLOCK == 0 and rows % (2 * LANES) == 0
 
 
 def pack(
@@ -84,7 +76,7 @@ def pack(
     per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
     exactly (a GGUF's do), else float32.
     """
-    if not packable(weight, group_size, bits):
+    if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
     raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest
     rows = raw.shape[0]
@@ -109,11 +101,15 @@ def pack(
 _cpu = _load()
 
 
-def qmatmul(x: mx.array, packed: Packed) -> mx.array:
-    """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
+def _module() -> ModuleType:
     if _cpu is None:
         raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
-    result: mx.array = _cpu.qmatmul(x, packed.weight, packed.scale_bias, packed.bits)
+    return _cpu
+
+
+def qmatmul(x: mx.array, packed: Packed) -> mx.array:
+    """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
+    result: mx.array = _module().qmatmul(x, packed.weight, packed.scale_bias, packed.bits)
     return result
 
 
@@ -121,9 +117,7 @@ def rope(
     x: mx.array, inv_freq: mx.array, offsets: mx.array, dims: int, traditional: bool, scale: float
 ) -> mx.array:
     """mx.fast.rope's rotation of float32 x [B, H, L, D] at positions offsets[b] + l."""
-    if _cpu is None:
-        raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
-    result: mx.array = _cpu.rope(x, inv_freq, offsets, dims, traditional, scale)
+    result: mx.array = _module().rope(x, inv_freq, offsets, dims, traditional, scale)
     return result
 
 
@@ -136,7 +130,7 @@ def attention(
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"unknown mask {mask!r}")
-    result: mx.array = _cpu.attention(q, k, v, scale, None if causal else mask, causal)
+    result: mx.array = _module().attention(q, k, v, scale, None if causal else mask, causal)
     return result
 
 
@@ -155,7 +149,5 @@ def share_cores(packed: bool) -> None:
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """mx.fast.rms_norm for float32 x [..., D] and weight [D]."""
-    if _cpu is None:
-        raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
-    result: mx.array = _cpu.rms_norm(x, weight, eps)
+    result: mx.array = _module().rms_norm(x, weight, eps)
     return result

@@ -93,10 +93,7 @@ def _packed_bytes(
     Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32;
     an embedding keeps its stored table for lookups beside the packed copy.
     """
-    packable = all(
-        out % 32 == 0 and group % 32 == 0 and bits in (4, 8)
-        for out, _, group, bits in modules.values()
-    )
+    packable = all(kernels.packable(out, group, bits) for out, _, group, bits in modules.values())
     if not (modules and packable and kernels.available()):
         return None
     total = 0
@@ -111,7 +108,7 @@ def _packed_bytes(
                 halves = all(
                     tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases")
                 )
-                total += (end - begin) + out * in_dims // 32 * (4 if halves else 8)
+                total += (end - begin) + out * in_dims // kernels.BLOCK * (4 if halves else 8)
                 if module.endswith("embed_tokens"):
                     total += end - begin  # the lookup table
             elif module.endswith("embed_tokens"):

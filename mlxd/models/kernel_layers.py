@@ -10,11 +10,12 @@ them; anything else (other dtypes, attention sinks, a quantized KV cache) goes t
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models import base
 
 from mlxd import kernels
 
@@ -95,13 +96,10 @@ def kernel_attention(
         and all(a.ndim == 4 and a.dtype == mx.float32 for a in (queries, keys, values))
     ):
         return kernels.attention(queries, keys, values, scale, mask)
-    return _mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def _mlx_lm_attention(*args: Any, **kwargs: Any) -> mx.array:
-    from mlx_lm.models import base
-
-    result: mx.array = base.scaled_dot_product_attention(*args, **kwargs)
+    # mlx-lm passes "causal" as the mask too, which its annotation leaves out.
+    result: mx.array = base.scaled_dot_product_attention(
+        queries, keys, values, cache, scale=scale, mask=cast(Any, mask), sinks=sinks
+    )
     return result
 
 
@@ -112,8 +110,6 @@ def use_kernel_attention(model: nn.Module) -> int:
     global, so the swap is that global in the architecture's module (e.g. mlx_lm.models.llama):
     it holds for every model of that architecture in this process (a worker serves one model).
     """
-    from mlx_lm.models import base
-
     if not kernels.available():
         return 0
     modules = {type(m).__module__ for _, m in model.named_modules()}

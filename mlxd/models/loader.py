@@ -114,8 +114,9 @@ def load_llm(
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
-    dtype: "auto" (float32 on the CPU backend, as stored elsewhere), "keep", or a float dtype
-    (quantized weights are dequantized first). `adapter`: a LoRA adapter directory in mlx-lm's
+    dtype: "auto" (on the CPU backend a quantized model packed for mlxd's kernels, else
+    float32; as stored elsewhere), "keep", or a float dtype (quantized weights are dequantized
+    first). `adapter`: a LoRA adapter directory in mlx-lm's
     format, applied on top in the same dtype. `before_eval(model, config)` may replace the
     model while its weights are still lazy (a distributed rank keeps only its shard, so only
     that part is ever read). Raises ModelLoadError naming `model_name`.

@@ -61,7 +61,7 @@ def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> Packed:
 def _packable(module: nn.Module) -> bool:
     if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
         return module.mode == "affine" and kernels.packable(
-            module.weight, module.group_size, module.bits
+            module.weight.shape[0], module.group_size, module.bits
         )
     return False
 

@@ -120,8 +120,12 @@ class FastGenerationBatch(GenerationBatch):
         ]
         flat = logits.reshape(-1, logits.shape[-1])[mx.array(positions)]
         sampled_array, sampled_logprobs = sample_rows(flat, samplers)
-        mx.eval(sampled_array, _present(sampled_logprobs), token_context)
-        mx.eval(_present(self._current_logprobs))
+        mx.eval(
+            sampled_array,
+            _present(sampled_logprobs),
+            token_context,
+            _present(self._current_logprobs),
+        )
         sampled = cast(list[int], sampled_array.tolist())
 
         tokens: list[list[int]] = []
