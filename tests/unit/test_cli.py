@@ -11,6 +11,15 @@ def check(path: Path) -> subprocess.CompletedProcess:
     )
 
 
+def refusal(tmp_path: Path, text: str) -> str:
+    """What `mlxd check` says of a bad.yaml holding `text`, which it must refuse."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    result = check(bad)
+    assert result.returncode == 1
+    return result.stderr
+
+
 def test_check_accepts_the_shipped_config():
     result = check(Path(__file__).parents[2] / "config" / "models.yaml")
     assert result.returncode == 0, result.stderr
@@ -18,12 +27,11 @@ def test_check_accepts_the_shipped_config():
 
 
 def test_check_reports_line_and_suggestion(tmp_path: Path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("models:\n  smol:\n    source: ./x\n    batch:\n      max_batch_sise: 4\n")
-    result = check(bad)
-    assert result.returncode == 1
-    assert "bad.yaml:5: models.smol.batch.max_batch_sise" in result.stderr
-    assert "did you mean 'max_batch_size'" in result.stderr
+    stderr = refusal(
+        tmp_path, "models:\n  smol:\n    source: ./x\n    batch:\n      max_batch_sise: 4\n"
+    )
+    assert "bad.yaml:5: models.smol.batch.max_batch_sise" in stderr
+    assert "did you mean 'max_batch_size'" in stderr
 
 
 def test_check_missing_file(tmp_path: Path):
@@ -33,11 +41,10 @@ def test_check_missing_file(tmp_path: Path):
 
 
 def test_check_rejects_unknown_parser_names(tmp_path: Path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("models:\n  smol:\n    source: ./x\n    parsers: {tool_calls: nonsense}\n")
-    result = check(bad)
-    assert result.returncode == 1
-    assert "bad.yaml:4: models.smol.parsers.tool_calls: unknown tool-call parser" in result.stderr
+    stderr = refusal(
+        tmp_path, "models:\n  smol:\n    source: ./x\n    parsers: {tool_calls: nonsense}\n"
+    )
+    assert "bad.yaml:4: models.smol.parsers.tool_calls: unknown tool-call parser" in stderr
 
 
 def test_check_reads_adapter_directories_relative_to_the_file(tmp_path: Path):
@@ -69,22 +76,17 @@ def test_check_reads_adapter_directories_relative_to_the_file(tmp_path: Path):
 
 
 def test_check_rejects_an_adapter_on_an_embedding_model(tmp_path: Path):
-    config = tmp_path / "models.yaml"
-    config.write_text("models:\n  e: {kind: embedding, source: ./x, adapter: ./a}\n")
-    result = check(config)
-    assert result.returncode == 1
-    assert "models.e: adapter applies to llm models run in one process only" in result.stderr
+    stderr = refusal(tmp_path, "models:\n  e: {kind: embedding, source: ./x, adapter: ./a}\n")
+    assert "models.e: adapter applies to llm models run in one process only" in stderr
 
 
 def test_check_rejects_a_draft_model_the_file_does_not_serve(tmp_path: Path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(
+    stderr = refusal(
+        tmp_path,
         "models:\n  smol: {source: ./x}\n  smol-spec:\n    source: ./x\n"
-        "    speculative: {mode: draft, model: smoll}\n"
+        "    speculative: {mode: draft, model: smoll}\n",
     )
-    result = check(bad)
-    assert result.returncode == 1
     assert (
         "bad.yaml:5: models.smol-spec.speculative.model: speculative.model 'smoll' of model "
         "'smol-spec' must name another llm model in this file"
-    ) in result.stderr
+    ) in stderr
