@@ -320,19 +320,21 @@ class WorkerEngine:
                     else:
                         future.set_exception(args[1])
                 elif kind == "died":  # its model thread died; the process exits next
-                    self.failure = args[0]
+                    death = self._group.find_death() if self._group is not None else None
+                    self.failure = f"{death}: {args[0]}" if death else args[0]
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:
             log.exception("model '%s': unreadable message from worker %d", self.name, self.pid)
             self._process.kill()
+        # Look before the group is killed whole: then every rank is dead.
+        death = self._group.find_death() if self._group is not None else None
         status = await self._process.wait()
         self._writer.close()
         if self._group is not None:
             await self._group.kill()  # a group ends whole
         if self._closing:
             return
-        death = self._group.death if self._group is not None else None
         self.failure = self.failure or death or f"worker {self.pid} {describe_exit(status)}"
         log.error("model '%s': %s", self.name, self.failure)
         self._fail_all(f"model '{self.name}' failed ({self.failure}); it is being restarted")

@@ -185,13 +185,18 @@ class RankGroup:
     async def watch(self) -> None:
         """Until the group ends: at the first local rank found dead, or mlx.launch's exit, kill
         every local rank (rank 0 may be stuck in a collective with the dead one)."""
-        while self.process.returncode is None:
-            dead = [info for info in self.ranks if self._alive(info["rank"]) is False]
-            if dead:
-                self.death = self.death or f"rank {dead[0]['rank']} (pid {dead[0]['pid']}) died"
-                break
+        while self.process.returncode is None and self.find_death() is None:
             await asyncio.sleep(WATCH_S)
         await self.kill()
+
+    def find_death(self) -> str | None:
+        """The first local rank seen dead, looking now (rank 0's own error about a lost peer
+        is a symptom: the peer's death is what the model's failure should say)."""
+        if self.death is None:
+            dead = [info for info in self.ranks if self._alive(info["rank"]) is False]
+            if dead:
+                self.death = f"rank {dead[0]['rank']} (pid {dead[0]['pid']}) died"
+        return self.death
 
     async def kill(self) -> None:
         """End every local rank and mlx.launch (SIGKILL to its process group), wait until
