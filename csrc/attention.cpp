@@ -204,13 +204,39 @@ void transpose_keys(const Args& a, float* kt, int b, int hk) {
   }
 }
 
+// acc[r] += p[r][j] * v[j][0, width) over the first `visible` values. FULL (width 16) loads
+// each chunk as one vector; a partial chunk is copied lane by lane. Apart so that neither path
+// takes the accumulators' address: they stay in registers instead of a store per key.
+template <int ROWS, bool FULL>
+inline void weigh_values(
+    const Args& a, const float* v, const float* sc, int visible, int width, f32x16 (&acc)[ROWS]) {
+  const int padded = a.padded();
+  for (int j = 0; j < visible; ++j) {
+    const float* vj = v + j * a.vs.l;
+    f32x16 chunk = {};
+    if constexpr (FULL) {
+      chunk = load_f32(vj);
+    } else {
+      for (int lane = 0; lane < width; ++lane) {
+        chunk[lane] = vj[lane];
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] += sc[size_t(r) * padded + j] * chunk;
+    }
+  }
+}
+
 // Up to 8 query rows of one kv head (rows r of its group: head hk * group + r / Lq, position
 // r % Lq) in one pass over its keys and one over its values: each key block and value row read
 // from cache feeds every row, where a row at a time re-read them all per row.
-void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
+// ROWS is a compile-time count so that the tile's accumulators stay in registers.
+template <int ROWS>
+void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* sc) {
+  constexpr int rows = ROWS;
   const int padded = a.padded(), D = a.D;
-  int hs[TILE_ROWS], is[TILE_ROWS], most = 0;
-  float qscaled[TILE_ROWS][MAX_HEAD_DIM];
+  int hs[ROWS], is[ROWS], most = 0;
+  float qscaled[ROWS][MAX_HEAD_DIM];
   for (int r = 0; r < rows; ++r) {
     hs[r] = hk * a.group() + (r0 + r) / a.Lq;
     is[r] = (r0 + r) % a.Lq;
@@ -223,7 +249,7 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows
   const float* kth = kt + (size_t(b) * a.Hkv + hk) * padded * D;
   for (int blk = 0; blk < (most + LANES - 1) / LANES; ++blk) {
     const float* kblock = kth + size_t(blk) * D * LANES;
-    f32x16 s[TILE_ROWS] = {};
+    f32x16 s[ROWS] = {};
     for (int d = 0; d < D; ++d) {
       const f32x16 kd = load_f32(kblock + d * LANES);
       for (int r = 0; r < rows; ++r) {
@@ -234,7 +260,7 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows
       std::memcpy(sc + size_t(r) * padded + blk * LANES, &s[r], sizeof(s[r]));
     }
   }
-  float inv[TILE_ROWS];
+  float inv[ROWS];
   for (int r = 0; r < rows; ++r) {
     const float sum = softmax_in_place(a, b, hs[r], is[r], sc + size_t(r) * padded);
     inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // nothing visible: zeros, not NaN
@@ -242,18 +268,29 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, int rows
   const float* vb = a.values(b, hk);
   for (int d0 = 0; d0 < a.Dv; d0 += LANES) {
     const int width = std::min(LANES, a.Dv - d0);
-    f32x16 acc[TILE_ROWS] = {};
-    for (int j = 0; j < most; ++j) {
-      f32x16 vj = {};
-      std::memcpy(&vj, vb + j * a.vs.l + d0, width * sizeof(float));
-      for (int r = 0; r < rows; ++r) {
-        acc[r] += sc[size_t(r) * padded + j] * vj;
-      }
+    f32x16 acc[ROWS] = {};
+    if (width == LANES) {
+      weigh_values<ROWS, true>(a, vb + d0, sc, most, width, acc);
+    } else {
+      weigh_values<ROWS, false>(a, vb + d0, sc, most, width, acc);
     }
     for (int r = 0; r < rows; ++r) {
       const f32x16 out = acc[r] * inv[r];
       std::memcpy(a.out_row(b, hs[r], is[r]) + d0, &out, width * sizeof(float));
     }
+  }
+}
+
+void attend_rows(const Args& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
+  switch (rows) {
+    case 1: return attend_tile<1>(a, kt, b, hk, r0, sc);
+    case 2: return attend_tile<2>(a, kt, b, hk, r0, sc);
+    case 3: return attend_tile<3>(a, kt, b, hk, r0, sc);
+    case 4: return attend_tile<4>(a, kt, b, hk, r0, sc);
+    case 5: return attend_tile<5>(a, kt, b, hk, r0, sc);
+    case 6: return attend_tile<6>(a, kt, b, hk, r0, sc);
+    case 7: return attend_tile<7>(a, kt, b, hk, r0, sc);
+    default: return attend_tile<TILE_ROWS>(a, kt, b, hk, r0, sc);
   }
 }
 
@@ -339,7 +376,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
         for (int64_t item = 0; item < int64_t(a.B) * a.Hkv * tiles; ++item) {
           const int b = item / (a.Hkv * tiles), hk = item / tiles % a.Hkv, t = item % tiles;
           const int r0 = t * TILE_ROWS;
-          attend_tile(
+          attend_rows(
               a, kt.data(), b, hk, r0, std::min(TILE_ROWS, group_rows - r0), scores.data());
         }
       }

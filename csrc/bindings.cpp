@@ -1,7 +1,9 @@
 // Python module mlxd.kernels._cpu (nanobind; arrays cross as mlx.core.array).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
+#include "assemble.h"
 #include "attention.h"
 #include "qmatmul.h"
 #include "rms_norm.h"
@@ -53,4 +55,10 @@ NB_MODULE(_cpu, m) {
       "mask"_a.none(),
       "causal"_a,
       "Scaled dot-product attention of float32 q, k, v [B, H, L, D] (grouped-query heads).");
+  m.def(
+      "assemble_kv",
+      &mlxd::assemble_kv,
+      "blocks"_a,
+      "capacity"_a,
+      "Per-layer [1, H, capacity, D] buffers from blocks [L, H, T, D] in position order.");
 }

@@ -1,4 +1,4 @@
-// What every mlxd kernel primitive shares: it runs on the CPU stream only, and its one output is
+// What every mlxd kernel primitive shares: it runs on the CPU stream only, and its outputs are
 // allocated and every array registered with the stream's encoder before the kernel dispatches.
 #pragma once
 
@@ -21,17 +21,18 @@ class CpuPrimitive : public mlx::core::Primitive {
   }
 
  protected:
-  // Allocates outputs[0], registers the arrays, and returns the encoder to dispatch on.
+  // Allocates the outputs, registers the arrays, and returns the encoder to dispatch on.
   mlx::core::cpu::CommandEncoder& prepare(
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) {
-    auto& y = outputs[0];
-    y.set_data(mlx::core::allocator::malloc(y.nbytes()));
     auto& encoder = mlx::core::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) {
       encoder.set_input_array(a);
     }
-    encoder.set_output_array(y);
+    for (auto& y : outputs) {
+      y.set_data(mlx::core::allocator::malloc(y.nbytes()));
+      encoder.set_output_array(y);
+    }
     return encoder;
   }
 };

@@ -4,6 +4,10 @@ mlx-lm's BatchGenerator merges per-sequence caches into a batch through `merge()
 `QuantizedKVCache` lacks: quantized KV cannot join a batch. So with `kv_bits` blocks are
 stored quantized (what the budgets count) and dequantized when they are assembled into the
 plain `KVCache`s the generator accepts; the running batch itself computes in full precision.
+
+On the CPU the blocks are assembled by mlxd's kernel straight into one buffer per layer with
+room for the rest of the prompt, and a sequence admitted alone takes those buffers into its
+batch as they are (`PrefixKVCache.merge`): the prefix is copied once, not four times.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxd import kernels
+from mlxd.accel import backend_name
 
 PARTS = ("keys", "values")
 QUANTIZED = ("q", "scales", "biases")
@@ -42,18 +49,23 @@ class KVCodec:
                 arrays[f"{part}.{name}"] = value
         return arrays
 
-    def decode(self, blocks: list[Any]) -> list[KVCache]:
-        """One KVCache per layer holding the blocks' positions in order."""
-        whole = {
-            part: mx.concatenate([self._part(b.arrays, part) for b in blocks], axis=2)
-            for part in PARTS
-        }
-        caches = []
-        for layer in range(whole["keys"].shape[0]):
-            cache = KVCache()
-            cache.keys = whole["keys"][layer][None]
-            cache.values = whole["values"][layer][None]
-            cache.offset = cache.keys.shape[2]
+    def decode(self, blocks: list[Any], room: int = 0) -> list[KVCache]:
+        """One KVCache per layer holding the blocks' positions in order, evaluated; `room`:
+        positions still to come (the rest of the prompt), which then fit without a copy."""
+        parts = {part: [self._part(b.arrays, part) for b in blocks] for part in PARTS}
+        tokens = sum(block.shape[2] for block in parts["keys"])
+        if backend_name() == "cpu" and kernels.available():
+            capacity = -(-(tokens + room) // BatchKVCache.step) * BatchKVCache.step
+            layers = {part: kernels.assemble_kv(parts[part], capacity) for part in PARTS}
+        else:
+            layers = {part: list(mx.concatenate(parts[part], axis=2)[:, None]) for part in PARTS}
+        # Evaluated now: the buffers then have no lazy siblings, so the cache's first update
+        # writes into them in place.
+        mx.eval(layers)
+        caches: list[KVCache] = []
+        for keys, values in zip(layers["keys"], layers["values"], strict=True):
+            cache = PrefixKVCache()
+            cache.keys, cache.values, cache.offset = keys, values, tokens
             caches.append(cache)
         return caches
 
@@ -62,3 +74,21 @@ class KVCodec:
             return arrays[part]
         q, scales, biases = (arrays[f"{part}.{name}"] for name in QUANTIZED)
         return mx.dequantize(q, scales, biases, group_size=self.group_size, bits=self.bits)
+
+
+class PrefixKVCache(KVCache):
+    """A layer's KV cache assembled from prefix blocks."""
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchKVCache:
+        """mlx-lm's merge copies every cache into a new batch buffer of exactly their length
+        (which the next token then outgrows, another copy); one sequence alone keeps its own
+        buffer, room included."""
+        if len(caches) != 1 or not isinstance(caches[0], PrefixKVCache):
+            return BatchKVCache.merge(caches)
+        [cache] = caches
+        batch = BatchKVCache([0])
+        batch.keys, batch.values = cache.keys, cache.values
+        batch.offset = batch.offset + cache.offset
+        batch._idx = cache.offset
+        return batch

@@ -34,7 +34,7 @@ class PrefixLease:
         """Pin the matched blocks and count the hit or miss; the KV cache to start the prefill
         from (None: from scratch)."""
         self._held = True
-        return self.cache.acquire(self.match) or None
+        return self.cache.acquire(self.match, room=len(self.prompt_ids) - self.match.tokens) or None
 
     def store(self, layers: Callable[[], list[Any]]) -> None:
         """After the prompt's prefill: keep its blocks not cached yet. `layers()` gives the

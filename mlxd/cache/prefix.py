@@ -104,8 +104,9 @@ class PrefixCache:
         found.tokens = len(found.blocks) * self.block_size
         return found
 
-    def acquire(self, match: Match) -> list[KVCache]:
-        """Pin the matched blocks for a sequence, count the hit, and build its prompt cache."""
+    def acquire(self, match: Match, room: int = 0) -> list[KVCache]:
+        """Pin the matched blocks for a sequence, count the hit, and build its prompt cache
+        (with `room` for the prompt's positions after the match)."""
         if not match.blocks:
             self.counters.misses += 1
             return []
@@ -117,7 +118,7 @@ class PrefixCache:
             block.source = "ram"
         self.counters.cached_tokens += match.tokens
         self.ram.acquire(match.blocks)
-        return self.codec.decode(match.blocks)
+        return self.codec.decode(match.blocks, room)
 
     def release(self, blocks: list[Block]) -> None:
         self.ram.release(blocks)

@@ -147,6 +147,13 @@ def share_cores(packed: bool) -> None:
         _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))
 
 
+def assemble_kv(blocks: list[mx.array], capacity: int) -> list[mx.array]:
+    """One [1, H, capacity, D] buffer per layer from blocks [L, H, T, D] in position order
+    (their positions first, zeros after)."""
+    result: list[mx.array] = _module().assemble_kv(blocks, capacity)
+    return result
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """mx.fast.rms_norm for float32 x [..., D] and weight [D]."""
     result: mx.array = _module().rms_norm(x, weight, eps)

@@ -16,6 +16,7 @@ constructs the `GenerationBatch` (whose first step runs in its constructor), and
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
 import mlx.core as mx
@@ -189,6 +190,19 @@ class FastGenerationBatch(GenerationBatch):
 
 
 class FastPromptProcessingBatch(PromptProcessingBatch):
+    def split(self, indices: list[int]) -> PromptProcessingBatch:
+        """mlx-lm deep-copies the batch (its whole KV cache) and filters both halves, which
+        copies the cache again; when every sequence moves on to generation, as when prompts
+        end together, the batch moves as it is and leaves an empty one (what filter([])
+        leaves)."""
+        if sorted(indices) != list(range(len(self.uids))):
+            return super().split(indices)
+        moved = copy.copy(self)
+        self.uids, self.prompt_cache, self.tokens = [], [], []
+        self.samplers, self.logits_processors = [], []
+        self.max_tokens, self.stop_sequences = [], []
+        return moved
+
     def prompt(self, tokens: list[list[int]]) -> None:
         _route_rows(self.model, self.uids)
         super().prompt(tokens)

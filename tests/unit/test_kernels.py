@@ -184,3 +184,18 @@ def test_attention_equals_mlx(shape: tuple[int, ...]) -> None:
         # A row whose mask hides every key: MLX gives NaN, the kernel zeros.
         expected = mx.where(mx.isnan(expected), 0.0, expected)
         assert mx.allclose(got, expected, atol=1e-5).item(), (shape, mask)
+
+
+def test_assemble_kv_lays_the_blocks_out_per_layer_with_room() -> None:
+    blocks = [mx.random.normal((3, 2, tokens, 8)) for tokens in (4, 4, 2)]
+    layers = kernels.assemble_kv(blocks, 16)
+    assert len(layers) == 3
+    for layer, got in enumerate(layers):
+        assert got.shape == (1, 2, 16, 8)
+        expected = mx.concatenate([b[layer] for b in blocks], axis=1)
+        assert mx.array_equal(got[0, :, :10], expected).item()
+        assert not mx.any(got[0, :, 10:]).item()  # the room is zeros
+    with pytest.raises(ValueError, match="capacity"):
+        kernels.assemble_kv(blocks, 9)
+    with pytest.raises(ValueError, match="layouts"):
+        kernels.assemble_kv([blocks[0], mx.zeros((3, 2, 4, 4))], 16)

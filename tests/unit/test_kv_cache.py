@@ -8,8 +8,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxd import kernels
 from mlxd.cache.blocks import ROOT, Block, block_key, block_keys, fingerprint
 from mlxd.cache.kv import KVCodec
 from mlxd.cache.prefix import PrefixCache
@@ -88,13 +89,59 @@ def test_store_then_match_rebuilds_the_same_kv() -> None:
     rebuilt = cache.acquire(match)
     for original, cached in zip(layers, rebuilt, strict=True):
         assert cached.offset == 8
-        assert mx.array_equal(cached.keys, original.keys[:, :, :8, :])
-        assert mx.array_equal(cached.values, original.values[:, :, :8, :])
+        keys, values = (
+            cached.keys_and_values()
+        )  # the positions held (the buffers may have room after)
+        assert mx.array_equal(keys, original.keys[:, :, :8, :])
+        assert mx.array_equal(values, original.values[:, :, :8, :])
     assert all(b.refs == 1 for b in match.blocks)
     cache.release(match.blocks)
     assert all(b.refs == 0 for b in match.blocks)
     assert cache.stats()["hits"] == {"ram": 1, "ssd": 0}
     assert cache.stats()["cached_tokens"] == 8
+
+
+def test_a_prefix_hit_alone_joins_its_batch_in_its_own_buffer() -> None:
+    """The rebuilt cache has room for the rest of the prompt; a sequence admitted alone takes
+    that buffer into its batch and its next tokens are written in place, holding what mlx-lm's
+    own merge and growth would hold."""
+    cache = prefix_cache()
+    prompt = list(range(13))
+    layers = layers_for(len(prompt))
+    cache.store(prompt, cache.keys(prompt), layers)
+    match = cache.match(prompt, cache.keys(prompt))
+    [rebuilt, *_] = cache.acquire(match, room=5)
+    assert rebuilt.offset == 12
+    assert rebuilt.keys.shape[2] >= 12 + 5 or not kernels.available()
+    batch = type(rebuilt).merge([rebuilt])
+    assert batch.keys is rebuilt.keys  # no copy
+    new_keys, new_values = mx.random.normal((2, 1, HEADS, 3, DIM))
+    keys, values = batch.update_and_fetch(new_keys, new_values)
+
+    reference = BatchKVCache.merge([layers_for(len(prompt))[0]])
+    reference.trim(1)  # the prompt's last token is not cached
+    expected_keys, expected_values = reference.update_and_fetch(new_keys, new_values)
+    assert mx.array_equal(keys, expected_keys) and mx.array_equal(values, expected_values)
+    assert batch.size() == 15 and mx.array_equal(batch.offset, reference.offset)
+    cache.release(match.blocks)
+
+
+def test_prefix_hits_admitted_together_merge_as_mlx_lm_merges() -> None:
+    cache = prefix_cache()
+    short, long = list(range(9)), list(range(100, 117))
+    for prompt in (short, long):
+        cache.store(prompt, cache.keys(prompt), layers_for(len(prompt), seed=len(prompt)))
+    rebuilt = [cache.acquire(cache.match(p, cache.keys(p)), room=len(p)) for p in (short, long)]
+    merged = type(rebuilt[0][0]).merge([r[0] for r in rebuilt])
+    plain = []
+    for r in rebuilt:
+        layer = KVCache()
+        layer.keys, layer.values = r[0].keys_and_values()
+        layer.offset = r[0].offset
+        plain.append(layer)
+    expected = BatchKVCache.merge(plain)
+    assert mx.array_equal(merged.keys, expected.keys)
+    assert mx.array_equal(merged.left_padding, expected.left_padding)
 
 
 def test_other_prefix_misses() -> None:
@@ -139,7 +186,7 @@ def test_quantized_blocks_are_smaller_and_close() -> None:
     quantized_bytes = sum(a.nbytes for a in quantized.values())
     assert quantized_bytes < full_bytes / 3
     [rebuilt, *_] = codec.decode([Block("k", ROOT, tuple(range(8)), quantized)])
-    assert mx.allclose(rebuilt.keys, layers[0].keys, atol=0.05).item()
+    assert mx.allclose(rebuilt.keys_and_values()[0], layers[0].keys, atol=0.05).item()
 
 
 def test_block_bytes_are_measured_from_its_own_arrays() -> None:
@@ -210,7 +257,7 @@ def test_ssd_blocks_survive_a_restart(tmp_path: Path) -> None:
     match = again.match(prompt, keys)
     assert match.tokens == 12
     rebuilt = again.acquire(match)
-    assert mx.array_equal(rebuilt[0].keys, layers_for(13)[0].keys[:, :, :12, :])
+    assert mx.array_equal(rebuilt[0].keys_and_values()[0], layers_for(13)[0].keys[:, :, :12, :])
     assert again.stats()["hits"] == {"ram": 0, "ssd": 1}
     again.close()
 
@@ -316,5 +363,5 @@ def test_quantized_blocks_round_trip_through_ssd(tmp_path: Path, bits: int) -> N
     again = prefix_cache(tmp_path, ssd=10**8, kv_bits=bits)
     again.prefetch(prompt, again.keys(prompt))
     rebuilt = again.acquire(again.match(prompt, again.keys(prompt)))
-    assert mx.array_equal(rebuilt[1].values, expected[1].values)
+    assert mx.array_equal(rebuilt[1].keys_and_values()[1], expected[1].keys_and_values()[1])
     again.close()
