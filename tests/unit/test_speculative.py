@@ -272,7 +272,7 @@ def test_sampling_keeps_the_distribution_at_temperature_above_zero(tiny) -> None
     """Many continuations of one prompt with and without speculation: the per-position token
     counts and the joint counts of (2nd, 3rd) token agree (fixed seeds: deterministic)."""
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    count, length = 1500, 4
+    count, length = 1500, 5
     sampler = make_sequence_sampler(SamplingParams(temperature=0.7), 8)
 
     def sample(spec: NgramSpeculator | None) -> list[tuple[int, ...]]:
