@@ -7,9 +7,14 @@ requests never use. On the CPU backend, over SmolLM2's 49k vocabulary, that is â
 did not ask for logprobs take the argmax of the raw logits, and only the rows that need
 log-probabilities get them. Everything else (caches, processors, stop tokens) is mlx-lm's.
 With a speculator (see speculative.py) a step may verify drafts and give a row several tokens;
-`next` then passes each through max_tokens and the stop tokens in order. On the CPU a step
-hands out the tokens it computed rather than the previous step's (`hands_out_at_once`): every
-token, the first included, comes out one step sooner.
+`next` then passes each through max_tokens and the stop tokens in order.
+
+mlx-lm pipelines: a step hands out the previous step's tokens once it has started its own.
+On the CPU, MLX's `async_eval` returns only once all but the last few ops of the graph have
+run (its scheduler caps the tasks in flight), so a first token came out a whole step after it
+was computed. Here a row's first token is handed out by the step that computes it (`_start`,
+`_fresh`); from its second token on the row is pipelined again, which is faster at batch 1
+(measured: handing every token out at once lost â‰ˆ25% of the batch-1 throughput).
 
 The subclasses hook in where mlx-lm builds its batches: `PromptProcessingBatch.generate`
 constructs the `GenerationBatch` (whose first step runs in its constructor), and the
@@ -28,36 +33,25 @@ from mlxd.scheduler.sampling import sample_rows
 from mlxd.scheduler.speculative import Speculator, accepted_count, roll_back
 
 
-def hands_out_at_once() -> bool:
-    """Whether a step hands out the tokens it computes (the CPU), rather than the previous
-    step's once it has started the next (mlx-lm's pipelining, for a GPU).
-
-    On the CPU, MLX's `async_eval` returns only once all but the last few ops of the graph have
-    run (its scheduler caps the tasks in flight), so the pipelining overlaps next to nothing
-    there and hands every token out a whole step late: the first token included."""
-    return mx.default_device() == mx.cpu
-
-
 class FastGenerationBatch(GenerationBatch):
     # Set on the generator's long-lived batch when the model speculates (see speculative.py).
     speculator: Speculator[Any] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
-        # Read by the step mlx-lm's constructor runs (see _start).
-        self._at_once = hands_out_at_once()
-        self._constructing = True
+        # Per row: admitted and its first token not computed yet; its first token went out
+        # with the step that computed it, so the token the next step feeds is out already.
+        self._fresh: list[bool] = []
+        self._early: list[bool] = []
+        self._constructing = True  # mlx-lm's constructor runs a first step: see _start
         super().__init__(*args, **kwargs)
         self._constructing = False
 
     # Rows may emit several tokens now; `next` below is the only caller that reads them.
     def _step(self) -> tuple[list[list[int]], list[list[Any]]]:  # type: ignore[override]
-        """Each row's tokens this step (one, or more when drafts were accepted) and, per
-        token, its log-probabilities (None where skipped).
-
-        `_next_tokens` are what the step feeds: handing out at once, tokens already handed out
-        (or each prompt's last token); pipelined, tokens computed but not handed out yet."""
+        """Each row's tokens this step (none, one, or more when drafts were accepted) and,
+        per token, its log-probabilities (None where skipped)."""
         _route_rows(self.model, self.uids)
-        if self._at_once and self._constructing:
+        if self._constructing:
             return self._start()
         drafts = self._drafts()
         if drafts is not None:
@@ -70,30 +64,51 @@ class FastGenerationBatch(GenerationBatch):
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         logits, token_context = self._process(logits, inputs)
         self._next_tokens, self._next_logprobs = sample_rows(logits, self._samplers())
-        if self._at_once:
-            mx.eval(self._next_tokens, _present(self._next_logprobs), token_context)
-            handed, handed_logprobs = self._next_tokens, self._next_logprobs
+        computed = [self._next_tokens, _present(self._next_logprobs), token_context]
+        if any(self._fresh):
+            mx.eval(*computed)  # first tokens go out now
+            firsts = cast(list[int], self._next_tokens.tolist())
         else:
             # Start the next step's compute while this step's tokens are handed out.
-            mx.async_eval(self._next_tokens, _present(self._next_logprobs), token_context)
-            mx.eval(inputs, _present(self._current_logprobs))
-            handed, handed_logprobs = inputs, self._current_logprobs
-        return self._hand_out(handed), [[lp] for lp in handed_logprobs]
+            mx.async_eval(*computed)
+            firsts = []
+        mx.eval(inputs, _present(self._current_logprobs))
+        # A 1-D array's tolist() is a list of ints; the stub types it as any nesting of scalars.
+        fed = cast(list[int], inputs.tolist())
+        tokens: list[list[int]] = []
+        logprobs: list[list[Any]] = []
+        for row in range(len(self.uids)):
+            if self._fresh[row]:
+                tokens.append([firsts[row]])
+                logprobs.append([self._next_logprobs[row]])
+            elif self._early[row]:
+                tokens.append([])
+                logprobs.append([])
+            else:
+                tokens.append([fed[row]])
+                logprobs.append([self._current_logprobs[row]])
+            self.tokens[row].extend(tokens[-1])
+        self._early, self._fresh = self._fresh, [False] * len(self.uids)
+        return tokens, logprobs
 
     def _start(self) -> tuple[list[list[int]], list[list[Any]]]:
-        """The step mlx-lm's constructor runs, which computes each row's first token and
-        drops what it hands out (the prompt's last token). Handing out at once, it computes
-        nothing: the batch's next step computes the first tokens and hands them out."""
+        """The step mlx-lm's constructor runs, which would compute each row's first token
+        and hand out (to nobody) the prompt's last one. Nothing is computed here: the batch's
+        next step computes the first tokens and hands them out at once."""
+        rows = len(self.uids)
         self._current_tokens = self._next_tokens  # type: ignore[assignment]
-        self._next_logprobs = [None] * len(self.uids)
-        return self._hand_out(self._next_tokens), [[None] for _ in self.uids]
-
-    def _hand_out(self, tokens_array: mx.array) -> list[list[int]]:
-        # A 1-D array's tolist() is a list of ints; the stub types it as any nesting of scalars.
-        tokens = cast(list[int], tokens_array.tolist())
-        for sequence_tokens, token in zip(self.tokens, tokens, strict=False):
+        self._next_logprobs = [None] * rows
+        self._fresh, self._early = [True] * rows, [False] * rows
+        last = cast(list[int], self._next_tokens.tolist())
+        for sequence_tokens, token in zip(self.tokens, last, strict=True):
             sequence_tokens.append(token)
-        return [[t] for t in tokens]
+        return [[t] for t in last], [[None] for _ in last]
+
+    def extend(self, batch: GenerationBatch) -> None:
+        super().extend(batch)
+        joining = cast(FastGenerationBatch, batch)  # every batch here is built by generate()
+        self._fresh += joining._fresh
+        self._early += joining._early
 
     def _samplers(self) -> list[Any]:
         if not self.samplers:
@@ -124,20 +139,18 @@ class FastGenerationBatch(GenerationBatch):
         speculator = self.speculator
         if speculator is None or not speculator.active(len(self.uids), self.prompt_cache):
             return None
-        # The drafts follow the pending token, so it is needed now (no overlap this step);
-        # handing out at once, it is in self.tokens already.
-        pending = [] if self._at_once else cast(list[int], self._next_tokens.tolist())
+        if any(self._fresh) or any(self._early):  # rows between their first two tokens
+            return None
+        # The drafts follow the pending token, so it is needed now (no overlap this step).
+        pending = cast(list[int], self._next_tokens.tolist())
         processors = self.logits_processors or [[]] * len(self.uids)
         drafts = [
-            # A row's first token comes from a plain step, as when pipelined (there the
-            # constructor's step computes it): a rejection shortens the row's next drafts, and
-            # the first token after a chat template's turn markers is rarely in the prompt.
             []
-            if processors[row] or self._num_tokens[row] == 0
-            # No draft past max_tokens: the step hands out one token more than it accepts.
+            if processors[row]
+            # No draft past max_tokens: the pending token is one of them.
             else speculator.propose(
                 self.uids[row],
-                self.tokens[row] + pending[row : row + 1],
+                self.tokens[row] + [pending[row]],
                 self.max_tokens[row] - self._num_tokens[row] - 1,
             )
             for row in range(len(self.uids))
@@ -179,16 +192,9 @@ class FastGenerationBatch(GenerationBatch):
         for row, row_drafts in enumerate(drafts):
             count = len(row_drafts)
             kept = accepted_count(row_drafts, sampled[start : start + count])
-            bonus = sampled[start + kept]  # the target's own token after the accepted drafts
-            if self._at_once:  # the pending token went out last step; the bonus goes now
-                tokens.append([*row_drafts[:kept], bonus])
-                logprobs.append(sampled_logprobs[start : start + kept + 1])
-            else:
-                tokens.append([firsts[row], *row_drafts[:kept]])
-                logprobs.append(
-                    [self._current_logprobs[row], *sampled_logprobs[start : start + kept]]
-                )
-            next_tokens.append(bonus)
+            tokens.append([firsts[row], *row_drafts[:kept]])
+            logprobs.append([self._current_logprobs[row], *sampled_logprobs[start : start + kept]])
+            next_tokens.append(sampled[start + kept])
             next_logprobs.append(sampled_logprobs[start + kept])
             rejected.append(width - 1 - kept)
             self.tokens[row].extend(tokens[-1])
@@ -202,6 +208,8 @@ class FastGenerationBatch(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
+        self._fresh = [self._fresh[row] for row in keep]
+        self._early = [self._early[row] for row in keep]
         if self.speculator is not None:  # free what it keeps for the rows that left
             self.speculator.retain(self.uids)
 
@@ -211,6 +219,8 @@ class FastGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         tokens, logprobs = self._step()
+        if not any(tokens):  # every row between its first two tokens: no empty answer
+            tokens, logprobs = self._step()
         keep, responses = [], []
         for row, uid in enumerate(self.uids):
             finish = None
