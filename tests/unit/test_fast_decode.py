@@ -96,3 +96,36 @@ def test_fast_path_gives_the_same_greedy_tokens_on_smollm2(smol) -> None:
     for ours, theirs in zip(fast["logprobs"][1], reference["logprobs"][1], strict=True):
         # Top log-probabilities barely move with the rational SiLU.
         assert abs(ours.max().item() - theirs.max().item()) < 1e-3
+
+
+def test_a_first_token_goes_out_with_the_step_that_computes_it(smol) -> None:
+    """mlx-lm hands a step's tokens out once the next step has started, which on the CPU
+    means once it has nearly run (MLX's async_eval waits until few ops are left): a first
+    token came out a step late. When it arrives here, the model has run the prompt and one
+    decode step; later tokens are pipelined, and every token is mlx-lm's."""
+    forward_lengths: list[int] = []
+
+    class Counting:
+        layers = smol.model.layers
+
+        def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+            forward_lengths.append(inputs.shape[1])
+            return smol.model(inputs, cache=cache)
+
+    prompt = smol.tokenizer.encode("The capital of France is")
+    generator = FastBatchGenerator(Counting(), stop_tokens=[])
+    generator.insert([prompt], max_tokens=[6])
+    first: list = []
+    while not first:
+        first = generator.next_generated()
+    assert forward_lengths == [len(prompt) - 1, 1]  # the prompt, then one step
+
+    tokens = [first[0].token]
+    while responses := generator.next_generated():
+        tokens += [r.token for r in responses]
+    reference = BatchGenerator(smol.model, stop_tokens=[])
+    reference.insert([prompt], max_tokens=[6])
+    expected = []
+    while responses := reference.next_generated():
+        expected += [r.token for r in responses]
+    assert tokens == expected
