@@ -335,7 +335,9 @@ class WorkerEngine:
             await self._group.kill()  # a group ends whole
         if self._closing:
             return
-        self.failure = self.failure or death or f"worker {self.pid} {describe_exit(status)}"
+        failure = self.failure or f"worker {self.pid} {describe_exit(status)}"
+        # Rank 0 may tell its error while the peer whose death caused it is still exiting.
+        self.failure = f"{death}: {failure}" if death and death not in failure else failure
         log.error("model '%s': %s", self.name, self.failure)
         self._fail_all(f"model '{self.name}' failed ({self.failure}); it is being restarted")
 

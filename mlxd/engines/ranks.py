@@ -191,9 +191,11 @@ class RankGroup:
 
     def find_death(self) -> str | None:
         """The first local rank seen dead, looking now (rank 0's own error about a lost peer
-        is a symptom: the peer's death is what the model's failure should say)."""
+        is a symptom: the peer's death is what the model's failure should say). Another rank
+        is named before rank 0, which exits after a peer's death."""
         if self.death is None:
             dead = [info for info in self.ranks if self._alive(info["rank"]) is False]
+            dead.sort(key=lambda info: info["rank"] == 0)
             if dead:
                 self.death = f"rank {dead[0]['rank']} (pid {dead[0]['pid']}) died"
         return self.death
