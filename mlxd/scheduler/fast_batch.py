@@ -253,14 +253,12 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
     def split(self, indices: list[int]) -> PromptProcessingBatch:
         """mlx-lm deep-copies the batch (its whole KV cache) and filters both halves, which
         copies the cache again; when every sequence moves on to generation, as when prompts
-        end together, the batch moves as it is and leaves an empty one (what filter([])
-        leaves)."""
+        end together, the batch moves as it is and an empty one stays."""
         if sorted(indices) != list(range(len(self.uids))):
             return super().split(indices)
         moved = copy.copy(self)
-        self.uids, self.prompt_cache, self.tokens = [], [], []
-        self.samplers, self.logits_processors = [], []
-        self.max_tokens, self.stop_sequences = [], []
+        self.prompt_cache = []  # filter([]) clears it in place, and `moved` shares it
+        self.filter([])
         return moved
 
     def prompt(self, tokens: list[list[int]]) -> None:
