@@ -320,8 +320,7 @@ class WorkerEngine:
                     else:
                         future.set_exception(args[1])
                 elif kind == "died":  # its model thread died; the process exits next
-                    death = self._group.find_death() if self._group is not None else None
-                    self.failure = f"{death}: {args[0]}" if death else args[0]
+                    self.failure = args[0]
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:
@@ -336,7 +335,7 @@ class WorkerEngine:
         if self._closing:
             return
         failure = self.failure or f"worker {self.pid} {describe_exit(status)}"
-        # Rank 0 may tell its error while the peer whose death caused it is still exiting.
+        # Rank 0's error about a lost peer is a symptom: name the peer's death with it.
         self.failure = f"{death}: {failure}" if death and death not in failure else failure
         log.error("model '%s': %s", self.name, self.failure)
         self._fail_all(f"model '{self.name}' failed ({self.failure}); it is being restarted")
