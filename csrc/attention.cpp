@@ -233,11 +233,10 @@ inline void weigh_values(
 // ROWS is a compile-time count so that the tile's accumulators stay in registers.
 template <int ROWS>
 void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* sc) {
-  constexpr int rows = ROWS;
   const int padded = a.padded(), D = a.D;
   int hs[ROWS], is[ROWS], most = 0;
   float qscaled[ROWS][MAX_HEAD_DIM];
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     hs[r] = hk * a.group() + (r0 + r) / a.Lq;
     is[r] = (r0 + r) % a.Lq;
     most = std::max(most, a.visible(is[r]));
@@ -252,16 +251,16 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* s
     f32x16 s[ROWS] = {};
     for (int d = 0; d < D; ++d) {
       const f32x16 kd = load_f32(kblock + d * LANES);
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < ROWS; ++r) {
         s[r] += qscaled[r][d] * kd;
       }
     }
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       std::memcpy(sc + size_t(r) * padded + blk * LANES, &s[r], sizeof(s[r]));
     }
   }
   float inv[ROWS];
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     const float sum = softmax_in_place(a, b, hs[r], is[r], sc + size_t(r) * padded);
     inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // nothing visible: zeros, not NaN
   }
@@ -274,7 +273,7 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* s
     } else {
       weigh_values<ROWS, false>(a, vb + d0, sc, most, width, acc);
     }
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       const f32x16 out = acc[r] * inv[r];
       std::memcpy(a.out_row(b, hs[r], is[r]) + d0, &out, width * sizeof(float));
     }
