@@ -34,9 +34,7 @@ mx::array qmatmul(
       shape,
       mx::float32,
       std::make_shared<QMatmul>(stream, bits),
-      {mx::contiguous(mx::astype(x, mx::float32, stream), false, stream),
-       mx::contiguous(w, false, stream),
-       mx::contiguous(scale_bias, false, stream)});
+      {mx::astype(x, mx::float32, stream), w, scale_bias});
 }
 
 void QMatmul::eval_cpu(
@@ -50,16 +48,16 @@ void QMatmul::eval_cpu(
   const int K = x.shape(-1);
   const int M = static_cast<int>(x.size() / K);
   const int N = w.shape(0);
-  const float* xp = x.data<float>();
-  const uint8_t* wp = w.data<uint8_t>();
+  const float* xp = rows<float>(x, encoder);
+  const uint8_t* wp = rows<uint8_t>(w, encoder);
   float* yp = y.data<float>();
   const int bits = bits_;
   if (scale_bias.dtype() == mx::float16) {
-    encoder.dispatch([=, sp = scale_bias.data<uint16_t>()]() {
+    encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
       qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits);
     });
   } else {
-    encoder.dispatch([=, sp = scale_bias.data<float>()]() {
+    encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
       qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits);
     });
   }

@@ -23,8 +23,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
       x.shape(),
       mx::float32,
       std::make_shared<RMSNorm>(stream, eps),
-      {mx::contiguous(x, false, stream),
-       mx::contiguous(mx::astype(weight, mx::float32, stream), false, stream)});
+      {x, mx::astype(weight, mx::float32, stream)});
 }
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -32,8 +31,8 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   auto& encoder = prepare(inputs, outputs);
   auto& y = outputs[0];
   const int D = x.shape(-1);
-  encoder.dispatch([xp = x.data<float>(),
-                    wp = inputs[1].data<float>(),
+  encoder.dispatch([xp = rows<float>(x, encoder),
+                    wp = rows<float>(inputs[1], encoder),
                     yp = y.data<float>(),
                     rows = x.size() / D,
                     D,

@@ -36,8 +36,8 @@ mx::array rope(
       mx::float32,
       std::make_shared<RoPE>(stream, dims, traditional, scale),
       {x,
-       mx::contiguous(mx::astype(inv_freq, mx::float32, stream), false, stream),
-       mx::contiguous(mx::astype(offsets, mx::int32, stream), false, stream)});
+       mx::astype(inv_freq, mx::float32, stream),
+       mx::astype(offsets, mx::int32, stream)});
 }
 
 void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -46,8 +46,8 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   auto& y = outputs[0];
   const auto& st = x.strides();
   encoder.dispatch([xp = x.data<float>(),
-                    fp = inputs[1].data<float>(),
-                    op = inputs[2].data<int32_t>(),
+                    fp = rows<float>(inputs[1], encoder),
+                    op = rows<int32_t>(inputs[2], encoder),
                     yp = y.data<float>(),
                     B = x.shape(0),
                     H = x.shape(1),
