@@ -26,6 +26,7 @@ from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
+from mlxd.models.layer_eval import evaluate_per_layer
 from mlxd.models.packed import can_pack, pack_model
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ def load_llm(
             # MLX composes rope, norms and attention from element-wise ops on the CPU.
             use_kernel_layers(model)
             use_kernel_attention(model)
+            if packed:
+                evaluate_per_layer(model)
     except ModelLoadError:
         raise
     except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind

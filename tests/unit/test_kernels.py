@@ -91,6 +91,27 @@ def test_the_packed_model_matches_its_float32_twin(smol, smol_packed) -> None:
         assert _greedy(smol_packed.model, ids) == _greedy(smol.model, ids)
 
 
+def test_packed_layers_start_computing_as_built_with_the_same_arithmetic(smol_packed) -> None:
+    """Each decoder layer schedules its output once built (models/layer_eval.py); taking the
+    scheduling away changes no logit."""
+    from mlxd.models.layer_eval import evaluate_per_layer
+
+    layers = smol_packed.model.layers
+    eager = type(layers[0])
+    assert eager.__name__ == "EagerTransformerBlock"
+    assert evaluate_per_layer(smol_packed.model) == len(layers)  # idempotent
+    assert type(layers[0]) is eager
+    ids = mx.array([smol_packed.tokenizer.encode("The capital of France is")])
+    scheduled = smol_packed.model(ids)
+    for layer in layers:
+        layer.__class__ = eager.__base__
+    try:
+        assert mx.array_equal(smol_packed.model(ids), scheduled).item()
+    finally:
+        for layer in layers:
+            layer.__class__ = eager
+
+
 def _greedy(model: nn.Module, ids: mx.array, tokens: int = 24) -> list[int]:
     from mlx_lm.models.cache import make_prompt_cache
 
