@@ -69,8 +69,8 @@ void AssembleKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     layers.push_back(y.data<char>());
   }
   encoder.dispatch([=, sources = std::move(sources), lengths = std::move(lengths),
-                    layers = std::move(layers)]() {
-    const int threads = kernel_threads().load();
+                    layers = std::move(layers),
+                    threads = threads_on(stream())]() {
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
     for (int l = 0; l < L; ++l) {
       for (int h = 0; h < H; ++h) {

@@ -354,8 +354,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       k.shape(2),
       v.shape(3),
       scale_};
-  encoder.dispatch([a = args]() {
-    const int threads = kernel_threads().load();
+  encoder.dispatch([a = args, threads = threads_on(stream())]() {
     const int padded = a.padded(), group_rows = a.group() * a.Lq;
     // Tiles when each key serves several query rows (prefill, verification); decode rows go
     // one at a time, where transposing the keys would cost more than it saves.

@@ -21,6 +21,17 @@ NB_MODULE(_cpu, m) {
       "threads"_a,
       "How many threads the kernels use (1: no OpenMP threads are started).");
   m.def(
+      "parallelize_default_stream",
+      []() {
+        mlxd::parallel_stream().store(
+            mlx::core::default_stream(mlx::core::Device::cpu).index);
+      },
+      "Only kernels on the calling thread's default CPU stream use several threads from now on.");
+  m.def(
+      "threads_here",
+      []() { return mlxd::threads_on(mlx::core::default_stream(mlx::core::Device::cpu)); },
+      "How many threads kernels on the calling thread's default CPU stream use.");
+  m.def(
       "qmatmul",
       &mlxd::qmatmul,
       "x"_a,

@@ -3,6 +3,7 @@
 
 #include "mlx/ops.h"
 #include "qmatmul.h"
+#include "threads.h"
 
 namespace mx = mlx::core;
 
@@ -52,13 +53,14 @@ void QMatmul::eval_cpu(
   const uint8_t* wp = rows<uint8_t>(w, encoder);
   float* yp = y.data<float>();
   const int bits = bits_;
+  const int threads = threads_on(stream());
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
-      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits);
+      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits, threads);
     });
   } else {
     encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
-      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits);
+      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits, threads);
     });
   }
 }

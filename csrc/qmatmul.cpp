@@ -91,6 +91,7 @@ struct Problem {
   const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;
+  int threads;
 
   template <int BITS>
   const uint8_t* tile(int t) const {
@@ -222,7 +223,7 @@ void buffered_pair(const Problem<S>& p, const float* wbuf, int t0, int m0) {
 template <int BITS, typename S>
 void run(const Problem<S>& p) {
   const int pairs = p.N / (LANES * TILES);
-  const int threads = kernel_threads().load();
+  const int threads = p.threads;
   if (p.M < BUFFER_MIN_ROWS) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < pairs; ++t) {
@@ -253,8 +254,8 @@ void run(const Problem<S>& p) {
 
 template <typename S>
 void qmatmul_cpu(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N,
-                 int K, int bits) {
-  const Problem<S> p{x, w, scale_bias, y, M, N, K};
+                 int K, int bits, int threads) {
+  const Problem<S> p{x, w, scale_bias, y, M, N, K, threads};
   if (bits == 4) {
     run<4, S>(p);
   } else if (bits == 8) {
@@ -265,8 +266,8 @@ void qmatmul_cpu(const float* x, const uint8_t* w, const S* scale_bias, float* y
 }
 
 template void qmatmul_cpu<float>(const float*, const uint8_t*, const float*, float*, int, int,
-                                 int, int);
+                                 int, int, int);
 template void qmatmul_cpu<uint16_t>(const float*, const uint8_t*, const uint16_t*, float*, int,
-                                    int, int, int);
+                                    int, int, int, int);
 
 }  // namespace mlxd

@@ -21,6 +21,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxd import kernels
 from mlxd.cache.lease import PrefixLease
 from mlxd.config import BatchConfig, SpeculativeConfig
 from mlxd.models.lora import MultiLoRA
@@ -129,6 +130,7 @@ class LLMCore:
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
         self._generator: FastBatchGenerator | None = None
+        self._stream: mx.Stream  # made by start(), on the model thread
         # Outlives the generator (rebuilt after a failed step), so its counters do too.
         self.speculator = make_speculator(speculative, draft_model) if speculative else None
         # Set once a LoRA adapter is attached: each forward pass then routes its rows.
@@ -138,7 +140,13 @@ class LLMCore:
         self.step_errors_are_fatal = False
 
     def start(self) -> None:
-        """On the model thread: MLX streams belong to the thread that made them."""
+        """On the model thread: MLX streams belong to the thread that made them. Everything
+        this thread evaluates (prefix cache assembly too) goes on one stream, the only one
+        whose CPU kernels use several threads."""
+        self._stream = mx.new_stream(mx.default_device())
+        mx.set_default_stream(self._stream)
+        if self._stream.device == mx.cpu:
+            kernels.parallelize_this_thread()
         self._generator = self._new_generator()
 
     @property
@@ -378,7 +386,7 @@ class LLMCore:
             # Our admission forms the prefill groups; the generator must not split them.
             prefill_batch_size=self.config.max_batch_size,
             prefill_step_size=self.config.prefill_step_size,
-            stream=mx.new_stream(mx.default_device()),
+            stream=self._stream,
             speculator=self.speculator,
         )
 

@@ -147,6 +147,15 @@ def share_cores(packed: bool) -> None:
         _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))
 
 
+def parallelize_this_thread() -> None:
+    """From now on only kernels evaluated on this thread's default CPU stream use several
+    threads (an engine's model thread). OpenMP keeps a thread pool per thread that starts
+    parallel work, and with more of its threads than cores libgomp makes them all sleep
+    between kernels (csrc/threads.h)."""
+    if _cpu is not None:
+        _cpu.parallelize_default_stream()
+
+
 def assemble_kv(blocks: list[mx.array], capacity: int) -> list[mx.array]:
     """One [1, H, capacity, D] buffer per layer from blocks [L, H, T, D] in position order
     (their positions first, zeros after)."""

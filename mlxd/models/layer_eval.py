@@ -36,11 +36,10 @@ def _eager_subclass(cls: type) -> type:
     if cls not in _EAGER_CLASSES:
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            output = super(eager, self).__call__(*args, **kwargs)
+            output = cls.__call__(self, *args, **kwargs)
             if isinstance(output, mx.array):
                 mx.async_eval(output)
             return output
 
-        eager = type(f"Eager{cls.__name__}", (cls,), {"__call__": __call__})
-        _EAGER_CLASSES[cls] = eager
+        _EAGER_CLASSES[cls] = type(f"Eager{cls.__name__}", (cls,), {"__call__": __call__})
     return _EAGER_CLASSES[cls]

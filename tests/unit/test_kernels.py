@@ -4,6 +4,9 @@ against the same model dequantized to float32."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -110,6 +113,37 @@ def test_packed_layers_start_computing_as_built_with_the_same_arithmetic(smol_pa
     finally:
         for layer in layers:
             layer.__class__ = eager
+
+
+def test_only_the_engine_thread_runs_kernels_on_several_threads() -> None:
+    """One OpenMP pool per process (csrc/threads.h): once a thread is the engine's, kernels
+    evaluated on another thread's stream run on one thread, with the same results. In a
+    process of its own: the choice is process-wide."""
+    script = """
+import os, threading
+import mlx.core as mx
+from mlxd import kernels
+weight, scales, biases = mx.quantize(mx.random.normal((256, 256)), group_size=32, bits=4)
+packed = kernels.pack(weight, scales, biases, 32, 4)
+x = mx.random.normal((64, 256))
+mx.eval(packed.weight, packed.scale_bias, x)
+kernels.share_cores(packed=True)
+seen = {}
+def run(name, engine):
+    if engine:
+        kernels.parallelize_this_thread()
+    y = kernels.qmatmul(x, packed)
+    mx.eval(y)
+    seen[name] = (kernels._module().threads_here(), y)
+for name, engine in (("engine", True), ("other", False)):
+    thread = threading.Thread(target=run, args=(name, engine))
+    thread.start()
+    thread.join()
+assert seen["engine"][0] == len(os.sched_getaffinity(0)), seen["engine"][0]
+assert seen["other"][0] == 1, seen["other"][0]
+assert mx.array_equal(seen["engine"][1], seen["other"][1]).item()
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def _greedy(model: nn.Module, ids: mx.array, tokens: int = 24) -> list[int]:
