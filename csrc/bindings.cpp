@@ -8,6 +8,7 @@
 #include "qmatmul.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "swiglu.h"
 #include "threads.h"
 
 namespace nb = nanobind;
@@ -46,6 +47,12 @@ NB_MODULE(_cpu, m) {
       "weight"_a,
       "eps"_a,
       "mx.fast.rms_norm for float32 x [..., D] and a weight [D].");
+  m.def(
+      "swiglu",
+      &mlxd::swiglu,
+      "gate"_a,
+      "x"_a,
+      "silu(gate) * x for float32 gate and x of one shape, with the rational SiLU.");
   m.def(
       "rope",
       &mlxd::rope,

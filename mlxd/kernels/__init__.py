@@ -147,6 +147,13 @@ def share_cores(packed: bool) -> None:
         _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))
 
 
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x for float32 gate and x of one shape, with models.activations' rational
+    SiLU: one graph node where the compiled form is five."""
+    result: mx.array = _module().swiglu(gate, x)
+    return result
+
+
 def parallelize_this_thread() -> None:
     """From now on only kernels evaluated on this thread's default CPU stream use several
     threads (an engine's model thread). OpenMP keeps a thread pool per thread that starts

@@ -12,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxd import kernels
+
 # Eigen's generic_fast_erf_float: erf(z) = z · P(z²) / Q(z²) on [-4, 4] (±1 beyond).
 _P = (
     -2.72614225801306e-10,
@@ -114,8 +116,16 @@ def swiglu_rational(gate: mx.array, x: mx.array) -> mx.array:
     return 0.5 * gate * (1.0 + _tanh_rational(0.5 * gate)) * x
 
 
+def swiglu_cpu(gate: mx.array, x: mx.array) -> mx.array:
+    """`swiglu_rational`, on mlxd's CPU kernel where it takes the inputs (float32, one shape):
+    the compiled graph runs as five nodes on the CPU backend, the kernel as one."""
+    if kernels.available() and gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
+        return kernels.swiglu(gate, x)
+    return swiglu_rational(gate, x)
+
+
 def use_rational_swiglu(model: nn.Module) -> int:
-    """Make every `down(swiglu(gate(x), up(x)))` MLP of an mlx-lm `model` use `swiglu_rational`.
+    """Make every `down(swiglu(gate(x), up(x)))` MLP of an mlx-lm `model` use the rational SiLU.
 
     Only MLP classes whose forward is exactly mlx-lm's SwiGLU pattern are touched (llama,
     qwen2/3, mistral …); each gets a subclass whose forward is the same with the rational SiLU,
@@ -136,7 +146,7 @@ def _rational_subclass(cls: type) -> type:
     if cls not in _RATIONAL_CLASSES:
 
         def __call__(self, x: mx.array) -> mx.array:
-            return self.down_proj(swiglu_rational(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(swiglu_cpu(self.gate_proj(x), self.up_proj(x)))
 
         _RATIONAL_CLASSES[cls] = type(f"Rational{cls.__name__}", (cls,), {"__call__": __call__})
     return _RATIONAL_CLASSES[cls]

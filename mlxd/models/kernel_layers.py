@@ -47,8 +47,19 @@ class KernelRoPE(nn.Module):
                 scale=self.scale,
                 offset=offset,
             )
-        offsets = mx.broadcast_to(mx.array(offset, mx.int32), (x.shape[0],))
-        return kernels.rope(x, self._inv_freq, offsets, self.dims, self.traditional, self.scale)
+        return kernels.rope(
+            x, self._inv_freq, _offsets(offset, x.shape[0]), self.dims, self.traditional, self.scale
+        )
+
+
+def _offsets(offset: int | mx.array, batch: int) -> mx.array:
+    """Each row's position offset as int32 [batch]. A batch cache's offsets already are (no
+    broadcast node, two a layer otherwise); a plain int becomes a constant."""
+    if isinstance(offset, mx.array):
+        if offset.shape == (batch,) and offset.dtype == mx.int32:
+            return offset
+        return mx.broadcast_to(offset.astype(mx.int32), (batch,))
+    return mx.array([offset] * batch, dtype=mx.int32)
 
 
 class KernelRMSNorm(nn.RMSNorm):

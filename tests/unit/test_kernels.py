@@ -208,6 +208,19 @@ def test_rms_norm_equals_mlx() -> None:
         assert mx.allclose(kernel(x), norm(x), atol=1e-5).item()
 
 
+
+def test_swiglu_equals_the_rational_one_and_silu() -> None:
+    from mlx_lm.models.activations import swiglu as exact
+
+    from mlxd.models.activations import swiglu_rational
+
+    gate, x = mx.random.normal((3, 7, 1536)) * 6, mx.random.normal((3, 7, 1536))
+    strided = mx.random.normal((96, 5)).T * 6, mx.random.normal((96, 5)).T
+    for g, v in ((gate, x), strided):
+        got = kernels.swiglu(g, v)
+        assert mx.allclose(got, swiglu_rational(g, v), atol=1e-5).item()
+        assert mx.allclose(got, exact(g, v), atol=1e-5).item()
+
 @pytest.mark.parametrize(
     "shape",
     [
