@@ -208,7 +208,6 @@ def test_rms_norm_equals_mlx() -> None:
         assert mx.allclose(kernel(x), norm(x), atol=1e-5).item()
 
 
-
 def test_swiglu_equals_the_rational_one_and_silu() -> None:
     from mlx_lm.models.activations import swiglu as exact
 
@@ -220,6 +219,7 @@ def test_swiglu_equals_the_rational_one_and_silu() -> None:
         got = kernels.swiglu(g, v)
         assert mx.allclose(got, swiglu_rational(g, v), atol=1e-5).item()
         assert mx.allclose(got, exact(g, v), atol=1e-5).item()
+
 
 @pytest.mark.parametrize(
     "shape",
