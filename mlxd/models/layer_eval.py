@@ -1,11 +1,12 @@
 """Start each decoder layer's compute as soon as its graph is built, on the CPU backend.
 
 A forward pass is built in Python (≈2.5 ms for a SmolLM2 decode step) and evaluated on MLX's
-stream thread (≈10 ms). `mx.async_eval` of the whole step returns only once all but the last
-few ops have run: MLX's scheduler caps the tasks in flight, so the next step's graph could not
-be built while this one computed, and the build added to every step. Scheduling each layer's
-output as it is built lets the stream compute layer i while Python builds layer i + 1: the
-build hides behind the compute (measured: 12.3–13.3 → 10.7–12.2 ms a SmolLM2 batch-1 step).
+stream thread (≈10 ms). `mx.async_eval` of the whole step returns only once all but its last
+≈100 dispatches have run (MLX's scheduler caps the tasks in flight), so the next step's graph
+could not be built while this one computed, and the build added to every step. Scheduling
+each layer's output as it is built lets the stream compute layer i while Python builds layer
+i + 1: the build hides behind the compute (measured in mlxd's generator alone: 12.3–14.5 →
+10.3–11.0 ms a SmolLM2 batch-1 step).
 The arithmetic is unchanged; only when it is scheduled.
 """
 
