@@ -188,7 +188,8 @@ def test_request_log_filters_by_model(page, tmp_path: Path) -> None:
     eventually(lambda: {"smol", "minilm"} <= models_in_log())
     Select(by_name(page, "combobox", "Filter by model")).select_by_value("minilm")
     eventually(lambda: models_in_log() == {"minilm"})
-    row = page.find_element("css selector", "#requests tbody tr").text
+    # Read inside `eventually`: the table may be re-rendered between finding a row and reading it.
+    row = eventually(lambda: page.find_element("css selector", "#requests tbody tr").text)
     assert "/v1/embeddings" in row and "200" in row
     screenshot(page, tmp_path / "requests.png", "log-title")
     # By now smol has answered: the models table shows throughput, TTFT and cache figures.
