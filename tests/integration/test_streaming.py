@@ -21,7 +21,10 @@ pytestmark = pytest.mark.integration
 
 ASK = [{"role": "user", "content": "Tell me about the sea in two sentences."}]
 MAX_TOKENS = 40
-BACKLOG = 8
+# Small, so that a stalled client is cut off soon, but not so small that a reading one is:
+# the backlog is counted in decode steps, and a daemon busy for 8 of them (≈ 80 ms at batch 1
+# on the CPU kernels) cut off the stream_interval test's reader in a CI run.
+BACKLOG = 64
 NO_EOS = {"2": -100}  # SmolLM2's <|im_end|>: the stream runs to max_tokens
 
 
