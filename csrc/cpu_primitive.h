@@ -7,7 +7,6 @@
 // known by then) and copies only what is not.
 #pragma once
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
