@@ -24,6 +24,12 @@ pytestmark = pytest.mark.integration
 Select = pytest.importorskip("selenium.webdriver.support.ui").Select
 
 CONTROLS = "button, input, select, textarea"
+OBSERVE_REPLY = """
+const reply = document.getElementById("chat-reply");
+window.replyTexts = [];
+window.replyObserver = new MutationObserver(() => window.replyTexts.push(reply.textContent));
+window.replyObserver.observe(reply, { childList: true, characterData: true, subtree: true });
+"""
 
 
 def config(cache_dir: Path) -> dict[str, Any]:
@@ -148,19 +154,16 @@ def test_playground_streams_a_reply_token_by_token(page, tmp_path: Path) -> None
     Select(by_name(page, "combobox", "Chat model")).select_by_value("smol")
     message = by_name(page, "textbox", "Message")
     message.clear()
-    # A reply of many tokens: a one-line answer can arrive between two looks at the page.
     message.send_keys("Write three sentences about the history of Paris.")
+    # The page itself records every text the reply shows: 24 tokens can stream faster than
+    # WebDriver can look twice, so polling from here would miss the partial replies.
+    page.execute_script(OBSERVE_REPLY)
     by_name(page, "button", "Send").click()
-    reply = page.find_element("id", "chat-reply")
-    seen: set[str] = set()
-
-    def finished() -> bool:
-        seen.add(reply.text)
-        return "tok/s" in page.find_element("id", "chat-stats").text
-
-    eventually(finished, interval=0.02)
-    assert reply.text.strip(), "the reply has text"
-    partial = {text for text in seen if text and text != reply.text}
+    eventually(lambda: "tok/s" in page.find_element("id", "chat-stats").text)
+    final = page.execute_script("return document.getElementById('chat-reply').textContent")
+    assert final.strip(), "the reply has text"
+    shown = page.execute_script("window.replyObserver.disconnect(); return window.replyTexts")
+    partial = {text for text in shown if text and text != final}
     assert partial, "the reply grew while it streamed"
     assert "TTFT" in page.find_element("id", "chat-stats").text
     screenshot(page, tmp_path / "playground.png", "playground-title")
