@@ -297,6 +297,33 @@ class FastBatchGenerator(BatchGenerator):
         if speculator is not None:  # it may outlive a generator whose uids started from 0 too
             speculator.retain([])
 
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        """mlx-lm moves the prompts whose prefill has ended into the generation batch after
+        this step's decode, so their first tokens waited a whole step of the running rows:
+        here they move first and get their first tokens from this step's decode."""
+        started = self._start_prefilled()
+        prompt_responses, generation_responses = super()._next()
+        return started + prompt_responses, generation_responses
+
+    def _start_prefilled(self) -> list[PromptProcessingBatch.Response]:
+        """Prompts with only their last token left to feed, moved into the generation batch
+        (mlx-lm's own split in `_next`, done before the decode step instead of after it)."""
+        done = [i for i, (segments, *_) in enumerate(self._currently_processing)
+                if len(segments) == 1 and len(segments[0]) == 1]  # fmt: skip
+        if not done:
+            return []
+        last_inputs = [self._currently_processing[i][0][0] for i in done]
+        progress = [(self._currently_processing[i][2],) * 2 for i in done]
+        self._currently_processing = [
+            seq for i, seq in enumerate(self._currently_processing) if i not in done
+        ]
+        generation = self._prompt_batch.split(done).generate(last_inputs)
+        self._generation_batch.extend(generation)
+        return [
+            PromptProcessingBatch.Response(uid, prompt_progress, True, True)
+            for uid, prompt_progress in zip(generation.uids, progress, strict=True)
+        ]
+
 
 def _route_rows(model: Any, uids: list[int]) -> None:
     """Tell a multi-LoRA model (see engines.core) which sequences the next forward pass's

@@ -129,3 +129,20 @@ def test_a_first_token_goes_out_with_the_step_that_computes_it(smol) -> None:
     while responses := reference.next_generated():
         expected += [r.token for r in responses]
     assert tokens == expected
+
+
+def test_a_prefilled_prompt_joins_the_very_next_decode_step(smol) -> None:
+    """While another sequence decodes, a prompt whose prefill has just run gets its first
+    token from the next step. mlx-lm moves it into the decode batch only after that step's
+    decode, so the first token came one step of the whole batch later."""
+    encode = smol.tokenizer.encode
+    generator = FastBatchGenerator(smol.model, stop_tokens=[])
+    generator.insert([encode("Once upon a time")], max_tokens=[64])
+    while not generator.next_generated():
+        pass  # the first sequence is decoding
+    (joining,) = generator.insert([encode("The capital of France is")], max_tokens=[4])
+    steps, uids = 0, set()
+    while joining not in uids:
+        uids = {response.uid for response in generator.next_generated()}
+        steps += 1
+    assert steps == 2  # its prefill (with the other's decode), then the decode it joins
