@@ -126,6 +126,21 @@ def test_defaults():
     assert server.max_request_bytes == 10 * 1024**2
 
 
+def test_prefill_steps_are_short_for_generation_and_long_for_embedding_passes():
+    models = parse(
+        """
+        models:
+          chat: {source: hf://org/chat}
+          embed: {kind: embedding, source: hf://org/embed}
+          embed-small: {kind: embedding, source: hf://org/embed, batch: {prefill_step_size: 64}}
+          embed-queue: {kind: embedding, source: hf://org/embed, batch: {max_queue: 8}}
+        """
+    ).models
+    steps = {name: model.batch.prefill_step_size for name, model in models.items()}
+    assert steps == {"chat": 256, "embed": 1024, "embed-small": 64, "embed-queue": 1024}
+    assert models["embed-queue"].batch.max_queue == 8
+
+
 def test_models_are_immutable():
     registry = parse("models: {m: {source: hf://org/repo}}")
     with pytest.raises(ValidationError):
