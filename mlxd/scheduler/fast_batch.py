@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.scheduler.sampling import sample_rows
 from mlxd.scheduler.speculative import Speculator, accepted_count, roll_back
@@ -249,6 +250,19 @@ class FastGenerationBatch(GenerationBatch):
         return responses
 
 
+class UsedSpanKVCache(BatchKVCache):
+    """mlx-lm's batch KV cache, rolling only the positions in use at the end of a prefill of
+    prompts of different lengths (right-padded, then rolled to left padding). mlx-lm rolls
+    the whole buffer, allocated 256 positions at a time, with a single-threaded gather:
+    52 ms after a 156 ms prefill of ten short prompts on SmolLM2."""
+
+    def finalize(self) -> None:
+        if self._right_padding is not None and self.keys is not None:
+            self.keys = self.keys[..., : self._idx, :]
+            self.values = self.values[..., : self._idx, :]
+        super().finalize()
+
+
 class FastPromptProcessingBatch(PromptProcessingBatch):
     def split(self, indices: list[int]) -> PromptProcessingBatch:
         """mlx-lm deep-copies the batch (its whole KV cache) and filters both halves, which
@@ -263,6 +277,9 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
 
     def prompt(self, tokens: list[list[int]]) -> None:
         _route_rows(self.model, self.uids)
+        for cache in self.prompt_cache:
+            if type(cache) is BatchKVCache:
+                cache.__class__ = UsedSpanKVCache
         super().prompt(tokens)
 
     def generate(self, tokens: list[list[int]]) -> FastGenerationBatch:

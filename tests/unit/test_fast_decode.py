@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
-from mlxd.scheduler.fast_batch import FastBatchGenerator
+from mlxd.scheduler.fast_batch import FastBatchGenerator, UsedSpanKVCache
 from mlxd.scheduler.sampling import (
     GREEDY,
     GREEDY_WITH_LOGPROBS,
@@ -146,3 +147,31 @@ def test_a_prefilled_prompt_joins_the_very_next_decode_step(smol) -> None:
         uids = {response.uid for response in generator.next_generated()}
         steps += 1
     assert steps == 2  # its prefill (with the other's decode), then the decode it joins
+
+
+def test_rolling_only_the_used_span_leaves_every_row_as_mlx_lm_does() -> None:
+    """Prompts of 3, 1 and 2 new tokens after cached prefixes: right-padded, then rolled into
+    left padding. Every position a row attends to matches mlx-lm's, before and after the
+    next decode step grows the (now smaller) buffer."""
+    ours, theirs = UsedSpanKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
+    prefix, prompt, step = (mx.random.normal((3, 2, n, 4)) for n in (5, 3, 1))
+    for cache in (ours, theirs):
+        cache.update_and_fetch(prefix, prefix + 1)
+        cache.prepare(lengths=[3, 1, 2], right_padding=[0, 2, 1])
+        cache.update_and_fetch(prompt, prompt + 1)
+        cache.finalize()
+    assert ours.keys.shape[2] == 8 < theirs.keys.shape[2]  # 8 in use of 256 allocated
+
+    def attended(cache: BatchKVCache) -> list[mx.array]:
+        keys, values = cache.keys_and_values()
+        starts = cache.left_padding.tolist()
+        return [kv[row, :, start:] for row, start in enumerate(starts) for kv in (keys, values)]
+
+    assert (ours.offset.tolist(), ours.left_padding.tolist()) == ([7, 6, 5], [1, 2, 3])
+    for _ in range(2):
+        assert ours.offset.tolist() == theirs.offset.tolist()
+        assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+        for a, b in zip(attended(ours), attended(theirs), strict=True):
+            assert mx.array_equal(a, b)
+        for cache in (ours, theirs):
+            cache.update_and_fetch(step, step + 1)
