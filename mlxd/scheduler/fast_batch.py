@@ -106,6 +106,11 @@ class FastGenerationBatch(GenerationBatch):
         return [[t] for t in last], [[None] for _ in last]
 
     def extend(self, batch: GenerationBatch) -> None:
+        # mlx-lm pads both batches' KV buffers to the larger allocation and concatenates
+        # them: copy the positions in use and the allocation step they are in, no more.
+        for cache in [*self.prompt_cache, *batch.prompt_cache]:
+            if isinstance(cache, BatchKVCache):
+                _trim(cache, (cache._idx // cache.step + 1) * cache.step)
         super().extend(batch)
         joining = cast(FastGenerationBatch, batch)  # every batch here is built by generate()
         self._fresh += joining._fresh
@@ -250,17 +255,24 @@ class FastGenerationBatch(GenerationBatch):
         return responses
 
 
-class UsedSpanKVCache(BatchKVCache):
+class PrefillKVCache(BatchKVCache):
     """mlx-lm's batch KV cache, rolling only the positions in use at the end of a prefill of
     prompts of different lengths (right-padded, then rolled to left padding). mlx-lm rolls
     the whole buffer, allocated 256 positions at a time, with a single-threaded gather:
     52 ms after a 156 ms prefill of ten short prompts on SmolLM2."""
 
     def finalize(self) -> None:
-        if self._right_padding is not None and self.keys is not None:
-            self.keys = self.keys[..., : self._idx, :]
-            self.values = self.values[..., : self._idx, :]
+        if self._right_padding is not None:
+            _trim(self, self._idx)
         super().finalize()
+
+
+def _trim(cache: BatchKVCache, size: int) -> None:
+    """Keep the first `size` allocated positions, at least all those written (a write past
+    the end allocates more)."""
+    if cache.keys is not None and cache.keys.shape[2] > size >= cache._idx:
+        cache.keys = cache.keys[..., :size, :]
+        cache.values = cache.values[..., :size, :]
 
 
 class FastPromptProcessingBatch(PromptProcessingBatch):
@@ -277,10 +289,17 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
 
     def prompt(self, tokens: list[list[int]]) -> None:
         _route_rows(self.model, self.uids)
-        for cache in self.prompt_cache:
-            if type(cache) is BatchKVCache:
-                cache.__class__ = UsedSpanKVCache
-        super().prompt(tokens)
+        # For this prefill only: speculation runs on plain BatchKVCache, whose rollback
+        # (speculative.roll_back) keeps the buffer's room; trimmed, the next write would copy
+        # the whole cache.
+        plain = [cache for cache in self.prompt_cache if type(cache) is BatchKVCache]
+        for cache in plain:
+            cache.__class__ = PrefillKVCache
+        try:
+            super().prompt(tokens)
+        finally:
+            for cache in plain:
+                cache.__class__ = BatchKVCache
 
     def generate(self, tokens: list[list[int]]) -> FastGenerationBatch:
         # mlx-lm's generate(), building our GenerationBatch.

@@ -8,7 +8,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
-from mlxd.scheduler.fast_batch import FastBatchGenerator, UsedSpanKVCache
+from mlxd.scheduler.fast_batch import FastBatchGenerator, PrefillKVCache
 from mlxd.scheduler.sampling import (
     GREEDY,
     GREEDY_WITH_LOGPROBS,
@@ -153,7 +153,7 @@ def test_rolling_only_the_used_span_leaves_every_row_as_mlx_lm_does() -> None:
     """Prompts of 3, 1 and 2 new tokens after cached prefixes: right-padded, then rolled into
     left padding. Every position a row attends to matches mlx-lm's, before and after the
     next decode step grows the (now smaller) buffer."""
-    ours, theirs = UsedSpanKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
+    ours, theirs = PrefillKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
     prefix, prompt, step = (mx.random.normal((3, 2, n, 4)) for n in (5, 3, 1))
     for cache in (ours, theirs):
         cache.update_and_fetch(prefix, prefix + 1)
