@@ -28,7 +28,9 @@ constructs the `GenerationBatch` (whose first step runs in its constructor), and
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any, cast
 
 import mlx.core as mx
@@ -43,14 +45,20 @@ class FastGenerationBatch(GenerationBatch):
     # Set on the generator's long-lived batch when the model speculates (see speculative.py).
     speculator: Speculator[Any] | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, first_logits: mx.array | None = None, **kwargs: Any):
+        """`first_logits`: each row's logits after its whole prompt, when the prefill computed
+        them (`FastPromptProcessingBatch.start`); the first tokens are sampled from them."""
         # Per row: admitted and its first token not computed yet; its first token went out
         # with the step that computed it, so the token the next step feeds is out already.
         self._fresh: list[bool] = []
         self._early: list[bool] = []
+        # Every row's first token is computed and not handed out yet (see _hand_out).
+        self._ready = False
+        self._first_logits = first_logits
         self._constructing = True  # mlx-lm's constructor runs a first step: see _start
         super().__init__(*args, **kwargs)
         self._constructing = False
+        self._first_logits = None
 
     # Rows may emit several tokens now; `next` below is the only caller that reads them.
     def _step(self) -> tuple[list[list[int]], list[list[Any]]]:  # type: ignore[override]
@@ -59,6 +67,8 @@ class FastGenerationBatch(GenerationBatch):
         _route_rows(self.model, self.uids)
         if self._constructing:
             return self._start()
+        if self._ready:
+            return self._hand_out()
         drafts = self._drafts()
         if drafts is not None:
             return self._speculative_step(drafts)
@@ -99,16 +109,32 @@ class FastGenerationBatch(GenerationBatch):
 
     def _start(self) -> tuple[list[list[int]], list[list[Any]]]:
         """The step mlx-lm's constructor runs, which would compute each row's first token
-        and hand out (to nobody) the prompt's last one. Nothing is computed here: the batch's
-        next step computes the first tokens and hands them out at once."""
+        and hand out (to nobody) the prompt's last one. Without first logits nothing is
+        computed here: the batch's next step computes the first tokens and hands them out at
+        once. With them, the first tokens are sampled now and the next step hands them out."""
         rows = len(self.uids)
-        self._current_tokens = self._next_tokens  # type: ignore[assignment]
+        inputs = self._next_tokens
+        self._current_tokens = inputs  # type: ignore[assignment]
         self._next_logprobs = [None] * rows
         self._fresh, self._early = [True] * rows, [False] * rows
-        last = cast(list[int], self._next_tokens.tolist())
+        last = cast(list[int], inputs.tolist())
         for sequence_tokens, token in zip(self.tokens, last, strict=True):
             sequence_tokens.append(token)
+        if self._first_logits is not None:
+            logits, token_context = self._process(self._first_logits, inputs)
+            self._next_tokens, self._next_logprobs = sample_rows(logits, self._samplers())
+            mx.eval(self._next_tokens, _present(self._next_logprobs), token_context)
+            self._fresh, self._ready = [False] * rows, True
         return [[t] for t in last], [[None] for _ in last]
+
+    def _hand_out(self) -> tuple[list[list[int]], list[list[Any]]]:
+        """The first tokens sampled from the prefill's logits, computing nothing; the next
+        step feeds them (they are out already, as a fresh row's are)."""
+        firsts = cast(list[int], self._next_tokens.tolist())
+        for sequence_tokens, token in zip(self.tokens, firsts, strict=True):
+            sequence_tokens.append(token)
+        self._ready, self._early = False, [True] * len(self.uids)
+        return [[t] for t in firsts], [[lp] for lp in self._next_logprobs]
 
     def extend(self, batch: GenerationBatch) -> None:
         # mlx-lm pads both batches' KV buffers to the larger allocation and concatenates
@@ -294,22 +320,41 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
 
     def prompt(self, tokens: list[list[int]]) -> None:
         _route_rows(self.model, self.uids)
-        # For this prefill only: speculation runs on plain BatchKVCache, whose rollback
-        # (speculative.roll_back) keeps the buffer's room; trimmed, the next write would copy
-        # the whole cache.
-        plain = [cache for cache in self.prompt_cache if type(cache) is BatchKVCache]
-        for cache in plain:
-            cache.__class__ = PrefillKVCache
-        try:
+        with self._rolling_used_span():
             super().prompt(tokens)
-        finally:
-            for cache in plain:
-                cache.__class__ = BatchKVCache
 
     def generate(self, tokens: list[list[int]]) -> FastGenerationBatch:
         # mlx-lm's generate(), building our GenerationBatch.
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
+        return self._generation(tokens)
+
+    def start(self, tokens: list[list[int]]) -> FastGenerationBatch:
+        """`generate` with the last prompt tokens in the prefill's forward pass (the model
+        must project only the last positions: `SkipPrefillLogits.projects_last`): the batch
+        starts with its first tokens sampled. Each row's `tokens` fit one prefill step."""
+        _route_rows(self.model, self.uids)
+        for held, rest in zip(self.tokens, tokens, strict=True):
+            held += rest[:-1]  # as prompt() keeps them; the batch adds the last one
+        lengths = [len(t) for t in tokens]
+        width = max(lengths)
+        padding = [width - length for length in lengths]
+        inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
+        with self._rolling_used_span():
+            if any(padding):  # right-padded, then rolled to left padding, as prompt() does
+                for cache in self.prompt_cache:
+                    cache.prepare(lengths=lengths, right_padding=padding)
+            last = mx.array(lengths) - 1
+            logits = cast(Any, self.model).last_logits(inputs, self.prompt_cache, last)
+            if any(padding):
+                for cache in self.prompt_cache:
+                    cache.finalize()
+            mx.eval(logits, [cache.state for cache in self.prompt_cache])
+        return self._generation(tokens, logits)
+
+    def _generation(
+        self, tokens: list[list[int]], first_logits: mx.array | None = None
+    ) -> FastGenerationBatch:
         generation = FastGenerationBatch(
             self.model,
             self.uids,
@@ -321,10 +366,26 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
             self.logits_processors,
             self.stop_sequences,
             self.max_tokens,
+            first_logits=first_logits,
         )
         self.uids, self.prompt_cache, self.tokens = [], [], []
         self.samplers, self.logits_processors, self.max_tokens = [], [], []
         return generation
+
+    @contextlib.contextmanager
+    def _rolling_used_span(self) -> Iterator[None]:
+        """Prefill caches roll only their used span (`PrefillKVCache`), for the prefill
+        alone: speculation runs on plain BatchKVCache, whose rollback
+        (speculative.roll_back) keeps the buffer's room; trimmed, the next write would copy
+        the whole cache."""
+        plain = [cache for cache in self.prompt_cache if type(cache) is BatchKVCache]
+        for cache in plain:
+            cache.__class__ = PrefillKVCache
+        try:
+            yield
+        finally:
+            for cache in plain:
+                cache.__class__ = BatchKVCache
 
 
 class FastBatchGenerator(BatchGenerator):
@@ -341,10 +402,72 @@ class FastBatchGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         """mlx-lm moves the prompts whose prefill has ended into the generation batch after
         this step's decode, so their first tokens waited a whole step of the running rows:
-        here they move first and get their first tokens from this step's decode."""
+        here they move first and get their first tokens from this step's decode. Where the
+        model projects only last positions, a prompt's last chunk takes its last token along
+        and its first token comes out of that prefill (`_finish_prompts`)."""
+        final = self._final_prompts()
         started = self._start_prefilled()
         prompt_responses, generation_responses = super()._next()
+        if final is not None:
+            finished, firsts = self._finish_prompts(*final)
+            started, generation_responses = started + finished, generation_responses + firsts
         return started + prompt_responses, generation_responses
+
+    def _final_prompts(
+        self,
+    ) -> tuple[FastPromptProcessingBatch, list[list[int]], list[tuple[int, int]]] | None:
+        """The prompts whose rest, last token included, fits one prefill step, split off the
+        prompt batch (so that mlx-lm's `_next` leaves them alone), with their rests and
+        progress; None where the model cannot project last positions alone."""
+        if not getattr(self.model, "projects_last", False):
+            return None
+        self._admit_waiting()
+        final, rests = [], []
+        for index, (segments, *_) in enumerate(self._currently_processing):
+            rest = [token for segment in segments for token in segment]
+            # insert() makes [prompt[:-1], prompt[-1:]]: two segments at most, here.
+            if len(segments) <= 2 and len(rest) <= self.prefill_step_size:
+                final.append(index)
+                rests.append(rest)
+        if not final:
+            return None
+        progress = [(self._currently_processing[i][2],) * 2 for i in final]
+        self._currently_processing = [
+            seq for i, seq in enumerate(self._currently_processing) if i not in final
+        ]
+        batch = cast(FastPromptProcessingBatch, self._prompt_batch.split(final))
+        return batch, rests, progress
+
+    def _finish_prompts(
+        self,
+        batch: FastPromptProcessingBatch,
+        rests: list[list[int]],
+        progress: list[tuple[int, int]],
+    ) -> tuple[list[PromptProcessingBatch.Response], list[GenerationBatch.Response]]:
+        """Prefill the final prompts with their last tokens and hand out their first tokens;
+        the rows that go on join the generation batch."""
+        uids = list(batch.uids)
+        generation = batch.start(rests)
+        firsts = generation.next()
+        if len(generation):
+            self._generation_batch.extend(generation)
+        finished = [
+            PromptProcessingBatch.Response(uid, prompt_progress, True, True)
+            for uid, prompt_progress in zip(uids, progress, strict=True)
+        ]
+        return finished, firsts
+
+    def _admit_waiting(self) -> None:
+        """mlx-lm's own move of inserted prompts into the prompt batch (its `_next` does it
+        after the decode step), done before it so that their final chunks are seen."""
+        free = self.completion_batch_size - len(self._generation_batch)
+        count = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            free,
+            len(self._unprocessed_sequences),
+        )
+        if count > 0:
+            self._prompt_batch.extend(self._make_batch(count))
 
     def _start_prefilled(self) -> list[PromptProcessingBatch.Response]:
         """Prompts with only their last token left to feed, moved into the generation batch

@@ -4,11 +4,14 @@ against mlx-lm's exact SiLU and stock BatchGenerator, on SmolLM2 with real promp
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
 from mlxd.scheduler.fast_batch import FastBatchGenerator, PrefillKVCache
+from mlxd.scheduler.prefill import SkipPrefillLogits
 from mlxd.scheduler.sampling import (
     GREEDY,
     GREEDY_WITH_LOGPROBS,
@@ -147,6 +150,57 @@ def test_a_prefilled_prompt_joins_the_very_next_decode_step(smol) -> None:
         uids = {response.uid for response in generator.next_generated()}
         steps += 1
     assert steps == 2  # its prefill (with the other's decode), then the decode it joins
+
+
+@pytest.mark.parametrize("weights", ["smol", "smol_packed"])
+def test_first_tokens_from_the_prefill_of_the_last_prompt_tokens_are_mlx_lms(
+    weights: str, request: pytest.FixtureRequest
+) -> None:
+    """Where the model projects last positions alone, a prompt's last token goes into its
+    prefill and the first token is sampled from that pass: prompts of different lengths
+    (right-padded, then rolled), one with a repetition penalty over its context, one
+    asking for logprobs, one done at its first token. Every token is mlx-lm's."""
+    loaded = request.getfixturevalue(weights)
+    model = SkipPrefillLogits(loaded.model)
+    assert model.projects_last
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    options = {
+        "max_tokens": [12, 12, 12, 1],
+        "logits_processors": [[], penalty, [], []],
+    }
+    ours = FastBatchGenerator(model, stop_tokens=[])
+    reference = BatchGenerator(loaded.model, stop_tokens=[])
+    ours_uids = ours.insert(
+        prompts, samplers=[GREEDY, GREEDY, GREEDY_WITH_LOGPROBS, GREEDY], **options
+    )
+    theirs_uids = reference.insert(prompts, samplers=[GREEDY_WITH_LOGPROBS] * 4, **options)
+
+    def run(generator: BatchGenerator, uids: list[int]) -> list[list]:
+        out: dict[int, list] = {uid: [] for uid in uids}
+        while responses := generator.next_generated():
+            for response in responses:
+                out[response.uid].append((response.token, response.logprobs))
+        return [out[uid] for uid in uids]
+
+    got, expected = run(ours, ours_uids), run(reference, theirs_uids)
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
+    assert [len(row) for row in got] == [12, 12, 12, 1]
+    for (_, mine), (_, theirs) in zip(got[2], expected[2], strict=True):
+        assert abs(mine.max().item() - theirs.max().item()) < 1e-3
+
+
+def test_a_lone_prompt_gets_its_first_token_from_the_step_that_prefills_it(smol) -> None:
+    """No decode step of its own for the prompt's last token: the generator's first step
+    prefills the prompt and hands out its first token; one joining a decoding batch gets
+    its first token from its prefill too, before it joins."""
+    encode = smol.tokenizer.encode
+    generator = FastBatchGenerator(SkipPrefillLogits(smol.model), stop_tokens=[])
+    (first,) = generator.insert([encode("Once upon a time")], max_tokens=[64])
+    assert {response.uid for response in generator.next_generated()} == {first}
+    (joining,) = generator.insert([encode("The capital of France is")], max_tokens=[4])
+    uids = {response.uid for response in generator.next_generated()}
+    assert uids == {first, joining}
 
 
 def test_rolling_only_the_used_span_leaves_every_row_as_mlx_lm_does() -> None:
