@@ -16,8 +16,11 @@ was computed. Here a row's first token is handed out by the step that computes i
 `_fresh`); from its second token on the row is pipelined again, which is faster at batch 1
 (measured: handing every token out at once lost ≈25% of the batch-1 throughput).
 
-Prompts join the decode batch one step sooner than in mlx-lm (`FastBatchGenerator._next`),
-and the KV copies around a prefill cover the positions in use rather than whole allocations
+Where the model projects last positions alone (`SkipPrefillLogits.projects_last`), a
+prompt's last chunk takes its last token along and the first token is sampled from that
+prefill (`FastPromptProcessingBatch.start`): no decode step of its own for the last prompt
+token, as in llama.cpp. Otherwise prompts join the decode batch one step sooner than in
+mlx-lm (`FastBatchGenerator._next`), and the KV copies around a prefill cover the positions in use rather than whole allocations
 (`PrefillKVCache`, `FastGenerationBatch.extend`): both shorten the time to a first token when
 prompts arrive while others decode.
 
