@@ -11,7 +11,9 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
-from mlxd.config import BatchConfig
+from mlxd.cache.lease import PrefixLease
+from mlxd.cache.prefix import PrefixCache
+from mlxd.config import BatchConfig, CacheConfig
 from mlxd.engines.core import LLMCore, Output, Sequence, SequenceStatus
 from mlxd.engines.loop import ModelLoop
 from mlxd.errors import Overloaded, Unavailable
@@ -120,6 +122,33 @@ def test_batched_greedy_output_equals_each_sequence_alone(model):
     outputs = run(core)
     assert [tokens_of(outputs, seq) for seq in together] == alone
     assert core.stats.multi_sequence_steps > 0
+
+
+def test_prompt_blocks_are_kept_after_the_first_token_went_out(model, tmp_path):
+    """Copying a new prompt's blocks into the prefix cache waits for the next step, so the
+    first token does not wait for it; a later request with the same prompt hits them and
+    answers the same."""
+    prefix = PrefixCache({"model": "tiny"}, CacheConfig(block_size=4), tmp_path)
+    prompt = list(range(1, 11))
+
+    def leased(prompt: list[int]) -> Sequence:
+        seq = sequence(prompt, max_tokens=3)
+        seq.lease = PrefixLease(prefix, prompt, prefix.keys(prompt))
+        return seq
+
+    core = core_for(model)
+    first = leased(prompt)
+    core.add(first)
+    outputs: list[Output] = []
+    while not tokens_of(outputs, first):
+        outputs += core.step()
+    assert prefix.missing(first.lease.keys)  # not yet: the first token came first
+    outputs += run(core)
+    assert not prefix.missing(first.lease.keys)
+    again = leased(prompt)
+    core.add(again)
+    assert tokens_of(run(core), again) == tokens_of(outputs, first)
+    assert again.lease.match.tokens == 8  # two whole blocks; the last token is always fed
 
 
 def test_abort_while_waiting_and_while_running(model):
