@@ -49,11 +49,14 @@ class KVCodec:
                 arrays[f"{part}.{name}"] = value
         return arrays
 
-    def decode(self, blocks: list[Any], room: int = 0) -> list[KVCache]:
-        """One KVCache per layer holding the blocks' positions in order, evaluated; `room`:
-        positions still to come (the rest of the prompt), which then fit without a copy."""
+    def decode(self, blocks: list[Any], tokens: int, room: int = 0) -> list[KVCache]:
+        """One KVCache per layer holding the blocks' first `tokens` positions in order (the
+        last block may be used in part), evaluated; `room`: positions still to come (the
+        rest of the prompt), which then fit without a copy."""
         parts = {part: [self._part(b.arrays, part) for b in blocks] for part in PARTS}
-        tokens = sum(block.shape[2] for block in parts["keys"])
+        held = sum(block.shape[2] for block in parts["keys"][:-1])
+        for part in PARTS:
+            parts[part][-1] = parts[part][-1][:, :, : tokens - held]
         if backend_name() == "cpu" and kernels.available():
             capacity = -(-(tokens + room) // BatchKVCache.step) * BatchKVCache.step
             layers = {part: kernels.assemble_kv(parts[part], capacity) for part in PARTS}

@@ -89,7 +89,11 @@ class PrefixCache:
     # -- model thread ----------------------------------------------------------------------
 
     def match(self, prompt_ids: list[int], keys: list[str]) -> Match:
-        """The longest run of leading blocks in RAM that really hold this prompt's tokens."""
+        """The longest run of leading blocks in RAM that really hold this prompt's tokens,
+        then the leading positions of a block that went on from there with some of the
+        prompt's next tokens (a position's KV depends on the tokens up to it alone): prompts
+        that share a system prompt and part of a block after it need not compute those
+        positions again, as llama.cpp's slots do not."""
         found = Match()
         parent = ROOT
         for index, key in enumerate(keys):
@@ -102,6 +106,18 @@ class PrefixCache:
             found.blocks.append(block)
             parent = key
         found.tokens = len(found.blocks) * self.block_size
+        # The last prompt token is always fed, never cached.
+        following = prompt_ids[
+            found.tokens : min(found.tokens + self.block_size, len(prompt_ids) - 1)
+        ]
+        shared, tail = 0, None
+        for block in self.ram.children(parent):
+            count = _common_prefix(block.tokens, following)
+            if count > shared:
+                shared, tail = count, block
+        if tail is not None and self.ram.get(tail.key) is not None:  # still here: touched
+            found.blocks.append(tail)
+            found.tokens += shared
         return found
 
     def acquire(self, match: Match, room: int = 0) -> list[KVCache]:
@@ -118,7 +134,7 @@ class PrefixCache:
             block.source = "ram"
         self.counters.cached_tokens += match.tokens
         self.ram.acquire(match.blocks)
-        return self.codec.decode(match.blocks, room)
+        return self.codec.decode(match.blocks, match.tokens, room)
 
     def release(self, blocks: list[Block]) -> None:
         self.ram.release(blocks)
@@ -186,3 +202,12 @@ def open_prefix_cache(
         log.info("kv cache: this architecture's cache cannot be split into blocks; disabled")
         return None
     return PrefixCache(identity, config, cache_dir / "kv" if cache_dir is not None else None)
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -19,6 +19,7 @@ class RamTier:
         self.evictions = 0
         self._on_evict = on_evict
         self._blocks: OrderedDict[str, Block] = OrderedDict()  # least recently used first
+        self._children: dict[str, set[str]] = {}  # parent key → its blocks' keys here
         self._lock = threading.Lock()
 
     def __contains__(self, key: str) -> bool:
@@ -36,12 +37,18 @@ class RamTier:
                 block.last_used = time.monotonic()
             return block
 
+    def children(self, parent: str) -> list[Block]:
+        """The blocks here that follow `parent` (the prompts that went on from it)."""
+        with self._lock:
+            return [self._blocks[key] for key in self._children.get(parent, ())]
+
     def put(self, block: Block) -> None:
         """Keep `block` (most recently used); evicts others, or the block itself, to fit."""
         with self._lock:
             if block.key in self._blocks:
                 return
             self._blocks[block.key] = block
+            self._children.setdefault(block.parent, set()).add(block.key)
             self.nbytes += block.nbytes
             evicted = self._evict()
         self._spill(evicted)
@@ -70,6 +77,10 @@ class RamTier:
             return evicted
         for key in [k for k, b in self._blocks.items() if b.refs == 0]:
             block = self._blocks.pop(key)
+            siblings = self._children[block.parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[block.parent]
             self.nbytes -= block.nbytes
             self.evictions += 1
             evicted.append(block)

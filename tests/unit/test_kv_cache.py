@@ -101,6 +101,28 @@ def test_store_then_match_rebuilds_the_same_kv() -> None:
     assert cache.stats()["cached_tokens"] == 8
 
 
+def test_a_prompt_sharing_part_of_a_block_reuses_those_positions() -> None:
+    """After the whole blocks, the leading positions of a cached block that went on with
+    some of the prompt's next tokens are used too; never the prompt's last token."""
+    cache = prefix_cache()
+    prompt = list(range(13))  # three whole blocks cached: 0-3, 4-7, 8-11
+    layers = layers_for(len(prompt))
+    cache.store(prompt, cache.keys(prompt), layers)
+    other = [*prompt[:10], 70, 71, 72]  # two tokens into the third block
+    match = cache.match(other, cache.keys(other))
+    assert (match.tokens, len(match.blocks)) == (10, 3)
+    rebuilt = cache.acquire(match, room=3)
+    for original, cached in zip(layers, rebuilt, strict=True):
+        keys, values = cached.keys_and_values()
+        assert mx.array_equal(keys, original.keys[:, :, :10, :])
+        assert mx.array_equal(values, original.values[:, :, :10, :])
+    assert all(b.refs == 1 for b in match.blocks)
+    cache.release(match.blocks)
+    for length, cached in ((11, 10), (10, 9), (9, 8), (2, 1)):
+        head = prompt[:length]
+        assert cache.match(head, cache.keys(head)).tokens == cached
+
+
 def test_a_prefix_hit_alone_joins_its_batch_in_its_own_buffer() -> None:
     """The rebuilt cache has room for the rest of the prompt; a sequence admitted alone takes
     that buffer into its batch and its next tokens are written in place, holding what mlx-lm's
@@ -185,7 +207,7 @@ def test_quantized_blocks_are_smaller_and_close() -> None:
     full_bytes = sum(a.nbytes for a in full.values())
     quantized_bytes = sum(a.nbytes for a in quantized.values())
     assert quantized_bytes < full_bytes / 3
-    [rebuilt, *_] = codec.decode([Block("k", ROOT, tuple(range(8)), quantized)])
+    [rebuilt, *_] = codec.decode([Block("k", ROOT, tuple(range(8)), quantized)], 8)
     assert mx.allclose(rebuilt.keys_and_values()[0], layers[0].keys, atol=0.05).item()
 
 
@@ -358,7 +380,7 @@ def test_ram_evictions_spill_to_ssd(tmp_path: Path) -> None:
 def test_quantized_blocks_round_trip_through_ssd(tmp_path: Path, bits: int) -> None:
     cache, prompt = stored_ssd(tmp_path, kv_bits=bits)
     ram_match = cache.match(prompt, cache.keys(prompt))
-    expected = cache.codec.decode(ram_match.blocks)
+    expected = cache.codec.decode(ram_match.blocks, ram_match.tokens)
     cache.close()
     again = prefix_cache(tmp_path, ssd=10**8, kv_bits=bits)
     again.prefetch(prompt, again.keys(prompt))
