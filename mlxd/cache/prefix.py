@@ -28,7 +28,8 @@ log = logging.getLogger("mlxd.cache")
 
 @dataclass
 class Match:
-    """The cached leading blocks of a prompt (empty on a miss)."""
+    """The cached leading blocks of a prompt (empty on a miss); the last may be used in
+    part: `tokens` counts the positions used."""
 
     blocks: list[Block] = field(default_factory=list)
     tokens: int = 0
@@ -92,8 +93,8 @@ class PrefixCache:
         """The longest run of leading blocks in RAM that really hold this prompt's tokens,
         then the leading positions of a block that went on from there with some of the
         prompt's next tokens (a position's KV depends on the tokens up to it alone): prompts
-        that share a system prompt and part of a block after it need not compute those
-        positions again, as llama.cpp's slots do not."""
+        that share a system prompt and part of a block after it do not compute those
+        positions again (llama.cpp's slots do not either)."""
         found = Match()
         parent = ROOT
         for index, key in enumerate(keys):
