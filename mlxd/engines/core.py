@@ -363,6 +363,8 @@ class LLMCore:
         elif sequence.uid is not None:
             self._running.pop(sequence.uid, None)
             if in_generator:
+                if event.reason != "error":
+                    self._store_prompt_now(sequence)
                 self.generator.remove([sequence.uid])
         sequence.status = FINAL_STATUS[event.reason]
         if sequence.lease is not None:
@@ -375,11 +377,20 @@ class LLMCore:
         17–26 ms of a 1,600-token prompt's time to first token on SmolLM2. A sequence that
         went meanwhile without finishing (aborted, failed) has no KV left to keep."""
         for sequence, response in self._unstored:
-            if sequence.lease and (
-                response.prompt_cache is not None or sequence.uid in self._running
-            ):
-                sequence.lease.store(functools.partial(self._prompt_cache, response))
+            if response.prompt_cache is not None or sequence.uid in self._running:
+                self._store_prompt(sequence, response)
         self._unstored.clear()
+
+    def _store_prompt_now(self, sequence: Sequence) -> None:
+        """Keep the prompt of a sequence that leaves the generator before its deferred store
+        (a stop string in its first token, an abort): its KV is gone once it is removed."""
+        for entry in [e for e in self._unstored if e[0] is sequence]:
+            self._unstored.remove(entry)
+            self._store_prompt(*entry)
+
+    def _store_prompt(self, sequence: Sequence, response: Any) -> None:
+        if sequence.lease:
+            sequence.lease.store(functools.partial(self._prompt_cache, response))
 
     def _prompt_cache(self, response: Any) -> list[Any]:
         """A sequence's per-layer KV right after its prompt (set on the response when the

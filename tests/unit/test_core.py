@@ -151,6 +151,24 @@ def test_prompt_blocks_are_kept_after_the_first_token_went_out(model, tmp_path):
     assert again.lease.match.tokens == 8  # two whole blocks; the last token is always fed
 
 
+def test_a_sequence_aborted_at_its_first_token_still_leaves_its_prompt_cached(model, tmp_path):
+    """A client that disconnects once it saw the first token (or a stop string in it) ends
+    the sequence before the deferred store: its prompt is kept as it leaves."""
+    prefix = PrefixCache({"model": "tiny"}, CacheConfig(block_size=4), tmp_path)
+    prompt = list(range(1, 11))
+    seq = sequence(prompt, max_tokens=50)
+    seq.lease = PrefixLease(prefix, prompt, prefix.keys(prompt))
+    core = core_for(model)
+    core.add(seq)
+    outputs: list[Output] = []
+    while not tokens_of(outputs, seq):
+        outputs += core.step()
+    assert prefix.missing(seq.lease.keys)
+    core.abort(seq)
+    assert not prefix.missing(seq.lease.keys)
+    assert not core.has_work
+
+
 def test_abort_while_waiting_and_while_running(model):
     core = core_for(model, max_batch_size=1)
     running, waiting = sequence([5, 6], max_tokens=50), sequence([7, 8], max_tokens=50)
