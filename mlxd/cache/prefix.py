@@ -111,11 +111,16 @@ class PrefixCache:
         following = prompt_ids[
             found.tokens : min(found.tokens + self.block_size, len(prompt_ids) - 1)
         ]
+        # Fewer positions than a quarter block are not worth pinning a block and assembling a
+        # cache for (a chat template's first tokens); comparing that head in C keeps the scan
+        # over a parent's children cheap.
+        head = tuple(following[: max(1, self.block_size // 4)])
         shared, tail = 0, None
         for block in self.ram.children(parent):
-            count = _common_prefix(block.tokens, following)
-            if count > shared:
-                shared, tail = count, block
+            if block.tokens[: len(head)] == head:
+                count = _common_prefix(block.tokens, following)
+                if count > shared:
+                    shared, tail = count, block
         if tail is not None and self.ram.get(tail.key) is not None:  # still here: touched
             found.blocks.append(tail)
             found.tokens += shared

@@ -123,6 +123,16 @@ def test_a_prompt_sharing_part_of_a_block_reuses_those_positions() -> None:
         assert cache.match(head, cache.keys(head)).tokens == cached
 
 
+def test_a_few_shared_positions_are_not_worth_a_partial_hit() -> None:
+    """Under a quarter block in common (a chat template's first tokens) is a miss."""
+    cache = PrefixCache({"model": "m"}, CacheConfig(block_size=16), None)
+    prompt = list(range(17))
+    cache.store(prompt, cache.keys(prompt), layers_for(len(prompt)))
+    for shared, cached in ((3, 0), (4, 4)):
+        other = [*prompt[:shared], *range(90, 100)]
+        assert cache.match(other, cache.keys(other)).tokens == cached
+
+
 def test_a_prefix_hit_alone_joins_its_batch_in_its_own_buffer() -> None:
     """The rebuilt cache has room for the rest of the prompt; a sequence admitted alone takes
     that buffer into its batch and its next tokens are written in place, holding what mlx-lm's
