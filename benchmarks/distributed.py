@@ -45,7 +45,7 @@ from benchmarks.compare import (  # noqa: E402
     server_env,
     wait_healthy,
 )
-from mlxd.config.schema import DistributedConfig  # noqa: E402
+from mlxd.config import DistributedConfig  # noqa: E402
 from mlxd.distributed.launch import (  # noqa: E402
     free_starting_port,
     launch_argv,

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from mlxd.config.schema import ServerConfig
+from mlxd.config.server import ServerConfig
 
 
 class Settings(BaseSettings):

@@ -21,7 +21,7 @@ from quart import Quart, Response, g, request
 
 from mlxd.api.auth import OPEN_PATHS, _requested_models, presented_key
 from mlxd.api.context import current_app
-from mlxd.config.schema import RateLimitConfig
+from mlxd.config.server import RateLimitConfig
 from mlxd.errors import Overloaded
 
 WINDOW_S = 60.0

@@ -1,18 +1,18 @@
 """The YAML config: `load_config(path)` → a validated, immutable `Registry`."""
 
 from mlxd.config.loader import load_config, parse_config
-from mlxd.config.schema import (
+from mlxd.config.model import ModelConfig
+from mlxd.config.schema import Registry
+from mlxd.config.sections import (
     BatchConfig,
     CacheConfig,
     DistributedConfig,
     DraftWeights,
-    ModelConfig,
     ParsersConfig,
-    Registry,
     SamplingDefaults,
-    ServerConfig,
     SpeculativeConfig,
 )
+from mlxd.config.server import ServerConfig
 
 __all__ = [
     "BatchConfig",

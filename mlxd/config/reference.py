@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from mlxd.config.schema import ModelConfig, Registry, ServerConfig
+from mlxd.config.model import ModelConfig
+from mlxd.config.schema import Registry
+from mlxd.config.server import ServerConfig
 from mlxd.config.units import parse_byte_size, parse_duration
 
 HEADER = """\

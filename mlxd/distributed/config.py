@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.config.schema import DistributedConfig, ModelConfig, Registry
+from mlxd.config import DistributedConfig, ModelConfig, Registry
 from mlxd.distributed.launch import is_local_host, rank0_host
 
 Loc = tuple[str | int, ...]

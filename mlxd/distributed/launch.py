@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from mlxd.config.schema import DistributedConfig
+from mlxd.config import DistributedConfig
 
 # mlx.launch's own default; each loopback rank of a group listens on start + rank.
 DEFAULT_STARTING_PORT = 32323

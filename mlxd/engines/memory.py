@@ -7,7 +7,7 @@ import logging
 import mlx.core as mx
 
 from mlxd.accel import backend_name
-from mlxd.config.schema import MetalConfig
+from mlxd.config.server import MetalConfig
 
 log = logging.getLogger("mlxd.worker")
 

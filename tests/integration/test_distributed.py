@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from mlxd.config.schema import DistributedConfig
+from mlxd.config import DistributedConfig
 from mlxd.distributed.launch import (
     free_starting_port,
     launch_argv,

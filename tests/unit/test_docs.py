@@ -14,9 +14,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from mlxd.config import parse_config
+from mlxd.config import ModelConfig, ServerConfig, parse_config
 from mlxd.config.reference import render
-from mlxd.config.schema import ModelConfig, ServerConfig
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE_CONFIGS = [*sorted((ROOT / "examples").glob("*.yaml")), ROOT / "config" / "models.yaml"]

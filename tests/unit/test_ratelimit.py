@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxd.api.ratelimit import RateLimiter, Remaining
-from mlxd.config.schema import RateLimitConfig
+from mlxd.config.server import RateLimitConfig
 from mlxd.errors import Overloaded
 
 

@@ -1,0 +1,181 @@
+"""One entry of the `models` map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from mlxd.config.fields import ApiKeys, ModelId, Section, anchored
+from mlxd.config.sections import (
+    EMBEDDING_PASS_TOKENS,
+    BatchConfig,
+    CacheConfig,
+    DistributedConfig,
+    ParsersConfig,
+    SamplingDefaults,
+    SpeculativeConfig,
+)
+from mlxd.config.server import RateLimitConfig
+from mlxd.config.units import Duration
+from mlxd.types import RENDER_ARGUMENTS
+
+_SOURCE_SCHEMES = ("pkg://", "hf://")
+
+
+class ModelConfig(Section):
+    """One served model: where its weights come from and how it is run."""
+
+    kind: Literal["llm", "vlm", "embedding"] = Field("llm", description="What the model does.")
+    source: str = Field(
+        min_length=1,
+        description="Weights: pkg://MODULE/PATH (inside an installed package), hf://ORG/REPO, "
+        "or a local file/directory. Relative paths are relative to the config file.",
+    )
+    aliases: list[ModelId] = Field(
+        default_factory=list,
+        description="Other ids clients may use for this model; must be unique across models.",
+    )
+    load: Literal["eager", "lazy"] = Field(
+        "eager", description="eager: load at startup; lazy: load on the first request."
+    )
+    idle_ttl: Duration | None = Field(
+        None, description="Unload after this long unused; null keeps the model loaded."
+    )
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batching limits.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="KV cache tiers.")
+    parsers: ParsersConfig = Field(
+        default_factory=ParsersConfig, description="Tool-call and reasoning parsers."
+    )
+    defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults, description="Sampling defaults for requests."
+    )
+    api_keys: ApiKeys = Field(
+        default_factory=list,
+        description="If non-empty, only these keys (and server.api_keys) may use this model.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = Field(
+        "auto",
+        description="Compute dtype. auto picks per backend: on the CPU a quantized model runs "
+        "packed on mlxd's kernels (stored bits), anything else as float32; on Metal/CUDA as "
+        "stored. keep leaves the weights as stored (e.g. quantized, on MLX's own kernels).",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Reject prompts longer than this; null means the context length."
+    )
+    context_length: int | None = Field(
+        None, ge=1, description="Override the context length from the model's own config."
+    )
+    rate_limit: RateLimitConfig | None = Field(
+        None,
+        description="Each client's requests to this model (on top of server.rate_limit); "
+        "null: unlimited.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables for the chat template, e.g. {enable_thinking: false} for "
+        "Qwen3-style templates; a request's own chat_template_kwargs override them key by key.",
+    )
+    truncate: bool = Field(
+        True,
+        description="Embedding models: cut inputs longer than the model's maximum length "
+        "(true) or reject them with 400 (false).",
+    )
+    adapter: Path | None = Field(
+        None,
+        description="A LoRA adapter applied on top of `source` (mlx-lm's format, as "
+        "mlx_lm.lora writes it: a directory with adapter_config.json and "
+        "adapters.safetensors); relative to the config file. llm models only. Models of "
+        "the same source and engine settings with different adapters share one engine "
+        "holding the base weights once.",
+    )
+    distributed: DistributedConfig | None = Field(
+        None,
+        description="Split this llm over several ranks (machines, or processes on loopback); "
+        "null runs it in one process.",
+    )
+    stream_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per streamed chunk for this model; null: server.stream_interval.",
+    )
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="llm models: speculative decoding (output unchanged, greedy token for "
+        "token; sampled in distribution); null decodes one token per step.",
+    )
+    max_inputs: int = Field(
+        2048,
+        ge=1,
+        description="Embedding models: most inputs in one /v1/embeddings request (OpenAI's "
+        "limit is 2048); more is a 400.",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_render_arguments(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if reserved := sorted(RENDER_ARGUMENTS & kwargs.keys()):
+            raise PydanticCustomError(
+                "render_argument", f"may not set {', '.join(reserved)}: mlxd sets it"
+            )
+        return kwargs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embedding_pass_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("kind") != "embedding":
+            return data
+        batch = data.get("batch") or {}
+        if isinstance(batch, dict) and "prefill_step_size" not in batch:
+            data = {**data, "batch": {**batch, "prefill_step_size": EMBEDDING_PASS_TOKENS}}
+        return data
+
+    @model_validator(mode="after")
+    def _distributed_llm_only(self) -> ModelConfig:
+        if self.distributed is not None and self.kind != "llm":
+            raise PydanticCustomError(
+                "distributed_kind", f"distributed runs llm models only (this model is {self.kind})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _speculative_llm_only(self) -> ModelConfig:
+        if self.speculative is not None and (self.kind != "llm" or self.distributed):
+            raise PydanticCustomError(
+                "speculative_kind",
+                "speculative decoding runs on single-process llm models only",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_on_local_llm_only(self) -> ModelConfig:
+        if self.adapter is not None and (self.kind != "llm" or self.distributed is not None):
+            raise PydanticCustomError(
+                "adapter_kind", "adapter applies to llm models run in one process only"
+            )
+        return self
+
+    @field_validator("adapter")
+    @classmethod
+    def _anchor_adapter(cls, adapter: Path | None, info: ValidationInfo) -> Path | None:
+        return None if adapter is None else anchored(adapter, info)
+
+    @field_validator("aliases")
+    @classmethod
+    def _dedupe(cls, aliases: list[str]) -> list[str]:
+        return list(dict.fromkeys(aliases))
+
+    @field_validator("source")
+    @classmethod
+    def _resolve_path(cls, source: str, info: ValidationInfo) -> str:
+        """Anchor relative paths to the config file's directory, so any cwd works."""
+        if source.startswith(_SOURCE_SCHEMES):
+            return source
+        if "://" in source:
+            raise PydanticCustomError(
+                "source_scheme",
+                f"unsupported source {source!r}: use pkg://, hf:// or a local path",
+            )
+        return str(anchored(Path(source), info))
