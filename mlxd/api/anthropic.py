@@ -20,7 +20,6 @@ from quart import Blueprint, request
 
 from mlxd.api.errors import anthropic_error, from_validation_error
 from mlxd.api.generation import (
-    Part,
     event_stream,
     generation_engine,
     new_id,
@@ -29,6 +28,7 @@ from mlxd.api.generation import (
     start,
     template_kwargs,
 )
+from mlxd.api.parts import Part
 from mlxd.api.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,

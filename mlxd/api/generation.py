@@ -1,4 +1,5 @@
-"""The part of serving shared by every dialect: request → `GenerationRequest`, events → result."""
+"""The part of serving shared by every dialect: request → `GenerationRequest` → engine; what
+comes back is read as parsed parts (`mlxd.api.parts`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -17,37 +17,26 @@ from quart import Response, request
 from mlxd.api import observe
 from mlxd.api.context import current_app
 from mlxd.api.errors import from_validation_error
+from mlxd.api.event_flow import in_runs, until
+from mlxd.api.parts import Parts, parsed_events
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import Engine
-from mlxd.errors import InvalidRequest, MlxdError, RequestTimedOut, Unavailable
+from mlxd.errors import InvalidRequest
 from mlxd.parsers.base import (
-    OutputPart,
-    ReasoningPart,
     StreamParser,
-    TextPart,
-    ToolCallArgs,
-    ToolCallStart,
 )
 from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import (
     Admission,
-    Delta,
     Event,
-    Finished,
     GenerationRequest,
     SamplingParams,
-    TokenLogprob,
 )
 
 Body = TypeVar("Body", bound=BaseModel)
 
 log = logging.getLogger("mlxd.api")
-
-
-class GenerationFailed(MlxdError):
-    status = 500
-    kind = "server_error"
 
 
 async def parse_body(model: type[Body]) -> Body:
@@ -177,32 +166,6 @@ def constrained_output(
     return {"type": "json_schema", "schema": schema}
 
 
-@dataclass(frozen=True)
-class Logprobs:
-    """Token log-probabilities riding alongside the parsed parts."""
-
-    items: list[TokenLogprob]
-
-
-Part = OutputPart | Logprobs | Finished
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str = ""
-
-
-@dataclass
-class Completion:
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: Finished | None = None
-
-
 def refuse_tools_when_off(entry: ModelEntry, request: GenerationRequest) -> None:
     """Off means off: answering as if the tools were not there would silently drop them."""
     if request.tools and entry.config.parsers.tool_calls is None:
@@ -226,47 +189,6 @@ def output_parser(
         tool = make_tool_parser(name, getattr(engine, "chat_template", None), request.tools)
     reasoning = make_reasoning_parser(entry.config.parsers.reasoning, admission.reasoning_open)
     return compose(tool, reasoning)
-
-
-async def parsed_events(
-    parser: StreamParser, events: AsyncGenerator[Event, None]
-) -> AsyncGenerator[Part, None]:
-    """The engine's text events read by `parser`; failures raise (see `raise_if_failed`).
-    However this ends (a parser error, the caller going away), the engine's stream is
-    closed here and then, not whenever the garbage collector gets to it: closing it is what
-    cancels an unfinished sequence."""
-    try:
-        async for event in events:
-            if isinstance(event, Delta):
-                for part in parser.feed(event.text):
-                    yield part
-                if event.logprobs:
-                    yield Logprobs(event.logprobs)
-            else:
-                for part in parser.finish():
-                    yield part
-                raise_if_failed(event)
-                yield event
-    finally:
-        await events.aclose()
-
-
-class Parts:
-    """A response's parsed parts, and its `admission` (the prompt's size, known up front).
-    Closing it early cancels the sequence."""
-
-    def __init__(self, admission: Admission, parts: AsyncGenerator[Part, None]):
-        self.admission = admission
-        self._parts = parts
-
-    def __aiter__(self) -> Parts:
-        return self
-
-    async def __anext__(self) -> Part:
-        return await anext(self._parts)
-
-    async def aclose(self) -> None:
-        await self._parts.aclose()
 
 
 async def start(
@@ -296,37 +218,14 @@ async def start(
         )
         events: AsyncGenerator[Event, None] = observe.observed(entry.name, stream)
         if request.priority >= 0:
-            events = _until(deadline, timeout, events)
+            events = until(deadline, timeout, events)
         interval = entry.config.stream_interval or server.stream_interval
         if interval > 1:
-            events = _in_runs(interval, events)
+            events = in_runs(interval, events)
         return Parts(stream.admission, parsed_events(parser, events))
     except BaseException:
         await stream.aclose()  # submitted: cancel it, or it would run to max_tokens
         raise
-
-
-async def _until(
-    deadline: float, timeout: float, events: AsyncGenerator[Event, None]
-) -> AsyncGenerator[Event, None]:
-    """`events` until `deadline`; then the sequence is cancelled (its slot freed) and the
-    request fails with 408 (an error event once a stream has started)."""
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            try:
-                # Timing out cancels the wait inside the engine's stream, which cancels
-                # the sequence.
-                event = await asyncio.wait_for(anext(events), max(deadline - loop.time(), 0))
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise RequestTimedOut(
-                    f"request did not finish within server.request_timeout ({timeout:g}s)"
-                ) from None
-            yield event
-    finally:
-        await events.aclose()
 
 
 def _disconnect(
@@ -351,75 +250,6 @@ def _disconnect(
     if record is not None:
         record.status, record.error = 499, why
     reader.cancel()
-
-
-async def _in_runs(
-    interval: int, events: AsyncGenerator[Event, None]
-) -> AsyncGenerator[Event, None]:
-    """`events` with each run of `interval` tokens' deltas merged into one (stream_interval):
-    fewer, bigger chunks in every dialect. What is pending goes out before the Finished."""
-    pending: list[Delta] = []
-    tokens = 0
-    try:
-        async for event in events:
-            if isinstance(event, Delta):
-                pending.append(event)
-                tokens += len(event.token_ids)
-                if tokens < interval:
-                    continue
-            if pending:
-                yield _merged(pending)
-                pending, tokens = [], 0
-            if isinstance(event, Finished):
-                yield event
-    finally:
-        await events.aclose()
-
-
-def _merged(deltas: list[Delta]) -> Delta:
-    if len(deltas) == 1:
-        return deltas[0]
-    logprobs = [item for d in deltas for item in d.logprobs or []]
-    return Delta(
-        "".join(d.text for d in deltas),
-        [t for d in deltas for t in d.token_ids],
-        logprobs if any(d.logprobs for d in deltas) else None,
-    )
-
-
-def raise_if_failed(finished: Finished) -> None:
-    if finished.reason == "error":
-        failure = Unavailable if finished.error_status == 503 else GenerationFailed
-        raise failure(finished.error or "generation failed")
-
-
-async def collect(parts: AsyncIterator[Part]) -> Completion:
-    """Drain parsed parts into one result (the non-streaming responses)."""
-    result = Completion()
-    text, reasoning = [], []
-    async for part in parts:
-        if isinstance(part, TextPart):
-            text.append(part.text)
-        elif isinstance(part, ReasoningPart):
-            reasoning.append(part.text)
-        elif isinstance(part, ToolCallStart):
-            result.tool_calls.append(ToolCall(part.id, part.name))
-        elif isinstance(part, ToolCallArgs):
-            result.tool_calls[-1].arguments += part.fragment
-        elif isinstance(part, Logprobs):
-            result.logprobs.extend(part.items)
-        elif isinstance(part, Finished):
-            result.finished = part
-    result.text, result.reasoning = "".join(text), "".join(reasoning)
-    return result
-
-
-def usage(finished: Finished) -> dict[str, int]:
-    return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-    }
 
 
 async def event_stream(chunks: AsyncIterator[bytes]) -> Any:

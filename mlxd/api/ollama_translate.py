@@ -10,8 +10,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.api.generation import Logprobs, Parts, new_id, sampling_params
+from mlxd.api.generation import new_id, sampling_params
 from mlxd.api.ollama_render import parse_arguments
+from mlxd.api.parts import Logprobs, Parts
 from mlxd.api.protocol.ollama import ChatRequest, GenerateRequest, Message
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.registry.routes import ModelEntry

@@ -13,9 +13,6 @@ from mlxd.api import auth
 from mlxd.api.context import current_app
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
-    Completion,
-    Logprobs,
-    Part,
     constrained_output,
     event_stream,
     generation_engine,
@@ -26,6 +23,7 @@ from mlxd.api.generation import (
     template_kwargs,
     tool_choice,
 )
+from mlxd.api.parts import Completion, Logprobs, Part
 from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxd.api.sequences import Interleaved, collect_all, copies, start_many, total_usage
 from mlxd.errors import InvalidRequest, MlxdError

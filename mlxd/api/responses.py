@@ -22,7 +22,6 @@ from mlxd.api.auth import presented_key
 from mlxd.api.context import current_app
 from mlxd.api.errors import openai_error
 from mlxd.api.generation import (
-    Part,
     constrained_output,
     event_stream,
     generation_engine,
@@ -32,6 +31,7 @@ from mlxd.api.generation import (
     start,
     tool_choice,
 )
+from mlxd.api.parts import Part
 from mlxd.api.protocol.responses import ResponseCreateRequest
 from mlxd.api.response_store import ResponseStore, owner_of
 from mlxd.api.responses_input import input_items, messages

@@ -14,7 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from mlxd.api.generation import Part, new_id
+from mlxd.api.generation import new_id
+from mlxd.api.parts import Part
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.types import Finished
 

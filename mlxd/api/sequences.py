@@ -9,7 +9,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
-from mlxd.api.generation import Completion, Part, Parts, collect, new_id, start
+from mlxd.api.generation import new_id, start
+from mlxd.api.parts import Completion, Part, Parts, collect
 from mlxd.engines.base import Engine
 from mlxd.registry.routes import ModelEntry
 from mlxd.types import Finished, GenerationRequest

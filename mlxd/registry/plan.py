@@ -43,7 +43,7 @@ ROUTING_FIELDS = (
     # Merged into each request at the API edge (api/generation.py `template_kwargs`).
     "chat_template_kwargs",
     "rate_limit",  # read from the route entry per request (api/ratelimit.py)
-    "stream_interval",  # applied to the event stream at the API edge (api/generation.py)
+    "stream_interval",  # applied to the event stream at the API edge (api/event_flow.py)
 )
 # Cache settings a loaded engine can take in place; the others change what a block holds.
 CACHE_BUDGET_FIELDS = ("ram", "ssd", "ssd_ttl")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-from mlxd.api.generation import _in_runs
+from mlxd.api.event_flow import in_runs
 from mlxd.types import Delta, Event, Finished, TokenLogprob
 
 
@@ -16,7 +16,7 @@ async def events(*items: Event) -> AsyncGenerator[Event, None]:
 
 def runs(interval: int, *items: Event) -> list[Event]:
     async def read() -> list[Event]:
-        return [event async for event in _in_runs(interval, events(*items))]
+        return [event async for event in in_runs(interval, events(*items))]
 
     return asyncio.run(read())
 
