@@ -22,17 +22,10 @@ from mlxd.api.parts import Parts, parsed_events
 from mlxd.config import SamplingDefaults
 from mlxd.engines.base import Engine
 from mlxd.errors import InvalidRequest
-from mlxd.parsers.base import (
-    StreamParser,
-)
+from mlxd.parsers.base import StreamParser
 from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
 from mlxd.registry.routes import ModelEntry
-from mlxd.types import (
-    Admission,
-    Event,
-    GenerationRequest,
-    SamplingParams,
-)
+from mlxd.types import Admission, Event, GenerationRequest, SamplingParams
 
 Body = TypeVar("Body", bound=BaseModel)
 

@@ -49,3 +49,7 @@ def anchored(path: Path, info: ValidationInfo) -> Path:
         path = Path(base_dir) / path
     # normpath, not resolve(): tidy `./` and `../` without chasing symlinks.
     return Path(os.path.normpath(path))
+
+
+ConfigPath = Annotated[Path, AfterValidator(anchored)]
+"""A path written in the config file (`anchored` to the file's directory)."""

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from mlxd.config.fields import ApiKeys, ModelId, Section, anchored
+from mlxd.config.fields import ApiKeys, ConfigPath, ModelId, Section, anchored
 from mlxd.config.sections import (
     EMBEDDING_PASS_TOKENS,
     BatchConfig,
@@ -83,7 +83,7 @@ class ModelConfig(Section):
         description="Embedding models: cut inputs longer than the model's maximum length "
         "(true) or reject them with 400 (false).",
     )
-    adapter: Path | None = Field(
+    adapter: ConfigPath | None = Field(
         None,
         description="A LoRA adapter applied on top of `source` (mlx-lm's format, as "
         "mlx_lm.lora writes it: a directory with adapter_config.json and "
@@ -156,11 +156,6 @@ class ModelConfig(Section):
                 "adapter_kind", "adapter applies to llm models run in one process only"
             )
         return self
-
-    @field_validator("adapter")
-    @classmethod
-    def _anchor_adapter(cls, adapter: Path | None, info: ValidationInfo) -> Path | None:
-        return None if adapter is None else anchored(adapter, info)
 
     @field_validator("aliases")
     @classmethod

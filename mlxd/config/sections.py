@@ -4,13 +4,12 @@ defaults, distribution."""
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 from typing import Literal, NamedTuple
 
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from mlxd.config.fields import Section, anchored
+from mlxd.config.fields import ConfigPath, Section
 from mlxd.config.units import ByteSize, Duration
 from mlxd.parsers.registry import REASONING_PARSERS, TOOL_PARSER_NAMES, TOOL_PARSERS
 
@@ -193,7 +192,7 @@ class DistributedConfig(Section):
         "reached over ssh as mlx.launch does; 127.0.0.1 repeated runs ranks on this machine. "
         "Give hosts or hostfile, not both.",
     )
-    hostfile: Path | None = Field(
+    hostfile: ConfigPath | None = Field(
         None,
         description="An mlx.launch hostfile (JSON, e.g. made by mlx.distributed_config); "
         "relative to the config file.",
@@ -204,11 +203,6 @@ class DistributedConfig(Section):
         "divide the attention and KV heads); pipeline: every rank holds a run of whole layers "
         "(at most one rank per layer).",
     )
-
-    @field_validator("hostfile")
-    @classmethod
-    def _anchor_hostfile(cls, hostfile: Path | None, info: ValidationInfo) -> Path | None:
-        return None if hostfile is None else anchored(hostfile, info)
 
     @field_validator("hosts")
     @classmethod
