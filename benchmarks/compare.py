@@ -41,7 +41,7 @@ if __package__ in (None, ""):
 
 import httpx2 as httpx  # noqa: E402
 
-from mlxd.loadgen import (  # noqa: E402
+from mlxd.cli.loadgen import (  # noqa: E402
     LevelResult,
     default_requests,
     parse_levels,

@@ -45,6 +45,7 @@ from benchmarks.compare import (  # noqa: E402
     server_env,
     wait_healthy,
 )
+from mlxd.cli.loadgen import parse_levels, print_results, run_sweep  # noqa: E402
 from mlxd.config import DistributedConfig  # noqa: E402
 from mlxd.distributed.launch import (  # noqa: E402
     free_starting_port,
@@ -53,7 +54,6 @@ from mlxd.distributed.launch import (  # noqa: E402
     loopback_hosts,
     write_hostfile,
 )
-from mlxd.loadgen import parse_levels, print_results, run_sweep  # noqa: E402
 
 SERVERS = ("mlxd", "baseline")
 

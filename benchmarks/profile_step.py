@@ -186,9 +186,9 @@ def step_ab(
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
+    from mlxd.executor.fast_batch import FastBatchGenerator
+    from mlxd.executor.sampling import GREEDY
     from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
-    from mlxd.scheduler.fast_batch import FastBatchGenerator
-    from mlxd.scheduler.sampling import GREEDY
 
     def exact() -> None:
         for _, module in model.named_modules():

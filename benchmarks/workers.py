@@ -35,7 +35,7 @@ from benchmarks.compare import (  # noqa: E402
     running_server,
     server_env,
 )
-from mlxd.loadgen import (  # noqa: E402
+from mlxd.cli.loadgen import (  # noqa: E402
     LevelResult,
     parse_levels,
     run_sweep,

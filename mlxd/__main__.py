@@ -1,3 +1,3 @@
-from mlxd.cli import main
+from mlxd.cli.main import main
 
 main()

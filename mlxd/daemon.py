@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.config import Registry, load_config
-from mlxd.engines.base import Engine
+from mlxd.control.plan import Action, describe
+from mlxd.control.reconciler import Reconciler
+from mlxd.control.routes import RouteTable
 from mlxd.errors import ConfigError
-from mlxd.registry.plan import Action, describe
-from mlxd.registry.reconciler import Reconciler
-from mlxd.registry.routes import RouteTable
+from mlxd.runtime.engine import Engine, EngineStarter
 
 log = logging.getLogger("mlxd")
 
@@ -30,7 +30,12 @@ class ConfigStatus:
 
 
 class Daemon:
-    def __init__(self, registry: Registry, config_path: Path | None = None):
+    def __init__(
+        self,
+        registry: Registry,
+        config_path: Path | None = None,
+        start_inline: EngineStarter | None = None,
+    ):
         self.registry = registry
         self.config_path = config_path
         self.config = ConfigStatus()
@@ -40,7 +45,7 @@ class Daemon:
         self.draining = False  # shutting down: new requests get 503
         self.reloads: Counter[str] = Counter()  # by outcome: applied | rejected
         self.last_actions: list[str] = []  # the last reconcile's actions, described (dashboard)
-        self.reconciler = Reconciler(registry.server, self._set_routes)
+        self.reconciler = Reconciler(registry.server, self._set_routes, start_inline)
         self._reload_lock = asyncio.Lock()
         self._ticker: asyncio.Task | None = None
 

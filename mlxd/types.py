@@ -55,7 +55,7 @@ class GenerationRequest:
     # YAML `chat_template_kwargs` overlaid with the request's.
     chat_template_kwargs: dict[str, Any] | None = None
     # The LoRA adapter to run with, for a model that shares its base's engine (set by its
-    # view, engines/shared.py; the engine's key for the attached adapter). None: the base.
+    # view, runtime/shared_pool.py; the engine's key for the attached adapter). None: the base.
     adapter: str | None = None
 
 

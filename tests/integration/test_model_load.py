@@ -17,9 +17,10 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
-from mlxd.models import LoadedModel, load_llm, resolve_source
 from mlxd.models.estimate import estimate_weight_bytes
+from mlxd.models.loader import LoadedModel, load_llm
 from mlxd.models.packed import PackedLinear
+from mlxd.models.sources import resolve_source
 
 pytestmark = [
     pytest.mark.integration,

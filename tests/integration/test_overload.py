@@ -240,6 +240,7 @@ def fault_daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path)
     }
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLXD_FAULT_INJECT", FAULTS)
+        patch.setenv("MLXD_WORKER_HOOKS", "mlxd.testing.faults")
         running = start_daemon(tmp_path_factory.mktemp("faults"), config)
     yield running
     running.stop()

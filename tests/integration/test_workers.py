@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
+from tests.integration.daemon import FAULT_HOOKS, SMOL_GGUF, Daemon, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ def test_each_model_runs_in_its_own_process(daemon: Daemon):
     for name in ("smol", "minilm"):
         worker = psutil.Process(rows[name]["pid"])
         assert worker.ppid() == daemon.process.pid
-        assert "mlxd.engines.worker" in " ".join(worker.cmdline())
+        assert "mlxd.worker" in " ".join(worker.cmdline())
         assert rows[name]["rss_bytes"] == pytest.approx(worker.memory_info().rss, rel=0.2)
     # The daemon holds no weights: the worker that holds 538 MB of float32 weights is bigger.
     assert psutil.Process(daemon.process.pid).memory_info().rss < rows["smol"]["rss_bytes"]
@@ -162,7 +162,7 @@ def test_a_model_that_dies_on_every_load_backs_off_and_says_why(
             "fine": {"kind": "embedding", "source": MINILM},
         },
     }
-    daemon = start_daemon(tmp_path, config, env={"MLXD_FAULT_INJECT": "load:crashy"})
+    daemon = start_daemon(tmp_path, config, env={"MLXD_FAULT_INJECT": "load:crashy", **FAULT_HOOKS})
     try:
         wait_for(lambda: models(daemon)["crashy"]["failures"] >= 3, timeout=60)
         row = models(daemon)["crashy"]

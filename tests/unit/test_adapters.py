@@ -8,8 +8,8 @@ from pathlib import Path
 import mlx.nn as nn
 
 from mlxd.config import ModelConfig
-from mlxd.engines.llm import _identity
 from mlxd.models.loader import LoadedModel
+from mlxd.worker.llm import _identity
 
 
 def test_the_adapter_and_its_weights_are_part_of_the_kv_identity(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from mlxd.engines.core import prefill_group_size
+from mlxd.worker.llm_core import prefill_group_size
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from mlxd.api.anthropic import (
+from mlxd.api.anthropic.messages import (
     ContentBlocks,
     _keep_alive,
     fold,
     message_delta,
     message_events,
 )
-from mlxd.api.protocol.anthropic import (
+from mlxd.api.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     internal_messages,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxd.api.auth import OPEN, identify, presented_key
+from mlxd.api.middleware.auth import OPEN, identify, presented_key
 from mlxd.config import ModelConfig
 from mlxd.errors import Unauthorized
 

@@ -14,10 +14,10 @@ from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 from mlxd.cache.lease import PrefixLease
 from mlxd.cache.prefix import PrefixCache
 from mlxd.config import BatchConfig, CacheConfig
-from mlxd.engines.core import LLMCore, Output, Sequence, SequenceStatus
-from mlxd.engines.loop import ModelLoop
 from mlxd.errors import Overloaded, Unavailable
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
+from mlxd.worker.llm_core import LLMCore, Output, Sequence, SequenceStatus
+from mlxd.worker.loop import ModelLoop
 from tests.tiny_llama import tiny_llama
 
 S = SequenceStatus

@@ -8,12 +8,12 @@ import re
 from importlib.resources import files
 
 from mlxd.api.app import create_app
-from mlxd.api.dashboard.history import History, RequestLog, Sample
-from mlxd.api.metrics import Recent
+from mlxd.api.ops.dashboard.history import History, RequestLog, Sample
+from mlxd.api.ops.metrics import Recent
 from mlxd.config import Registry, ServerConfig
 from mlxd.daemon import Daemon
 
-STATIC = files("mlxd.api.dashboard") / "static"
+STATIC = files("mlxd.api.ops.dashboard") / "static"
 
 
 def line(model: str, endpoint: str = "/v1/chat/completions", **extra) -> dict:

@@ -212,7 +212,7 @@ def test_launch_argv_is_a_list_with_the_command_after_the_separator(model_dir: P
     argv = launch_argv(
         block,
         Path("/run/h.json"),
-        "mlxd.engines.worker",
+        "mlxd.worker",
         ["--model", "big", "--socket", "/tmp/a b"],
         python="/venv/bin/python",
         starting_port=40000,
@@ -232,7 +232,7 @@ def test_launch_argv_is_a_list_with_the_command_after_the_separator(model_dir: P
         "--",
         "/venv/bin/python",
         "-m",
-        "mlxd.engines.worker",
+        "mlxd.worker",
         "--model",
         "big",
         "--socket",

@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from mlxd.api.protocol.openai import EmbeddingRequest
+from mlxd.api.openai.protocol import EmbeddingRequest
 from mlxd.config import BatchConfig
-from mlxd.engines.embedding_core import (
+from mlxd.errors import Unavailable
+from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
+from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
+from mlxd.worker.embedding_core import (
     EmbeddingCore,
     EmbeddingJob,
     deliver,
     plan_batches,
 )
-from mlxd.engines.loop import ModelLoop
-from mlxd.errors import Unavailable
-from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
-from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
+from mlxd.worker.loop import ModelLoop
 
 
 def test_batches_are_sorted_by_length_and_capped_by_count():

@@ -9,15 +9,15 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
-from mlxd.scheduler.fast_batch import FastBatchGenerator, PrefillKVCache
-from mlxd.scheduler.prefill import SkipPrefillLogits
-from mlxd.scheduler.sampling import (
+from mlxd.executor.fast_batch import FastBatchGenerator, PrefillKVCache
+from mlxd.executor.prefill import SkipPrefillLogits
+from mlxd.executor.sampling import (
     GREEDY,
     GREEDY_WITH_LOGPROBS,
     make_sequence_sampler,
     sample_rows,
 )
+from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
 from mlxd.types import SamplingParams
 
 PROMPTS = [

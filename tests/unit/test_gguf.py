@@ -9,7 +9,6 @@ import mlx.core as mx
 import pytest
 from tokenizers import pre_tokenizers
 
-from mlxd.models import load_llm
 from mlxd.models.gguf import (
     GGUFError,
     build_tokenizer,
@@ -18,6 +17,7 @@ from mlxd.models.gguf import (
     quantization_config,
     quantized_bits,
 )
+from mlxd.models.loader import load_llm
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

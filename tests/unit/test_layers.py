@@ -1,10 +1,13 @@
 """mlxd's modules import downwards only: types and config at the bottom, the HTTP API and the
-CLI on top. A module that reaches up (the scheduler importing an engine, an engine importing the
-API) fails here, naming the import."""
+CLI on top. A module that reaches up (the executor importing an engine, an engine importing the
+API) fails here, naming the import. The daemon side (runtime, control, daemon, api) never
+imports the worker side, and loading the whole daemon loads no MLX."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import mlxd
@@ -25,17 +28,25 @@ LAYERS: list[set[str]] = [
         "parsers",
         "kernels",
     },
-    {"cache", "scheduler", "models", "constrain", "media", "distributed"},
-    {"engines"},
-    {"registry"},
+    {"cache", "executor", "models", "constrain", "media", "distributed"},
+    {"worker", "runtime"},
+    {"control"},
     {"daemon"},
     {"api"},
-    {"cli", "client", "loadgen", "__main__"},
+    {"cli", "__main__"},
+    {"testing"},  # test hooks: loaded by name (MLXD_WORKER_HOOKS), imported by no module
 ]
+# What the daemon process runs; none of it may import the worker side (or MLX).
+DAEMON_SIDE = {"runtime", "control", "daemon", "api"}
+WORKER_SIDE = {"worker", "executor", "cache", "kernels", "constrain", "media"}
+
+
+def top_of(module: str) -> str:
+    return module.split(".")[1] if module.startswith("mlxd.") else module
 
 
 def layer_of(module: str) -> int:
-    top = module.split(".")[1] if module.startswith("mlxd.") else module
+    top = top_of(module)
     for index, members in enumerate(LAYERS):
         if top in members:
             return index
@@ -53,14 +64,59 @@ def imports(path: Path) -> list[str]:
     return found
 
 
-def test_every_module_imports_only_its_layer_or_below():
-    violations = []
+def modules() -> list[tuple[str, Path]]:
+    found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE.parent).with_suffix("")
         module = ".".join(relative.parts).removesuffix(".__init__")
-        if module == "mlxd":
-            continue
+        if module != "mlxd":
+            found.append((module, path))
+    return found
+
+
+def test_every_module_imports_only_its_layer_or_below():
+    violations = []
+    for module, path in modules():
         for imported in imports(path):
             if imported != "mlxd" and layer_of(imported) > layer_of(module):
                 violations.append(f"{module} imports {imported}")
     assert violations == []
+
+
+def test_the_daemon_side_never_imports_the_worker_side():
+    violations = []
+    for module, path in modules():
+        if top_of(module) in DAEMON_SIDE:
+            violations += [
+                f"{module} imports {imported}"
+                for imported in imports(path)
+                if top_of(imported) in WORKER_SIDE
+            ]
+    assert violations == []
+
+
+def test_no_module_imports_the_testing_package():
+    users = [
+        f"{module} imports {imported}"
+        for module, path in modules()
+        if top_of(module) != "testing"
+        for imported in imports(path)
+        if top_of(imported) == "testing"
+    ]
+    assert users == []
+
+
+def test_the_daemon_loads_no_mlx():
+    """Every daemon-side module, the app and the CLI, imported in a fresh interpreter."""
+    daemon_modules = [m for m, _ in modules() if top_of(m) in DAEMON_SIDE | {"cli"}]
+    script = (
+        "import importlib, sys\n"
+        f"for name in {daemon_modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'mlx', 'mlx_lm', 'mlx_vlm', 'mlx_embeddings', 'mlx_audio'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]", out

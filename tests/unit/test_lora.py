@@ -13,8 +13,8 @@ from mlx_lm.models import llama
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load_adapters
 
-from mlxd.engines.core import LLMCore
 from mlxd.models.lora import MultiLoRA
+from mlxd.worker.llm_core import LLMCore
 from tests.tiny_llama import tiny_llama
 from tests.unit.test_core import core_for, run, sequence, tokens_of
 

@@ -8,9 +8,9 @@ import logging
 from openapi_spec_validator import validate
 
 from mlxd.api.app import create_app
-from mlxd.api.metrics import Recent
-from mlxd.api.openapi import document
-from mlxd.cli import _ps_row
+from mlxd.api.ops.metrics import Recent
+from mlxd.api.ops.openapi import document
+from mlxd.cli.main import _ps_row
 from mlxd.config import Registry
 from mlxd.daemon import Daemon
 from mlxd.logs import JsonFormatter

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from mlxd.api.ollama import Timing, internal_message, message_chunks
-from mlxd.api.ollama_render import fold, iso_time, parse_arguments
-from mlxd.api.parts import Logprobs, parsed_events
-from mlxd.api.protocol.ollama import ChatRequest, GenerateRequest, Message, keep_alive_seconds
+from mlxd.api.common.parts import Logprobs, parsed_events
+from mlxd.api.ollama.protocol import ChatRequest, GenerateRequest, Message, keep_alive_seconds
+from mlxd.api.ollama.render import fold, iso_time, parse_arguments
+from mlxd.api.ollama.routes import Timing, internal_message, message_chunks
 from mlxd.parsers.registry import compose, make_reasoning_parser, make_tool_parser
 from mlxd.types import Delta, Finished, TokenLogprob
 

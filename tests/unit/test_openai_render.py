@@ -1,7 +1,7 @@
 """How parsed parts become OpenAI chat chunks: content, reasoning, tool calls, finish."""
 
-from mlxd.api.openai import _chat_choices
-from mlxd.api.parts import Logprobs
+from mlxd.api.common.parts import Logprobs
+from mlxd.api.openai.chat import _chat_choices
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.types import Finished, TokenLogprob
 

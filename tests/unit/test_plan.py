@@ -18,7 +18,7 @@ from mlxd.config import (
     SamplingDefaults,
     SpeculativeConfig,
 )
-from mlxd.registry.plan import (
+from mlxd.control.plan import (
     ENGINE_FIELDS,
     ROUTING_FIELDS,
     Action,

@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
-from mlxd.engines.prompt import render_chat
 from mlxd.errors import InvalidRequest
+from mlxd.worker.prompt import render_chat
 from tests.unit.test_gguf import CHATML, tiny_metadata
 
 # Like Gemma's or Mistral's templates: a system message is allowed only first.

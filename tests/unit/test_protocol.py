@@ -3,9 +3,9 @@
 import pytest
 from pydantic import ValidationError
 
-from mlxd.api.errors import from_validation_error
-from mlxd.api.generation import sampling_params
-from mlxd.api.protocol.openai import ChatCompletionRequest, CompletionRequest
+from mlxd.api.common.error_shapes import from_validation_error
+from mlxd.api.common.generation import sampling_params
+from mlxd.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mlxd.config import SamplingDefaults
 
 HI = [{"role": "user", "content": "hi"}]

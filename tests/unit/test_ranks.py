@@ -8,7 +8,7 @@ import pytest
 
 from mlxd.config import DistributedConfig
 from mlxd.distributed.launch import LaunchError
-from mlxd.engines.ranks import RankGroup
+from mlxd.runtime.rank_group import RankGroup
 
 
 def test_rank_0_elsewhere_is_refused_before_anything_starts():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxd.api.ratelimit import RateLimiter, Remaining
+from mlxd.api.middleware.ratelimit import RateLimiter, Remaining
 from mlxd.config.server import RateLimitConfig
 from mlxd.errors import Overloaded
 

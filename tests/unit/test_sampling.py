@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxd.scheduler.sampling import make_sequence_processors
+from mlxd.executor.sampling import make_sequence_processors
 from mlxd.types import SamplingParams
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mlxd.api.sequences import Interleaved, copies, total_usage
+from mlxd.api.common.sequences import Interleaved, copies, total_usage
 from mlxd.errors import MlxdError
 from mlxd.types import Finished, GenerationRequest, SamplingParams
 
@@ -113,7 +113,7 @@ def test_parts_gather_unbounded_until_the_reader_starts():
 
 
 def test_a_stalled_reader_holds_its_sequences_back():
-    from mlxd.api.sequences import HANDOFF
+    from mlxd.api.common.sequences import HANDOFF
 
     produced: list[int] = []
 

@@ -19,19 +19,19 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlxd.config import BatchConfig, SpeculativeConfig, parse_config
-from mlxd.engines.core import LLMCore, Sequence
-from mlxd.engines.llm import _load_draft
 from mlxd.errors import ModelLoadError
-from mlxd.scheduler.fast_batch import FastBatchGenerator
-from mlxd.scheduler.prefill import SkipPrefillLogits
-from mlxd.scheduler.sampling import GREEDY, make_sequence_sampler
-from mlxd.scheduler.speculative import (
+from mlxd.executor.fast_batch import FastBatchGenerator
+from mlxd.executor.prefill import SkipPrefillLogits
+from mlxd.executor.sampling import GREEDY, make_sequence_sampler
+from mlxd.executor.speculative import (
     DraftSpeculator,
     NgramSpeculator,
     ngram_drafts,
     roll_back,
 )
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
+from mlxd.worker.llm import _load_draft
+from mlxd.worker.llm_core import LLMCore, Sequence
 from tests.tiny_llama import tiny_llama
 from tests.unit.test_core import LetterTokenizer, run
 

@@ -1,6 +1,6 @@
 import pytest
 
-from mlxd.scheduler.stops import StopMatcher
+from mlxd.executor.stops import StopMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, str | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-from mlxd.api.event_flow import in_runs
+from mlxd.api.common.event_flow import in_runs
 from mlxd.types import Delta, Event, Finished, TokenLogprob
 
 

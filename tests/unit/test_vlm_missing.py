@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.engines.vlm import load_vlm
 from mlxd.errors import ModelLoadError
+from mlxd.worker.vlm import load_vlm
 
 
 def test_missing_mlx_vlm_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):

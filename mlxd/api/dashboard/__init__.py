@@ -1,5 +1,0 @@
-"""The web dashboard at `/`: a static page (see `static/`) and the JSON and SSE it reads."""
-
-from mlxd.api.dashboard.routes import blueprint, install
-
-__all__ = ["blueprint", "install"]

@@ -1,0 +1,179 @@
+"""API keys: who may call, and which models they may use.
+
+`server.api_keys` may use every model and the admin endpoints; `models.<name>.api_keys` may use
+only that model. Keys are read from the live config on every request, so a reload that adds or
+removes one applies to the next request. No key configured anywhere means the daemon is open.
+Keys are never logged or echoed back.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from quart import Quart, g, request
+from werkzeug.datastructures import Headers
+
+from mlxd.api.common.context import current_app
+from mlxd.config import ModelConfig, Registry
+from mlxd.errors import Forbidden, NotFound, Unauthorized
+
+log = logging.getLogger("mlxd.auth")
+
+# The dashboard page and its files carry no state: they load without a key, then ask for one.
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/dashboard/static/",)
+# Operations, not inference: a model key must not reload the config or read every model's state.
+ADMIN_PREFIXES = ("/admin/", "/v1/status", "/metrics", "/dashboard/api/")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: `admin` holds a server key (or the daemon is open); `models` are
+    the model names the key may use (None: every model)."""
+
+    admin: bool
+    models: frozenset[str] | None = None
+
+    def may_use(self, name: str) -> bool:
+        return self.models is None or name in self.models
+
+
+OPEN = Caller(admin=True)
+
+
+def presented_key(headers: Headers | Mapping[str, str]) -> str | None:
+    """The key from `Authorization: Bearer …` (OpenAI clients) or `x-api-key` (Anthropic's)."""
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key") or None
+
+
+def identify(server_keys: list[str], models: Mapping[str, ModelConfig], key: str | None) -> Caller:
+    """The caller `key` makes, or Unauthorized. Every configured key is compared (in constant
+    time each), so the time taken does not tell which kind of key matched, if any."""
+    model_keys = {name: config.api_keys for name, config in models.items()}
+    if not server_keys and not any(model_keys.values()):
+        return OPEN
+    if key is None:
+        raise Unauthorized(
+            "missing API key: send it as 'Authorization: Bearer <key>' or an 'x-api-key' header"
+        )
+    is_server_key = _matches(key, server_keys)
+    allowed = frozenset([name for name, keys in model_keys.items() if _matches(key, keys)])
+    if is_server_key:
+        return OPEN
+    if not allowed:
+        raise Unauthorized("invalid API key")
+    return Caller(admin=False, models=allowed)
+
+
+def _matches(key: str, keys: Iterable[str]) -> bool:
+    found = False
+    for candidate in keys:
+        found |= hmac.compare_digest(key.encode(), candidate.encode())
+    return found
+
+
+def caller() -> Caller:
+    """The current request's caller (open outside a request that passed `authenticate`)."""
+    return g.get("caller", OPEN)
+
+
+def install(app: Quart) -> None:
+    """Check every request except OPEN_PATHS before it reaches a route."""
+
+    @app.before_request
+    async def authenticate() -> None:
+        if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
+            return
+        daemon = current_app.daemon
+        models = {name: entry.config for name, entry in daemon.routes.models.items()}
+        who = identify(daemon.registry.server.api_keys, models, presented_key(request.headers))
+        g.caller = who
+        if request.path.startswith(ADMIN_PREFIXES) and not who.admin:
+            raise Forbidden("this endpoint needs a server key (server.api_keys)")
+        if who.models is not None:
+            for model_id in await _requested_models():
+                _check_model(who, model_id)
+
+
+async def _requested_models() -> list[str]:
+    """Model ids the request names: the path's (/v1/models/<id>), the body's `model`, each
+    message batch request's `params.model`, and each `model` of a /v1/messages/batch list.
+    A body that is not JSON is the route's 400."""
+    path_args = request.view_args or {}
+    ids = [path_args["model_id"]] if "model_id" in path_args else []
+    if request.method != "POST":
+        return ids
+    try:
+        body = json.loads(await request.get_data())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return ids
+    if isinstance(body, list):  # /v1/messages/batch: a list of Messages requests
+        ids.extend(item.get("model") for item in body if isinstance(item, dict))
+        return [model_id for model_id in ids if isinstance(model_id, str)]
+    if not isinstance(body, dict):
+        return ids
+    ids.append(body.get("model"))
+    if request.path == "/api/show":
+        ids.append(body.get("name"))  # older Ollama clients name the model so
+    batch = body.get("requests")
+    for item in batch if isinstance(batch, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("params"), dict):
+            ids.append(item["params"].get("model"))
+    return [model_id for model_id in ids if isinstance(model_id, str)]
+
+
+def _check_model(who: Caller, model_id: str) -> None:
+    ids = current_app.daemon.routes.ids
+    # Ollama clients tag names (`smol:latest`); the Ollama routes accept that for a known id.
+    name = ids.get(model_id) or ids.get(model_id.removesuffix(":latest"))
+    if name is None:
+        # The route's own 404 would list every model; this key sees only its own.
+        routes = current_app.daemon.routes.ids
+        mine = ", ".join(sorted(i for i, n in routes.items() if who.may_use(n))) or "none"
+        raise NotFound(
+            f"model '{model_id}' does not exist; available models: {mine}", param="model"
+        )
+    if not who.may_use(name):
+        raise Forbidden(f"this API key may not use model '{model_id}'", param="model")
+
+
+def log_access(registry: Registry, host: str) -> None:
+    """Say at startup whether the daemon is open, and shout if it is open beyond this host."""
+    server_keys = len(registry.server.api_keys)
+    keyed = [name for name, model in registry.models.items() if model.api_keys]
+    if server_keys or keyed:
+        log.info(
+            "API keys required: %d server key(s); models with their own keys: %s",
+            server_keys,
+            ", ".join(keyed) or "none",
+        )
+        if not server_keys:
+            log.warning(
+                "no server.api_keys: the admin endpoints and models without api_keys "
+                "cannot be used by anyone"
+            )
+        return
+    log.info("no API keys configured: every endpoint is open")
+    if not _is_loopback(host):
+        log.warning(
+            "!!! listening on %s with NO API KEYS: anyone who can reach this address may use "
+            "every model and reload the config; set server.api_keys !!!",
+            host,
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

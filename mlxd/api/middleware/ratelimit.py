@@ -1,0 +1,198 @@
+"""Per-client rate limits: `server.rate_limit` (a client's requests to any model together) and
+`models.<name>.rate_limit` (to that model), in requests and tokens per minute.
+
+A client is its API key, or its address when the daemon is open (no keys configured). Windows
+slide over the last 60 s. A request is admitted while the client is under every limit that
+applies; its tokens (prompt + completion, known once it finishes) are charged afterwards, so
+one request may overshoot a token limit and the next waits. Over a limit: 429 in the caller's
+dialect with `Retry-After`; every limited response carries the OpenAI and Anthropic
+`…ratelimit…` headers of the tightest limit. State is in memory: a restart forgets it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from quart import Quart, Response, g, request
+
+from mlxd.api.common.context import current_app
+from mlxd.api.middleware.auth import OPEN_PATHS, _requested_models, presented_key
+from mlxd.config.server import RateLimitConfig
+from mlxd.errors import Overloaded
+
+WINDOW_S = 60.0
+
+
+@dataclass
+class Window:
+    """Amounts (1 per request, or tokens) spent in the last WINDOW_S seconds."""
+
+    spent: deque[tuple[float, int]] = field(default_factory=deque)
+    total: int = 0
+
+    def prune(self, now: float) -> None:
+        while self.spent and self.spent[0][0] <= now - WINDOW_S:
+            self.total -= self.spent.popleft()[1]
+
+    def add(self, now: float, amount: int) -> None:
+        if amount > 0:
+            self.spent.append((now, amount))
+            self.total += amount
+
+    def free_in(self, now: float, limit: int) -> float:
+        """Seconds until the total drops below `limit` again."""
+        total = self.total
+        for at, amount in self.spent:
+            total -= amount
+            if total < limit:
+                return max(at + WINDOW_S - now, 0.0)
+        return 0.0
+
+
+@dataclass
+class Budget:
+    """One client's use of one limit."""
+
+    limit: RateLimitConfig
+    requests: Window = field(default_factory=Window)
+    tokens: Window = field(default_factory=Window)
+
+
+@dataclass(frozen=True)
+class Remaining:
+    requests: tuple[int, int] | None  # (limit, remaining)
+    tokens: tuple[int, int] | None
+
+
+class RateLimiter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._budgets: dict[tuple[str, str], Budget] = {}
+
+    def admit(self, client: str, limits: dict[str, RateLimitConfig]) -> Callable[[int], None]:
+        """Count one request against each of `limits` ({scope: limit}) or raise Overloaded.
+        Returns the function that charges the request's tokens when it is done."""
+        now = self.clock()
+        budgets = [self._budget(scope, client, limit) for scope, limit in limits.items()]
+        for budget in budgets:
+            budget.requests.prune(now)
+            budget.tokens.prune(now)
+            self._refuse_if_over(budget, now)
+        for budget in budgets:
+            budget.requests.add(now, 1)
+
+        def charge(tokens: int) -> None:
+            for budget in budgets:
+                budget.tokens.add(self.clock(), tokens)
+
+        return charge
+
+    def remaining(self, client: str, limits: dict[str, RateLimitConfig]) -> Remaining:
+        """The tightest limit's figures for the response headers."""
+        requests = tokens = None
+        for scope, limit in limits.items():
+            budget = self._budget(scope, client, limit)
+            if limit.requests_per_minute is not None:
+                left = max(limit.requests_per_minute - budget.requests.total, 0)
+                if requests is None or left < requests[1]:
+                    requests = (limit.requests_per_minute, left)
+            if limit.tokens_per_minute is not None:
+                left = max(limit.tokens_per_minute - budget.tokens.total, 0)
+                if tokens is None or left < tokens[1]:
+                    tokens = (limit.tokens_per_minute, left)
+        return Remaining(requests, tokens)
+
+    def _budget(self, scope: str, client: str, limit: RateLimitConfig) -> Budget:
+        budget = self._budgets.get((scope, client))
+        if budget is None or budget.limit != limit:  # new, or the limit changed on reload
+            budget = self._budgets[scope, client] = Budget(limit)
+        return budget
+
+    def _refuse_if_over(self, budget: Budget, now: float) -> None:
+        rpm, tpm = budget.limit.requests_per_minute, budget.limit.tokens_per_minute
+        if rpm is not None and budget.requests.total >= rpm:
+            wait, what = budget.requests.free_in(now, rpm), f"{rpm} requests"
+        elif tpm is not None and budget.tokens.total >= tpm:
+            wait, what = budget.tokens.free_in(now, tpm), f"{tpm} tokens"
+        else:
+            return
+        retry = max(math.ceil(wait), 1)
+        raise Overloaded(
+            f"rate limit: at most {what} per minute; retry in {retry}s",
+            headers={"Retry-After": str(retry)},
+        )
+
+
+def install(app: Quart) -> None:
+    """After auth (which identifies the caller) and the request record (which learns the
+    token counts): admit or refuse, charge tokens when the record closes, add headers."""
+    limiter = RateLimiter()
+
+    @app.before_request
+    async def limit_rate() -> None:
+        if request.path in OPEN_PATHS:
+            return
+        limits = await _limits()
+        if not limits:
+            return
+        client = _client()
+        g.rate_limits = (client, limits)
+        try:
+            charge = limiter.admit(client, limits)
+        except Overloaded as exc:
+            exc.headers = {**exc.headers, **_headers(limiter.remaining(client, limits))}
+            raise
+        record = g.get("record")
+        if record is not None:
+            record.on_close.append(lambda r: charge(r.prompt_tokens + r.completion_tokens))
+
+    @app.after_request
+    async def rate_limit_headers(response: Response) -> Response:
+        if (limited := g.get("rate_limits")) is not None:
+            response.headers.update(_headers(limiter.remaining(*limited)))
+        return response
+
+
+async def _limits() -> dict[str, RateLimitConfig]:
+    """{scope: limit} for this request: the server's, and each named model's own."""
+    daemon = current_app.daemon
+    found = [daemon.routes.ids.get(model_id) for model_id in await _requested_models()]
+    names = [name for name in found if name is not None]
+    if not names:
+        return {}
+    limits = {}
+    if daemon.registry.server.rate_limit is not None:
+        limits["*"] = daemon.registry.server.rate_limit
+    for name in names:
+        entry = daemon.routes.models.get(name)
+        if entry is not None and entry.config.rate_limit is not None:
+            limits[name] = entry.config.rate_limit
+    return limits
+
+
+def _client() -> str:
+    """The API key the request presented, or the client's address when the daemon is open
+    (any key passes then: counting by key would let a client pick a fresh one per request)."""
+    daemon = current_app.daemon
+    keyed = daemon.registry.server.api_keys or any(
+        entry.config.api_keys for entry in daemon.routes.models.values()
+    )
+    key = presented_key(request.headers)
+    return f"key:{key}" if keyed and key else f"addr:{request.remote_addr}"
+
+
+def _headers(remaining: Remaining) -> dict[str, str]:
+    headers = {}
+    for kind, figures in (("requests", remaining.requests), ("tokens", remaining.tokens)):
+        if figures is None:
+            continue
+        limit, left = map(str, figures)
+        headers[f"x-ratelimit-limit-{kind}"] = limit
+        headers[f"x-ratelimit-remaining-{kind}"] = left
+        headers[f"anthropic-ratelimit-{kind}-limit"] = limit
+        headers[f"anthropic-ratelimit-{kind}-remaining"] = left
+    return headers

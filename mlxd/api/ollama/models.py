@@ -1,0 +1,144 @@
+"""The Ollama dialect's model routes: /api/tags, /api/ps, /api/show, /api/version, Ollama's
+model names (`name:latest`), and a clear 501 for the model-management routes (models live in
+the YAML)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from typing import Any
+
+from quart import Blueprint
+
+from mlxd.api.common.context import current_app
+from mlxd.api.common.generation import parse_body
+from mlxd.api.middleware import auth
+from mlxd.api.ollama.protocol import ShowRequest
+from mlxd.api.ollama.render import OLLAMA_VERSION, iso_time, model_details
+from mlxd.control.routes import ModelEntry
+from mlxd.errors import InvalidRequest, MlxdError
+
+blueprint = Blueprint("ollama_models", __name__)
+
+
+class NotImplementedHere(MlxdError):
+    status = 501
+    kind = "not_implemented"
+
+
+def model_id(requested: str) -> str:
+    """The mlxd id an Ollama client means: Ollama names carry a tag (`smol:latest`); a
+    `:latest` on a known id is dropped. Unknown ids stay as sent (the route's 404)."""
+    ids = current_app.daemon.routes.ids
+    if requested not in ids and requested.endswith(":latest"):
+        bare = requested.removesuffix(":latest")
+        if bare in ids:
+            return bare
+    return requested
+
+
+@blueprint.get("/api/tags")
+async def tags() -> Any:
+    """Every declared model the caller may use, named as Ollama names them (`name:latest`)."""
+    daemon, caller = current_app.daemon, auth.caller()
+    models = []
+    for name, entry in daemon.routes.models.items():
+        if caller.may_use(name):
+            models.append(_model_row(name, entry))
+    return {"models": models}
+
+
+@blueprint.get("/api/ps")
+async def ps() -> Any:
+    """The loaded models, with when they unload if left idle."""
+    daemon, caller = current_app.daemon, auth.caller()
+    status = daemon.reconciler.status()
+    models = []
+    for name, entry in daemon.routes.models.items():
+        row = status.get(name, {})
+        if not caller.may_use(name) or row.get("state") != "loaded":
+            continue
+        ttl = row.get("idle_ttl_s")
+        remaining = math.inf if ttl is None else max(ttl - row.get("idle_s", 0.0), 0.0)
+        models.append(
+            {
+                **_model_row(name, entry),
+                "expires_at": iso_time(time.time() + min(remaining, 100 * 365 * 86400)),
+                "size_vram": 0,  # MLX on the CPU; unified memory on Apple silicon
+                "context_length": row.get("context_length"),
+            }
+        )
+    return {"models": models}
+
+
+def _model_row(name: str, entry: ModelEntry) -> dict[str, Any]:
+    tagged = name if ":" in name else f"{name}:latest"
+    engine = entry.engine
+    return {
+        "name": tagged,
+        "model": tagged,
+        "modified_at": iso_time(current_app.daemon.config.loaded_at or time.time()),
+        "size": getattr(engine, "memory_bytes", 0) if engine is not None else 0,
+        "digest": hashlib.sha256(f"{name}\0{entry.config.source}".encode()).hexdigest(),
+        "details": model_details(entry),
+    }
+
+
+@blueprint.post("/api/show")
+async def show() -> Any:
+    body = await parse_body(ShowRequest)
+    requested = body.model or body.name
+    if not requested:
+        raise InvalidRequest("model is required", param="model")
+    model = model_id(requested)
+    entry = current_app.daemon.routes.entry(model)
+    config, engine = entry.config, entry.engine
+    stats = engine.stats() if engine is not None else {}
+    capabilities = {
+        "llm": ["completion", "tools"],
+        "vlm": ["completion", "tools", "vision"],
+        "embedding": ["embedding"],
+    }[config.kind]
+    if config.parsers.reasoning:
+        capabilities.append("thinking")
+    details = model_details(entry)
+    info: dict[str, Any] = {"general.architecture": details["family"]}
+    if stats.get("context_length"):
+        info[f"{details['family']}.context_length"] = stats["context_length"]
+    defaults = config.defaults
+    parameters = "\n".join(
+        f"{key:<30} {value}"
+        for key, value in (
+            ("num_predict", defaults.max_tokens),
+            ("temperature", defaults.temperature),
+            ("top_p", defaults.top_p),
+            ("top_k", defaults.top_k),
+        )
+    )
+    return {
+        "modelfile": f"# {requested} is declared in mlxd's YAML config\nFROM {config.source}\n",
+        "parameters": parameters,
+        "template": getattr(engine, "chat_template", None) or "",
+        "details": details,
+        "model_info": info,
+        "capabilities": capabilities,
+        "modified_at": iso_time(current_app.daemon.config.loaded_at or time.time()),
+    }
+
+
+@blueprint.get("/api/version")
+async def version() -> Any:
+    return {"version": OLLAMA_VERSION}
+
+
+@blueprint.route("/api/pull", methods=["POST"])
+@blueprint.route("/api/push", methods=["POST"])
+@blueprint.route("/api/create", methods=["POST"])
+@blueprint.route("/api/copy", methods=["POST"])
+@blueprint.route("/api/delete", methods=["DELETE", "POST"])
+async def manage() -> Any:
+    raise NotImplementedHere(
+        "mlxd does not pull, push, create, copy or delete models: models are declared in "
+        "mlxd's YAML config file (models: ...); edit it and mlxd reloads it"
+    )

@@ -1,0 +1,424 @@
+"""Applies `plan()` to the running engines. The only writer of the route table.
+
+Loads run in background tasks while the API keeps serving; when one is ready the route table
+is replaced whole (atomically: readers hold either the old table or the new one). Replaced and
+removed engines drain — they close once idle or after `server.drain_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import cast
+
+from mlxd.config import ModelConfig, ServerConfig
+from mlxd.control.model_runtime import ModelRuntime
+from mlxd.control.plan import (
+    ENGINE_FIELDS,
+    Action,
+    Load,
+    Park,
+    Rename,
+    Resident,
+    Resize,
+    Restart,
+    Retarget,
+    Swap,
+    Unload,
+    describe,
+    evictions,
+    plan,
+)
+from mlxd.control.routes import ModelEntry, RouteTable
+from mlxd.errors import MlxdError, Unavailable
+from mlxd.runtime.engine import Engine, EngineStarter
+from mlxd.runtime.shared_pool import AdapterHost, EnginePool, SharedView
+from mlxd.runtime.worker_proxy import WorkerEngine
+
+log = logging.getLogger("mlxd.reconcile")
+
+DRAIN_POLL_S = 0.05
+
+
+class Reconciler:
+    def __init__(
+        self,
+        server: ServerConfig,
+        on_routes: Callable[[RouteTable], None],
+        start_inline: EngineStarter | None = None,
+    ):
+        self.server = server
+        # `workers: inline` loads models into this process; the caller that may import MLX
+        # hands in how (the daemon side never imports the worker side).
+        self.start_inline = start_inline
+        self.desired: Mapping[str, ModelConfig] = {}
+        self.models: dict[str, ModelRuntime] = {}
+        self._publish_to = on_routes
+        self._retiring: set[asyncio.Task] = set()
+        # Removed models whose engines still drain: shown in status, no longer routable.
+        self.removed: list[ModelRuntime] = []
+        self.loads: Counter[tuple[str, str]] = Counter()  # (model, "ok" | "failed")
+        self.pool = EnginePool()  # engines shared by a base model and its adapters
+
+    # -- reconcile ---------------------------------------------------------------------
+
+    def apply(self, desired: Mapping[str, ModelConfig], server: ServerConfig) -> list[Action]:
+        """Start converging on a new config; returns the actions taken (loads continue after).
+        Failed models are retried at once: the change may have fixed them."""
+        self.desired, self.server = desired, server
+        for runtime in self.models.values():
+            if runtime.engine is None and runtime.error is not None:
+                runtime.retry_at = 0.0
+        return self.tick()
+
+    def tick(self) -> list[Action]:
+        """Converge on the current config again: also what turns deaths, idleness and ended
+        backoffs into actions (the daemon calls this every second)."""
+        now = time.monotonic()
+        self._count_deaths(now)
+        actual = {name: runtime.observed(now) for name, runtime in self.models.items()}
+        actions = plan(self.desired, actual)
+        for action in actions:
+            log.info("reconcile: %s", describe(action))
+            self._apply(action)
+        self._publish()
+        return actions
+
+    def _count_deaths(self, now: float) -> None:
+        for runtime in self.models.values():
+            engine = runtime.engine
+            failure = engine.failure if engine is not None else None
+            if failure is None or runtime.death_seen is engine:
+                continue
+            runtime.death_seen = engine
+            runtime.restarting = True
+            runtime.record_failure(failure, now)
+            log.error(
+                "model '%s': %s; restarting it in %.0fs (failure %d in a row)",
+                runtime.name,
+                failure,
+                runtime.retry_at - now,
+                runtime.failures,
+            )
+
+    def _apply(self, action: Action) -> None:
+        if isinstance(action, Unload):
+            runtime = self.models.pop(action.name)
+            self._cancel_load(runtime)
+            if runtime.engine is not None:
+                self.removed.append(runtime)
+                self._retire(runtime, runtime.engine)
+                runtime.engine = None
+        elif isinstance(action, Rename):
+            runtime = self.models.pop(action.old)
+            runtime.name, runtime.config = action.new, action.config
+            if runtime.engine is not None:  # plan() moves loaded engines only
+                runtime.engine.name = action.new
+            self.models[action.new] = runtime
+        elif isinstance(action, Retarget):
+            self.models[action.name].config = action.config
+        elif isinstance(action, Park):
+            runtime = self.models[action.name]
+            log.info("model '%s' idle for %.0fs: unloading", action.name, runtime.idle_ttl)
+            self._park(runtime)
+        elif isinstance(action, Restart):
+            runtime = self.models[action.name]
+            runtime.config = action.config
+            runtime.restarts += 1
+            if runtime.engine is not None:
+                self._retire(runtime, runtime.engine)  # its requests have failed already
+            runtime.engine = None
+            self._start_load(runtime)
+        elif isinstance(action, Resize):
+            runtime = self.models[action.name]
+            runtime.config = action.config
+            if runtime.engine is not None and runtime.built is not None:  # plan(): loaded
+                runtime.built = runtime.built.model_copy(update={"cache": action.config.cache})
+                runtime.engine.resize_cache(action.config.cache)
+        elif isinstance(action, Swap):
+            runtime = self.models[action.name]
+            runtime.config = action.config
+            self._start_load(runtime)
+        elif isinstance(action, Load):
+            runtime = self.models.setdefault(action.name, ModelRuntime(action.name, action.config))
+            runtime.config, runtime.error = action.config, None
+            if action.config.load == "eager":
+                self._start_load(runtime)
+
+    # -- loading -----------------------------------------------------------------------
+
+    def _start_load(self, runtime: ModelRuntime) -> asyncio.Task:
+        self._cancel_load(runtime)
+        runtime.loading = asyncio.create_task(self._load(runtime, runtime.config))
+        return runtime.loading
+
+    def _cancel_load(self, runtime: ModelRuntime) -> None:
+        if runtime.loading is not None:
+            runtime.loading.cancel()
+            runtime.loading = None
+
+    async def _load(self, runtime: ModelRuntime, config: ModelConfig) -> None:
+        started = time.monotonic()
+        task = asyncio.current_task()
+        try:
+            engine = await self._build(runtime, config)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            message = exc.message if isinstance(exc, MlxdError) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, MlxdError):
+                log.exception("model '%s': unexpected load failure", runtime.name)
+            if runtime.loading is task:
+                self.loads[runtime.name, "failed"] += 1
+                runtime.loading = None
+                runtime.record_failure(message, time.monotonic())
+                kept = "; the previous engine keeps serving" if runtime.engine else ""
+                log.error(
+                    "model '%s' failed to load%s: %s (retry in %.0fs)",
+                    runtime.name,
+                    kept,
+                    message,
+                    runtime.retry_at - time.monotonic(),
+                )
+                self._publish()
+            return
+        if runtime.loading is not task or self.models.get(runtime.name) is not runtime:
+            await engine.close()  # superseded by a newer reconcile while loading
+            return
+        self.loads[runtime.name, "ok"] += 1
+        previous = runtime.engine
+        runtime.engine, runtime.built, runtime.error, runtime.loading = engine, config, None, None
+        runtime.restarting, runtime.up_since = False, time.monotonic()
+        self._publish()
+        log.info(
+            "model '%s' %s in %.1fs (%s, %.0f MB)",
+            runtime.name,
+            "swapped" if previous else "loaded",
+            time.monotonic() - started,
+            engine.stats().get("dtype"),
+            engine.memory_bytes / 1e6,
+        )
+        if previous is not None:
+            self._retire(runtime, previous)
+
+    async def _build(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
+        key = self._share_key(runtime.name, config)
+        if key is None:
+            return await self._start_engine(runtime, config)
+        base = config.model_copy(update={"adapter": None})
+
+        async def start() -> AdapterHost:
+            return cast(AdapterHost, await self._start_engine(runtime, base))
+
+        return await self.pool.view(runtime.name, config, key, start)
+
+    def _share_key(self, name: str, config: ModelConfig) -> str | None:
+        """The key of the engine `name` shares with the other declared models of its source and
+        engine settings, when one of them has another `adapter:` (None: its own engine)."""
+        key = _share_group(config)
+        if key is None:
+            return None
+        siblings = [m for n, m in self.desired.items() if n != name and _share_group(m) == key]
+        return key if any(m.adapter != config.adapter for m in siblings) else None
+
+    async def _start_engine(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
+        async def make_room(need: int) -> None:
+            await self._make_room(need, runtime)
+
+        if self.server.workers == "process":
+            return await WorkerEngine.start(runtime.name, config, lambda: self.server, make_room)
+        if self.start_inline is None:
+            raise Unavailable("this process cannot load models inline (server.workers: inline)")
+        return await self.start_inline(runtime.name, config, lambda: self.server, make_room)
+
+    async def _make_room(self, need: int, loading: ModelRuntime) -> None:
+        """Unload idle models, least recently used first, until `need` fits the budget."""
+        budget = self.server.memory_budget
+        if budget is None:
+            return
+        draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
+        # Models sharing an engine are evicted together: only the last one out frees it.
+        groups: dict[str, list[ModelRuntime]] = {}
+        for rt in self.models.values():
+            if rt is not loading and rt.engine is not None:
+                engine = rt.engine
+                key = f"engine {id(engine.base)}" if isinstance(engine, SharedView) else rt.name
+                groups.setdefault(key, []).append(rt)
+        residents = [
+            Resident(
+                key,
+                sum(rt.engine.memory_bytes for rt in rts if rt.engine),
+                max(rt.engine.last_used for rt in rts if rt.engine),
+                all(rt.engine.idle for rt in rts if rt.engine),
+            )
+            for key, rts in groups.items()
+        ]
+        victims = evictions(need + draining, budget, residents)
+        if victims is None:
+            in_use = draining + sum(r.memory_bytes for r in residents)
+            busy = ", ".join(rt.name for rt in self.models.values() if rt.engine) or "none"
+            raise Unavailable(
+                f"model '{loading.name}' needs {need / 2**30:.2f} GiB but server.memory_budget "
+                f"({budget / 2**30:.2f} GiB) has {max(budget - in_use, 0) / 2**30:.2f} GiB "
+                f"free; loaded and busy: {busy}"
+            )
+        for key in victims:
+            for rt in groups[key]:
+                log.info("memory budget: unloading idle model '%s' to make room", rt.name)
+            # Idle, so they close at once; the memory is back once their worker has exited.
+            await asyncio.gather(*(self._park(rt) for rt in groups[key]))
+
+    async def engine_for(self, name: str) -> Engine:
+        """The serving engine of model `name`, loading it first if it is lazy or still loading.
+
+        Concurrent callers share one load. A load superseded by a reconcile is followed to its
+        replacement; the whole wait is bounded by `server.load_timeout`.
+        """
+        runtime = self.models[name]
+        runtime.parked = False
+        deadline = time.monotonic() + self.server.load_timeout
+        while runtime.engine is None:
+            if self.models.get(name) is not runtime:
+                raise Unavailable(f"model '{name}' was removed from the config while loading")
+            wait = runtime.retry_at - time.monotonic()
+            if runtime.loading is None and runtime.error is not None and wait > 0:
+                raise Unavailable(
+                    f"model '{name}' failed ({runtime.error}); next try in {wait:.0f}s",
+                    headers={"Retry-After": str(max(int(wait), 1))},
+                )
+            loading = runtime.loading or self._start_load(runtime)
+            self._publish()
+            try:
+                await asyncio.wait_for(asyncio.shield(loading), deadline - time.monotonic())
+            except TimeoutError:
+                raise Unavailable(
+                    f"model '{name}' is still loading after {self.server.load_timeout:.0f}s "
+                    "(server.load_timeout); retry shortly",
+                    headers={"Retry-After": "5"},
+                ) from None
+            except asyncio.CancelledError:
+                if not loading.cancelled():
+                    raise  # it is this request that was cancelled
+                continue  # the load was superseded: wait for the new one
+            if runtime.engine is None and runtime.loading is None:
+                raise Unavailable(f"model '{name}' failed to load: {runtime.error}")
+        return runtime.engine
+
+    # -- on demand ---------------------------------------------------------------------
+
+    async def load_now(self, name: str) -> Engine:
+        """Load a declared model now (admin load); it stays loaded until unloaded again."""
+        return await self.engine_for(name)
+
+    async def unload_now(self, name: str) -> None:
+        """Unload a model now (admin unload, Ollama keep_alive 0) after its requests finish.
+        It stays declared: its next request loads it again."""
+        runtime = self.models[name]
+        self._cancel_load(runtime)
+        if runtime.engine is not None:
+            log.info("model '%s' unloaded on demand", name)
+        await self._park(runtime)
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> None:
+        """How long `name` stays loaded once idle, over its YAML idle_ttl (None: back to it)."""
+        self.models[name].keep_alive = seconds
+
+    # -- draining ----------------------------------------------------------------------
+
+    def _retire(self, runtime: ModelRuntime, engine: Engine) -> asyncio.Task:
+        runtime.draining.append(engine)
+        task = asyncio.create_task(self._drain(runtime, engine))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return task
+
+    async def _drain(self, runtime: ModelRuntime, engine: Engine) -> None:
+        deadline = time.monotonic() + self.server.drain_timeout
+        while not engine.idle and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if not engine.idle:
+            log.warning("model '%s': drain timeout; cutting in-flight requests", runtime.name)
+        await engine.close()
+        runtime.draining.remove(engine)
+        if not runtime.draining and runtime in self.removed:
+            self.removed.remove(runtime)
+
+    def _park(self, runtime: ModelRuntime) -> asyncio.Future:
+        """Close the model's engine once idle; it stays declared and routable (parked), and
+        its next request loads it again. Awaitable: done once the engine has closed."""
+        runtime.parked = True
+        engine, runtime.engine = runtime.engine, None
+        self._publish()
+        if engine is None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._retire(runtime, engine)
+
+    async def close(self) -> None:
+        for runtime in self.models.values():
+            self._cancel_load(runtime)
+            if runtime.engine is not None:
+                self._retire(runtime, runtime.engine)
+                runtime.engine = None
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    # -- routes ------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self._publish_to(
+            RouteTable(
+                {
+                    name: ModelEntry(name, rt.config, rt.state, engine=rt.engine, error=rt.error)
+                    for name, rt in self.models.items()
+                }
+            )
+        )
+
+    async def refresh_stats(self) -> None:
+        """Bring every serving engine's `stats()` up to date (workers are asked at once)."""
+        engines = [rt.engine for rt in self.models.values() if rt.engine is not None]
+        await asyncio.gather(*(engine.refresh_stats() for engine in engines))
+
+    def status(self) -> dict[str, dict]:
+        """Per model: state, aliases, error, draining engines and the serving engine's stats."""
+        rows = {}
+        now = time.monotonic()
+        for runtime in [*self.models.values(), *self.removed]:
+            removed = runtime in self.removed
+            engine = runtime.engine
+            rows[runtime.name] = {
+                "state": "draining" if removed else runtime.state,
+                "kind": runtime.config.kind,
+                "source": runtime.config.source,
+                "adapter": str(runtime.config.adapter) if runtime.config.adapter else None,
+                "load": runtime.config.load,
+                "aliases": [] if removed else list(runtime.config.aliases),
+                "error": runtime.error,
+                "draining": len(runtime.draining),
+                "restarts": runtime.restarts,
+                # Failures in a row (deaths, failed loads) and when the next try is due.
+                "failures": runtime.failures,
+                "next_retry_s": (
+                    round(max(runtime.retry_at - now, 0.0), 1) if runtime.error else None
+                ),
+                # idle_ttl in force (YAML or a client's keep_alive); null: never unloaded idle.
+                "idle_ttl_s": runtime.idle_ttl,
+                "idle_s": round(now - engine.last_used, 1) if engine and engine.idle else 0.0,
+                **(runtime.engine.stats() if runtime.engine is not None else {}),
+            }
+        return rows
+
+
+def _share_group(config: ModelConfig) -> str | None:
+    """What must match for models to share an engine: every engine field but `adapter`
+    (None: a kind or setup that never shares)."""
+    if config.kind != "llm" or config.distributed is not None:
+        return None
+    fields = set(ENGINE_FIELDS) - {"adapter"}
+    return json.dumps(config.model_dump(mode="json", include=fields), sort_keys=True)

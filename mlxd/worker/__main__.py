@@ -1,0 +1,3 @@
+from mlxd.worker.host import main
+
+main()

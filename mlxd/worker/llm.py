@@ -1,0 +1,424 @@
+"""A text LLM: mlx-lm weights behind a continuous-batching scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+from mlxd.cache import PrefixCache, open_prefix_cache
+from mlxd.cache.lease import PrefixLease
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig, SpeculativeConfig
+from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
+from mlxd.errors import InvalidRequest, ModelLoadError, Unavailable
+from mlxd.models.adapters import adapter_bytes
+from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, load_llm
+from mlxd.models.lora import MultiLoRA
+from mlxd.parsers.reasoning import prompt_opens_reasoning
+from mlxd.runtime.engine import EventStream
+from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
+from mlxd.worker.factory import resolve_draft
+from mlxd.worker.hooks import load_hooks
+from mlxd.worker.llm_core import LLMCore, MediaPrefill, Output, Sequence
+from mlxd.worker.loop import Core, ModelLoop
+from mlxd.worker.prompt import render_chat, template_supports_tools
+
+log = logging.getLogger("mlxd.engine")
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class Prepared:
+    """Everything a request needs from its model before it can queue, worked out once, off
+    the event loop: the prompt, its processors, its media prefill and its `Admission`."""
+
+    prompt_ids: list[int]
+    processors: list[GrammarProcessor]
+    admission: Admission
+    prefill: MediaPrefill | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Where a sequence's events go: a queue on the event loop that submitted it."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event]
+
+
+class LLMEngine:
+    kind = "llm"
+
+    def __init__(
+        self,
+        name: str,
+        config: ModelConfig,
+        loaded: LoadedModel,
+        prefix_cache: PrefixCache | None = None,
+        drive: Callable[[LLMEngine], Core[Sequence, Output]] | None = None,
+        draft: LoadedModel | None = None,
+    ):
+        """`drive` wraps the core the model thread drives (a distributed rank's step sync,
+        see worker/rank_cores.py); by default the thread drives the core itself. `draft`: the
+        speculative draft model (mode draft)."""
+        self.name = name
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.context_length = config.context_length or int(
+            loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
+        )
+        self.prefix_cache = prefix_cache
+        self.core = LLMCore(
+            name,
+            loaded.model,
+            loaded.tokenizer,
+            config.batch,
+            config.speculative,
+            draft.model if draft else None,
+        )
+        self.memory_bytes = loaded.nbytes + config.cache.ram + (draft.nbytes if draft else 0)
+        self.last_used = time.monotonic()
+        self._open = 0  # requests from submit() until their stream ends
+        self.chat_template: str | None = getattr(loaded.tokenizer, "chat_template", None)
+        self._constrainer_instance: Constrainer | None = None
+        self._constrainer_lock = threading.Lock()
+        self._hooks = load_hooks()  # none unless MLXD_WORKER_HOOKS names a module (tests)
+        self._adapter_slots: dict[str, int] = {}  # attached adapters by key (shared_pool.py)
+        self._lora_lock = threading.Lock()
+        # Last: the model thread starts here, and `drive` may use everything above.
+        driven = self.core if drive is None else drive(self)
+        self.loop = ModelLoop(name, driven, _deliver, config.batch.max_queue)
+
+    @classmethod
+    async def load(
+        cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
+    ) -> LLMEngine:
+        """Load weights from a resolved model directory (see models.sources.resolve_source);
+        the SSD KV tier lives under the server's cache_dir."""
+        loaded = await asyncio.to_thread(
+            load_llm, path, dtype=config.dtype, model_name=name, adapter=config.adapter
+        )
+        identity = _identity(config, loaded)
+        cache_dir = server().cache_dir
+        draft = None
+        if config.speculative and config.speculative.mode == "draft":
+            draft = await asyncio.to_thread(
+                _load_draft, name, config.speculative, loaded, cache_dir
+            )
+        prefix_cache = await asyncio.to_thread(
+            open_prefix_cache, loaded.model, identity, config.cache, cache_dir
+        )
+        return cls(name, config, loaded, prefix_cache, draft=draft)
+
+    @property
+    def idle(self) -> bool:
+        """No request between submit() and the end of its stream: the engine can be closed
+        without cutting anyone (counted from submit's first line, so a request that looked
+        this engine up just before a route flip is seen by the drain)."""
+        return self._open == 0
+
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        self._open += 1
+        self.last_used = time.monotonic()
+        try:
+            prepared = await asyncio.to_thread(self.prepare, request)
+            request = replace(request, max_tokens=self._admissible_max_tokens(request, prepared))
+            reply = Reply(asyncio.get_running_loop(), asyncio.Queue())
+            sequence = Sequence(request, prepared.prompt_ids, reply)
+            sequence.processors = prepared.processors
+            sequence.prefill = prepared.prefill
+            sequence.slot = self._slot(request)
+            # The prefix cache holds the base model's KV: an adapter's differs.
+            if self.prefix_cache is not None and prepared.prefill is None and not sequence.slot:
+                cache = self.prefix_cache
+                keys = await asyncio.to_thread(_prefetch, cache, prepared.prompt_ids)
+                sequence.lease = PrefixLease(cache, prepared.prompt_ids, keys)
+            self.loop.submit(sequence)
+        except BaseException:
+            self._ended()
+            raise
+        return EventStream(
+            reply.events, prepared.admission, lambda: self.loop.abort(sequence), self._ended
+        )
+
+    def _slot(self, request: GenerationRequest) -> int:
+        if request.adapter is None:
+            return 0
+        slot = self._adapter_slots.get(request.adapter)
+        if slot is None:  # detached while the request was on its way
+            raise Unavailable(f"model '{self.name}': adapter {request.adapter!r} is not attached")
+        return slot
+
+    async def attach_adapter(self, key: str, adapter: Path, model_name: str) -> None:
+        """Load a LoRA adapter beside the base weights; requests whose `adapter` is `key`
+        then run with it, in the same batches as everyone else (models/lora.py)."""
+
+        def attach() -> int:
+            with self._lora_lock:  # two views attaching at once make one MultiLoRA
+                if self.core.lora is None:
+                    dtype = FLOAT_DTYPES.get(self.loaded.dtype)  # None: kept as stored
+                    self.core.lora = MultiLoRA(self.loaded.model, dtype)
+            return self.core.lora.attach(adapter)
+
+        try:
+            slot = await asyncio.to_thread(attach)
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"model '{model_name}': adapter {adapter} does not fit the model: {exc}"
+            ) from exc
+        self._adapter_slots[key] = slot
+        size = adapter_bytes(adapter)
+        self.loaded = replace(self.loaded, nbytes=self.loaded.nbytes + size)
+        self.memory_bytes += size
+
+    async def detach_adapter(self, key: str) -> None:
+        """Stop routing to the adapter (its slot stays: slots never move under a batch)."""
+        self._adapter_slots.pop(key, None)
+
+    def _ended(self) -> None:
+        self._open -= 1
+        self.last_used = time.monotonic()
+
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """The prompt ids, the sequence's grammar processor, and what the API side needs to
+        know; blocking (templates, tokenizing, grammars can take a while)."""
+        prompt_ids = self.encode(request)
+        return Prepared(prompt_ids, self._processors(request), self._admission(request, prompt_ids))
+
+    def _admission(self, request: GenerationRequest, prompt_ids: list[int]) -> Admission:
+        forced = request.tool_choice not in (None, "auto")
+        return Admission(
+            prompt_tokens=len(prompt_ids),
+            # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
+            # template that cannot render tools (mlxd prompts those in Hermes style).
+            hermes_tools=bool(request.tools)
+            and (forced or not template_supports_tools(self.chat_template)),
+            reasoning_open=prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-4:])),
+        )
+
+    def _processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in request.sampling.logit_bias or {}):
+            # mlx indexes logits without bounds checks: a stray id corrupts memory.
+            message = f"logit_bias token ids must be in [0, {vocab})"
+            raise InvalidRequest(message, param="logit_bias")
+        try:
+            grammar = self._grammar(request)
+            processors = (
+                []
+                if grammar is None
+                else [make_processor(self._constrainer(), grammar, self.tokenizer.eos_token_ids)]
+            )
+        except ValueError as exc:  # llguidance's message for a bad schema or grammar
+            param = "tool_choice" if request.tools else "response_format"
+            raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
+        return processors + self._hooks.logits_processors(request)
+
+    def resize_cache(self, cache: CacheConfig) -> None:
+        """New cache budgets without reloading the weights (see registry.plan.Resize)."""
+        self.config = self.config.model_copy(update={"cache": cache})
+        self.memory_bytes = self.loaded.nbytes + cache.ram
+        if self.prefix_cache is not None:
+            self.prefix_cache.resize(cache)
+
+    def _grammar(self, request: GenerationRequest) -> str | None:
+        """One mechanism for structured output: forced tool calls and response_format."""
+        choice = request.tool_choice
+        if request.tools and (choice == "required" or isinstance(choice, dict)):
+            name = choice.get("name") if isinstance(choice, dict) else None
+            # Exactly one call: "required" is met by one, and small models given the
+            # option tend to repeat calls until max_tokens.
+            return self._constrainer().tool_call(request.tools, name)
+        response_format = request.response_format or {}
+        if response_format.get("type") == "json_object":
+            return self._constrainer().json_object()
+        if response_format.get("type") == "json_schema":
+            return self._constrainer().json_schema(response_format["schema"])
+        return None
+
+    def _constrainer(self) -> Constrainer:
+        # Built on first use (≈0.4 s): most models never see a structured-output request.
+        with self._constrainer_lock:
+            if self._constrainer_instance is None:
+                self._constrainer_instance = Constrainer(self.tokenizer)
+            return self._constrainer_instance
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model thread died, if it did (the reconciler then restarts the engine)."""
+        return self.loop.failure
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(await asyncio.to_thread(self.encode, request))
+
+    async def refresh_stats(self) -> None:
+        """In process, `stats()` is always current."""
+
+    async def embed(
+        self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
+    ) -> Embeddings:
+        raise InvalidRequest(
+            f"model '{self.name}' is of kind '{self.kind}'; /v1/embeddings needs a model of "
+            "kind 'embedding'",
+            param="model",
+        )
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
+        if request.messages is not None:
+            ids = render_chat(
+                self.tokenizer,
+                request.messages,
+                request.tools,
+                self.name,
+                template_kwargs=request.chat_template_kwargs,
+            )
+        elif isinstance(request.prompt, str):
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = list(request.prompt or [])
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        return ids
+
+    def _admissible_max_tokens(self, request: GenerationRequest, prepared: Prepared) -> int:
+        prompt_ids = prepared.prompt_ids
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise InvalidRequest(
+                f"prompt is {len(prompt_ids)} tokens; model '{self.name}' accepts at most "
+                f"{limit} (max_prompt_tokens)",
+                param="messages" if request.messages is not None else "prompt",
+            )
+        room = self.context_length - len(prompt_ids)
+        if room <= 0:
+            raise InvalidRequest(
+                f"prompt is {len(prompt_ids)} tokens; model '{self.name}' has a context of "
+                f"{self.context_length} tokens",
+                param="messages" if request.messages is not None else "prompt",
+            )
+        return min(request.max_tokens, room)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.core.stats
+        return {
+            "kind": self.kind,
+            "dtype": self.loaded.dtype,
+            "weights_bytes": self.loaded.nbytes,
+            "memory_bytes": self.memory_bytes,
+            "context_length": self.context_length,
+            "max_batch_size": self.config.batch.max_batch_size,
+            "running": self.core.running,
+            "waiting": self.loop.waiting,
+            "decode_steps": s.steps,
+            "multi_sequence_steps": s.multi_sequence_steps,
+            "max_batch_seen": s.max_batch_seen,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "finished": s.finished,
+            "cancelled": s.cancelled,
+            "failed": s.failed,
+            "cache": self.prefix_cache.stats() if self.prefix_cache else _NO_CACHE,
+            "speculative": self._speculative_stats(),
+        }
+
+    def _speculative_stats(self) -> dict[str, Any] | None:
+        speculator = self.core.speculator
+        if speculator is None:
+            return None
+        return {"mode": speculator.config.mode, **speculator.counters.as_dict()}
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.loop.close)
+        if self.prefix_cache is not None:
+            await asyncio.to_thread(self.prefix_cache.close)  # finishes queued SSD writes
+
+
+def _prefetch(cache: PrefixCache, prompt_ids: list[int]) -> list[str]:
+    """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
+    worker thread, so the model thread never waits for the disk."""
+    keys = cache.keys(prompt_ids)
+    cache.prefetch(prompt_ids, keys)
+    return keys
+
+
+def _deliver(outputs: list[Output]) -> None:
+    """On the model thread: one call per event loop for a whole step's events."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Output]] = {}
+    for sequence, event in outputs:
+        by_loop.setdefault(sequence.reply.loop, []).append((sequence, event))
+    for loop, items in by_loop.items():
+        # A closed loop (shutdown) raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[Output]) -> None:
+    for sequence, event in items:
+        sequence.reply.events.put_nowait(event)
+
+
+_NO_CACHE: dict[str, Any] = {
+    "hits": {"ram": 0, "ssd": 0},
+    "misses": 0,
+    "cached_tokens": 0,
+    "bytes": {"ram": 0, "ssd": 0},
+    "evictions": {"ram": 0, "ssd": 0},
+}
+
+
+def _load_draft(
+    name: str, speculative: SpeculativeConfig, target: LoadedModel, cache_dir: Path
+) -> LoadedModel:
+    """Speculative mode draft's model, checked to share the target's vocabulary and to have
+    caches that can be trimmed back after a rejected draft."""
+    weights = speculative.draft
+    if weights is None:  # a config built without its file's Registry
+        raise ModelLoadError(f"model '{name}': speculative.model was not resolved")
+    draft = load_llm(resolve_draft(weights, cache_dir), dtype=weights.dtype, model_name=name)
+    vocab, draft_vocab = target.config.get("vocab_size"), draft.config.get("vocab_size")
+    if vocab != draft_vocab:
+        raise ModelLoadError(
+            f"model '{name}': draft model '{weights.name}' has a vocabulary of {draft_vocab} "
+            f"tokens, this model {vocab}: a draft must share the tokenizer"
+        )
+    if not can_trim_prompt_cache(make_prompt_cache(draft.model)):
+        raise ModelLoadError(
+            f"model '{name}': draft model '{weights.name}' has caches that cannot be trimmed "
+            "(sliding-window attention); pick another draft"
+        )
+    return draft
+
+
+def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
+    """What makes this model's KV what it is: its source, weight files, compute dtype and
+    adapter (no key without one, so a base model's SSD blocks stay valid)."""
+    identity: dict[str, Any] = {
+        "source": config.source,
+        "path": str(loaded.path),
+        "weights": _file_stamps(loaded.path),
+        "dtype": loaded.dtype,
+        "model": loaded.config,
+    }
+    if config.adapter is not None:
+        identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}
+    return identity
+
+
+def _file_stamps(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.glob("*.safetensors")
+    )
