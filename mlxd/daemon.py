@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxd.config import Registry, load_config
+from mlxd.config import Config, load_config
 from mlxd.control.plan import Action, describe
 from mlxd.control.reconciler import Reconciler
 from mlxd.control.routes import RouteTable
@@ -32,20 +32,20 @@ class ConfigStatus:
 class Daemon:
     def __init__(
         self,
-        registry: Registry,
+        config: Config,
         config_path: Path | None = None,
         start_inline: EngineStarter | None = None,
     ):
-        self.registry = registry
+        self.config = config
         self.config_path = config_path
-        self.config = ConfigStatus()
+        self.config_status = ConfigStatus()
         self.routes = RouteTable()
         self.started_at = time.time()
         self.ready = False
         self.draining = False  # shutting down: new requests get 503
         self.reloads: Counter[str] = Counter()  # by outcome: applied | rejected
         self.last_actions: list[str] = []  # the last reconcile's actions, described (dashboard)
-        self.reconciler = Reconciler(registry.server, self._set_routes, start_inline)
+        self.reconciler = Reconciler(config.server, self._set_routes, start_inline)
         self._reload_lock = asyncio.Lock()
         self._ticker: asyncio.Task | None = None
 
@@ -54,7 +54,7 @@ class Daemon:
 
     async def start(self) -> None:
         """Reconcile the initial config and wait for its eager models (failures are kept)."""
-        self._apply(self.registry)
+        self._apply(self.config)
         self._ticker = asyncio.create_task(self._tick())
         loads = [rt.loading for rt in self.reconciler.models.values() if rt.loading]
         await asyncio.gather(*loads, return_exceptions=True)
@@ -67,31 +67,31 @@ class Daemon:
             raise ConfigError("the daemon was started without a config file: nothing to reload")
         async with self._reload_lock:
             try:
-                registry = await asyncio.to_thread(load_config, self.config_path)
+                config = await asyncio.to_thread(load_config, self.config_path)
             except ConfigError as exc:
                 self.reloads["rejected"] += 1
-                self.config.last_error = exc.message
+                self.config_status.last_error = exc.message
                 log.error(
                     "config rejected, still serving generation %d:\n%s",
-                    self.config.generation,
+                    self.config_status.generation,
                     exc.message,
                 )
                 raise
             for key in ("host", "port", "ollama_port", "cache_dir", "workers"):
-                if getattr(registry.server, key) != getattr(self.registry.server, key):
+                if getattr(config.server, key) != getattr(self.config.server, key):
                     log.warning("server.%s changed: takes effect after a restart", key)
             self.reloads["applied"] += 1
-            return self._apply(registry)
+            return self._apply(config)
 
-    def _apply(self, registry: Registry) -> list[Action]:
-        self.registry = registry
-        actions = self.reconciler.apply(registry.models, registry.server)
+    def _apply(self, config: Config) -> list[Action]:
+        self.config = config
+        actions = self.reconciler.apply(config.models, config.server)
         self.last_actions = [describe(action) for action in actions]
-        self.config.generation += 1
-        self.config.loaded_at = time.time()
-        self.config.last_error = None
+        self.config_status.generation += 1
+        self.config_status.loaded_at = time.time()
+        self.config_status.last_error = None
         if not actions:
-            log.info("reconcile: generation %d, nothing to change", self.config.generation)
+            log.info("reconcile: generation %d, nothing to change", self.config_status.generation)
         return actions
 
     async def engine(self, model_id: str) -> Engine:

@@ -38,7 +38,7 @@ LISTEN_BACKLOG = 2048
 def create_app(daemon: Daemon) -> App:
     app = App("mlxd")
     app.daemon = daemon
-    server = daemon.registry.server
+    server = daemon.config.server
     app.config.update(
         RESPONSE_TIMEOUT=None,  # generations are bounded by max_tokens, not wall time
         BODY_TIMEOUT=60,
@@ -116,7 +116,7 @@ async def serve(app: App, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see `shutdown`)."""
     config = HypercornConfig()
     # server.ollama_port: the same app also where Ollama clients look (11434 by convention).
-    ollama_port = app.daemon.registry.server.ollama_port
+    ollama_port = app.daemon.config.server.ollama_port
     ports = [port] + ([ollama_port] if ollama_port and ollama_port != port else [])
     config.bind = [f"[{host}]:{p}" if ":" in host else f"{host}:{p}" for p in ports]
     config.backlog = LISTEN_BACKLOG

@@ -143,14 +143,14 @@ def _check(args: argparse.Namespace) -> int:
     try:
         # Beyond the schema: a distributed model's rank count against its heads and layers,
         # each adapter directory's files.
-        registry = load_config(
+        config = load_config(
             args.file, extra_checks=lambda r: check_distributed(r) + check_adapters(r)
         )
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
         return 1
-    names = ", ".join(registry.models) or "none"
-    print(f"{args.file}: ok ({len(registry.models)} models: {names})")
+    names = ", ".join(config.models) or "none"
+    print(f"{args.file}: ok ({len(config.models)} models: {names})")
     return 0
 
 
@@ -265,17 +265,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     path = args.config or settings.config
     try:
-        registry = load_config(path)
+        config = load_config(path)
     except ConfigError as exc:
         log.error("invalid config:\n%s", exc.message)
         return 1
-    host = args.host or settings.host or registry.server.host
-    port = args.port or settings.port or registry.server.port
-    log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(registry.models))
+    host = args.host or settings.host or config.server.host
+    port = args.port or settings.port or config.server.port
+    log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(config.models))
     log.info("listening on http://%s:%d", host, port)
-    log_access(registry, host)
+    log_access(config, host)
     try:
-        asyncio.run(serve(create_app(Daemon(registry, Path(path), _start_inline)), host, port))
+        asyncio.run(serve(create_app(Daemon(config, Path(path), _start_inline)), host, port))
     except Exception:  # e.g. the port is taken: same exit path, so no native abort either
         log.exception("mlxd stopped on an error")
         exit_process(1)

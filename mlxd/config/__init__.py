@@ -1,8 +1,8 @@
-"""The YAML config: `load_config(path)` → a validated, immutable `Registry`."""
+"""The YAML config: `load_config(path)` → a validated, immutable `Config`."""
 
 from mlxd.config.loader import load_config, parse_config
 from mlxd.config.model import ModelConfig
-from mlxd.config.schema import Registry
+from mlxd.config.schema import Config
 from mlxd.config.sections import (
     BatchConfig,
     CacheConfig,
@@ -17,11 +17,11 @@ from mlxd.config.server import ServerConfig
 __all__ = [
     "BatchConfig",
     "CacheConfig",
+    "Config",
     "DistributedConfig",
     "DraftWeights",
     "ModelConfig",
     "ParsersConfig",
-    "Registry",
     "SamplingDefaults",
     "ServerConfig",
     "SpeculativeConfig",

@@ -1,4 +1,4 @@
-"""YAML text → validated `Registry`, with `${ENV}` interpolation and `FILE:LINE: key.path:` errors.
+"""YAML text → validated `Config`, with `${ENV}` interpolation and `FILE:LINE: key.path:` errors.
 
 PyYAML's plain `safe_load` forgets where things came from, so the file is composed into a node
 tree and converted by hand, recording the line of every key and list item. Pydantic's error
@@ -20,11 +20,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from mlxd.config.schema import Registry
+from mlxd.config.schema import Config
 from mlxd.errors import ConfigError
 
 Loc = tuple[str | int, ...]
-ExtraCheck = Callable[[Registry], list[tuple[Loc, str]]]
+ExtraCheck = Callable[[Config], list[tuple[Loc, str]]]
 """Checks beyond the schema (e.g. against the model's own files) for `mlxd check`: each
 problem is the YAML location it is about and a message."""
 
@@ -68,7 +68,7 @@ class _InterpolationError(Exception):
     pass
 
 
-def load_config(path: str | Path, extra_checks: ExtraCheck | None = None) -> Registry:
+def load_config(path: str | Path, extra_checks: ExtraCheck | None = None) -> Config:
     """Read and validate a config file. Raises ConfigError with every problem found."""
     path = Path(path).expanduser()
     try:
@@ -85,7 +85,7 @@ def parse_config(
     filename: str = "<string>",
     env: Mapping[str, str] | None = None,
     extra_checks: ExtraCheck | None = None,
-) -> Registry:
+) -> Config:
     """Validate config text. Relative model sources are anchored to `filename`'s directory
     (the current directory for a pseudo-name such as `<string>`). `extra_checks` runs on a
     registry that passed the schema; its problems are reported with their lines too."""
@@ -109,7 +109,7 @@ def parse_config(
     problems = list(reader.problems)
     base_dir = Path.cwd() if filename.startswith("<") else Path(filename).parent.absolute()
     try:
-        registry = Registry.model_validate(data, context={"base_dir": base_dir})
+        config = Config.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
         for error in exc.errors(include_url=False):
             problem = _from_pydantic(error, reader.lines)
@@ -117,13 +117,13 @@ def parse_config(
             if problem.path not in reader.failed:
                 problems.append(problem)
     else:
-        for loc, message in extra_checks(registry) if extra_checks and not problems else ():
+        for loc, message in extra_checks(config) if extra_checks and not problems else ():
             problems.append(_Problem(_line_of(loc, reader.lines), loc, message))
     if problems:
         unique = dict.fromkeys(problems)  # dedupe, keeping pydantic's order within a line
         ordered = sorted(unique, key=lambda problem: problem.line)
         raise ConfigError("\n".join(problem.render(filename) for problem in ordered))
-    return registry
+    return config
 
 
 class _TreeReader:
@@ -260,7 +260,7 @@ def _suggestion(path: Loc) -> str:
 
 def _field_names(section: Loc) -> list[str]:
     """Field names of the config model at `section`, found by walking the schema's types."""
-    model: type[BaseModel] = Registry
+    model: type[BaseModel] = Config
     parts = list(section)
     while parts:
         field = model.model_fields.get(str(parts.pop(0)))

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from mlxd.config.model import ModelConfig
-from mlxd.config.schema import Registry
+from mlxd.config.schema import Config
 from mlxd.config.server import ServerConfig
 from mlxd.config.units import parse_byte_size, parse_duration
 
@@ -35,7 +35,7 @@ durations `30`, `500ms`, `30s`, `30m`, `2h` or `1h30m`. Validate a file with `ml
 def render() -> str:
     parts = [HEADER]
     parts += _section("server", ServerConfig, "Process-wide settings.")
-    parts += _section("models.<name>", ModelConfig, Registry.model_fields["models"].description)
+    parts += _section("models.<name>", ModelConfig, Config.model_fields["models"].description)
     parts += _environment()
     return "\n".join(parts)
 

@@ -14,7 +14,7 @@ from mlxd.config.sections import DraftWeights
 from mlxd.config.server import ServerConfig
 
 
-class Registry(Section):
+class Config(Section):
     """A whole config file: the server section and every model, keyed by name."""
 
     server: ServerConfig = Field(default_factory=ServerConfig, description="Server settings.")
@@ -30,7 +30,7 @@ class Registry(Section):
         return {} if value is None else value
 
     @model_validator(mode="after")
-    def _build_routes(self) -> Registry:
+    def _build_routes(self) -> Config:
         routes = {name: name for name in self.models}
         errors: list[InitErrorDetails] = []
         for name, model in self.models.items():
@@ -59,7 +59,7 @@ class Registry(Section):
         return self
 
     @model_validator(mode="after")
-    def _resolve_drafts(self) -> Registry:
+    def _resolve_drafts(self) -> Config:
         errors: list[InitErrorDetails] = []
         for name, model in self.models.items():
             speculative = model.speculative
@@ -80,7 +80,7 @@ class Registry(Section):
                     )
                 )
                 continue
-            # On copies: the configs may be the caller's (and shared with another Registry).
+            # On copies: the configs may be the caller's (and shared with another Config).
             speculative = speculative.model_copy()
             speculative._draft = DraftWeights(draft_name, draft.source, draft.dtype)
             self.models[name] = model.model_copy(update={"speculative": speculative})

@@ -80,7 +80,7 @@ class SpeculativeConfig(Section):
         "drafts is nearly free while a step is memory-bound (small batches) and costs compute "
         "once it is not.",
     )
-    # mode draft: the draft's weights, filled in by the Registry from the model `model` names
+    # mode draft: the draft's weights, filled in by the Config from the model `model` names
     # (so a change of the draft's source or dtype restarts this model).
     _draft: DraftWeights | None = PrivateAttr(None)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import DistributedConfig, ModelConfig, Registry
+from mlxd.config import Config, DistributedConfig, ModelConfig
 from mlxd.distributed.launch import is_local_host, rank0_host
 
 Loc = tuple[str | int, ...]
@@ -172,10 +172,10 @@ def _cached_hf_geometry(repo: str) -> ModelGeometry | None:
     return ModelGeometry.from_config(json.loads(Path(found).read_text()))
 
 
-def check_distributed(registry: Registry) -> list[tuple[Loc, str]]:
+def check_distributed(config: Config) -> list[tuple[Loc, str]]:
     """`mlxd check`'s model-aware checks of every `distributed:` block (loader.ExtraCheck)."""
     problems: list[tuple[Loc, str]] = []
-    for name, model in registry.models.items():
+    for name, model in config.models.items():
         block = model.distributed
         if block is None:
             continue
@@ -199,7 +199,7 @@ def check_distributed(registry: Registry) -> list[tuple[Loc, str]]:
                 )
             )
         try:
-            geometry = read_geometry(model, registry.server.cache_dir)
+            geometry = read_geometry(model, config.server.cache_dir)
         except Exception as exc:  # a missing file, a malformed config: say it, check the rest
             problems.append(((*here,), f"cannot read the model's geometry: {exc}"))
             continue

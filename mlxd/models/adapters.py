@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlxd.config import Registry
+from mlxd.config import Config
 from mlxd.config.loader import Loc
 
 CONFIG_FILE = "adapter_config.json"
@@ -40,10 +40,10 @@ def adapter_bytes(path: Path) -> int:
         return 0
 
 
-def check_adapters(registry: Registry) -> list[tuple[Loc, str]]:
+def check_adapters(config: Config) -> list[tuple[Loc, str]]:
     """`mlxd check`'s look at every model's `adapter:` directory (loader.ExtraCheck)."""
     problems: list[tuple[Loc, str]] = []
-    for name, model in registry.models.items():
+    for name, model in config.models.items():
         if model.adapter is not None and (problem := adapter_problem(model.adapter)):
             problems.append((("models", name, "adapter"), problem))
     return problems

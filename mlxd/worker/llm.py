@@ -225,7 +225,7 @@ class LLMEngine:
         return processors + self._hooks.logits_processors(request)
 
     def resize_cache(self, cache: CacheConfig) -> None:
-        """New cache budgets without reloading the weights (see registry.plan.Resize)."""
+        """New cache budgets without reloading the weights (see config.plan.Resize)."""
         self.config = self.config.model_copy(update={"cache": cache})
         self.memory_bytes = self.loaded.nbytes + cache.ram
         if self.prefix_cache is not None:
@@ -386,7 +386,7 @@ def _load_draft(
     """Speculative mode draft's model, checked to share the target's vocabulary and to have
     caches that can be trimmed back after a rejected draft."""
     weights = speculative.draft
-    if weights is None:  # a config built without its file's Registry
+    if weights is None:  # a config built without its file's Config
         raise ModelLoadError(f"model '{name}': speculative.model was not resolved")
     draft = load_llm(resolve_draft(weights, cache_dir), dtype=weights.dtype, model_name=name)
     vocab, draft_vocab = target.config.get("vocab_size"), draft.config.get("vocab_size")

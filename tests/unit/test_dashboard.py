@@ -10,7 +10,7 @@ from importlib.resources import files
 from mlxd.api.app import create_app
 from mlxd.api.ops.dashboard.history import History, RequestLog, Sample
 from mlxd.api.ops.metrics import Recent
-from mlxd.config import Registry, ServerConfig
+from mlxd.config import Config, ServerConfig
 from mlxd.daemon import Daemon
 
 STATIC = files("mlxd.api.ops.dashboard") / "static"
@@ -70,7 +70,7 @@ def request(daemon: Daemon, method: str, path: str, key: str | None = None):
 
 
 def test_page_static_and_state_without_keys():
-    daemon = Daemon(Registry())
+    daemon = Daemon(Config())
     status, content_type, body = request(daemon, "GET", "/")
     assert status == 200 and content_type.startswith("text/html") and b"<h1>mlxd</h1>" in body
     assert request(daemon, "HEAD", "/")[0] == 200  # clients probe / for liveness
@@ -83,7 +83,7 @@ def test_page_static_and_state_without_keys():
 
 
 def test_keys_guard_the_data_not_the_page():
-    daemon = Daemon(Registry(server=ServerConfig(api_keys=["secret"])))
+    daemon = Daemon(Config(server=ServerConfig(api_keys=["secret"])))
     assert request(daemon, "GET", "/")[0] == 200
     assert request(daemon, "GET", "/dashboard/static/style.css")[0] == 200
     assert request(daemon, "GET", "/dashboard/api/state")[0] == 401
@@ -91,7 +91,7 @@ def test_keys_guard_the_data_not_the_page():
 
 
 def test_dashboard_false_is_a_404():
-    daemon = Daemon(Registry(server=ServerConfig(dashboard=False)))
+    daemon = Daemon(Config(server=ServerConfig(dashboard=False)))
     assert request(daemon, "GET", "/")[0] == 404
     assert request(daemon, "GET", "/dashboard/api/state")[0] == 404
     assert request(daemon, "GET", "/health")[0] != 404
@@ -99,7 +99,7 @@ def test_dashboard_false_is_a_404():
 
 def test_access_lines_reach_the_request_log():
     async def go():
-        client = create_app(Daemon(Registry())).test_client()
+        client = create_app(Daemon(Config())).test_client()
         await client.get("/v1/models")
         await client.get("/dashboard/api/state")  # the page itself is not logged
         return (await (await client.get("/dashboard/api/state")).get_json())["requests"]
@@ -110,7 +110,7 @@ def test_access_lines_reach_the_request_log():
 
 
 def test_events_stream_the_state_and_end_when_the_daemon_drains():
-    daemon = Daemon(Registry())
+    daemon = Daemon(Config())
 
     async def go():
         client = create_app(daemon).test_client()

@@ -67,16 +67,16 @@ def errors(text: str, *, deep: bool = False) -> str:
 
 
 def test_loopback_block_parses_with_defaults(model_dir: Path):
-    registry = parse_config(config_text(model_dir, "hosts: [127.0.0.1, 127.0.0.1, 127.0.0.1]\n"))
-    block = registry.models["big"].distributed
+    config = parse_config(config_text(model_dir, "hosts: [127.0.0.1, 127.0.0.1, 127.0.0.1]\n"))
+    block = config.models["big"].distributed
     assert block is not None
     assert (block.backend, block.strategy, rank_count(block)) == ("ring", "tensor", 3)
     assert is_loopback(block)
 
 
 def test_models_without_the_block_stay_single_process(model_dir: Path):
-    registry = parse_config(f"models:\n  one:\n    source: {model_dir}\n")
-    assert registry.models["one"].distributed is None
+    config = parse_config(f"models:\n  one:\n    source: {model_dir}\n")
+    assert config.models["one"].distributed is None
 
 
 @pytest.mark.parametrize(
@@ -109,8 +109,8 @@ def test_hostfile_is_relative_to_the_config_file(tmp_path: Path, model_dir: Path
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps({"hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}] * 2}))
     text = config_text(model_dir, "hostfile: hosts.json\nstrategy: pipeline\n")
-    registry = parse_config(text, str(tmp_path / "m.yaml"), extra_checks=check_distributed)
-    block = registry.models["big"].distributed
+    config = parse_config(text, str(tmp_path / "m.yaml"), extra_checks=check_distributed)
+    block = config.models["big"].distributed
     assert block is not None and block.hostfile == hostfile
     assert rank_count(block) == 2
     assert write_hostfile(block, tmp_path / "unused") == hostfile  # used as the user wrote it

@@ -15,7 +15,7 @@ import mlxd
 PACKAGE = Path(mlxd.__file__).parent
 
 # Lowest first. A module may import from its own layer and the ones below it.
-# `parsers` sits at the bottom with `config`, which checks parser names against its registry.
+# `parsers` sits at the bottom with `config`, which checks parser names against its config.
 LAYERS: list[set[str]] = [
     {
         "types",

@@ -11,7 +11,7 @@ from mlxd.api.app import create_app
 from mlxd.api.ops.metrics import Recent
 from mlxd.api.ops.openapi import document
 from mlxd.cli.main import _ps_row
-from mlxd.config import Registry
+from mlxd.config import Config
 from mlxd.daemon import Daemon
 from mlxd.logs import JsonFormatter
 
@@ -21,7 +21,7 @@ def test_openapi_document_is_valid():
 
 
 def test_openapi_lists_every_route_of_the_app():
-    app = create_app(Daemon(Registry()))
+    app = create_app(Daemon(Config()))
     served = {
         (method.lower(), rule.rule.replace("<path:", "{").replace("<", "{").replace(">", "}"))
         for rule in app.url_map.iter_rules()

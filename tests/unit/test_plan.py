@@ -11,10 +11,10 @@ import pytest
 from mlxd.config import (
     BatchConfig,
     CacheConfig,
+    Config,
     DistributedConfig,
     ModelConfig,
     ParsersConfig,
-    Registry,
     SamplingDefaults,
     SpeculativeConfig,
 )
@@ -271,15 +271,15 @@ def test_every_kind_at_once_in_order() -> None:
 
 
 def test_plan_accepts_a_registry_s_models() -> None:
-    registry = Registry(models={"m": cfg()})
-    assert plan(registry.models, {"m": loaded(cfg())}) == []
+    config = Config(models={"m": cfg()})
+    assert plan(config.models, {"m": loaded(cfg())}) == []
 
 
 def test_a_new_draft_source_swaps_the_model_it_drafts_for() -> None:
     drafting = SpeculativeConfig(mode="draft", model="small")
 
     def models(draft: str) -> Mapping[str, ModelConfig]:
-        return Registry(models={"small": cfg(draft), "big": cfg(speculative=drafting)}).models
+        return Config(models={"small": cfg(draft), "big": cfg(speculative=drafting)}).models
 
     actual = {name: loaded(config) for name, config in models("small").items()}
     assert plan(models("small"), actual) == []

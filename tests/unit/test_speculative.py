@@ -201,13 +201,13 @@ def test_a_draft_with_another_vocabulary_is_refused_at_load(smol, tmp_path: Path
         shutil.copy(smol.path / name, tmp_path / name)
     args = {key: value for key, value in vars(model.args).items() if value is not None}
     (tmp_path / "config.json").write_text(json.dumps(args))
-    registry = parse_config(
+    config = parse_config(
         f"models:\n  small: {{source: {tmp_path}}}\n  smol:\n    source: {smol.path}\n"
         "    speculative: {mode: draft, model: small}\n",
         filename="models.yaml",
         env={},
     )
-    speculative = registry.models["smol"].speculative
+    speculative = config.models["smol"].speculative
     assert speculative is not None
     with pytest.raises(
         ModelLoadError, match="'small' has a vocabulary of 64 tokens, this model 49152"

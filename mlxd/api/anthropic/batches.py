@@ -109,7 +109,7 @@ def _get(batch_id: str) -> StoredBatch:
 async def resume() -> None:
     """Load every batch from disk; run what a previous daemon left unfinished."""
     app: Any = current_app._get_current_object()  # type: ignore[attr-defined]
-    batches = Batches(BatchStore(app.daemon.registry.server.cache_dir / "message-batches"))
+    batches = Batches(BatchStore(app.daemon.config.server.cache_dir / "message-batches"))
     app.extensions["message_batches"] = batches
     for batch in batches.all.values():
         if batch.status == "in_progress":

@@ -192,7 +192,7 @@ async def start(
     `server.request_timeout`, queueing included; batch work (priority < 0) waits behind them
     by design and is not. Deltas come in runs of the model's (or server's) stream_interval
     tokens; a reader that falls server.stream_backlog events behind is cut off."""
-    server = current_app.daemon.registry.server
+    server = current_app.daemon.config.server
     timeout = server.request_timeout
     deadline = asyncio.get_running_loop().time() + timeout
     # What can refuse the request without the engine runs before it holds a slot there.

@@ -19,7 +19,7 @@ from quart import Quart, g, request
 from werkzeug.datastructures import Headers
 
 from mlxd.api.common.context import current_app
-from mlxd.config import ModelConfig, Registry
+from mlxd.config import Config, ModelConfig
 from mlxd.errors import Forbidden, NotFound, Unauthorized
 
 log = logging.getLogger("mlxd.auth")
@@ -94,7 +94,7 @@ def install(app: Quart) -> None:
             return
         daemon = current_app.daemon
         models = {name: entry.config for name, entry in daemon.routes.models.items()}
-        who = identify(daemon.registry.server.api_keys, models, presented_key(request.headers))
+        who = identify(daemon.config.server.api_keys, models, presented_key(request.headers))
         g.caller = who
         if request.path.startswith(ADMIN_PREFIXES) and not who.admin:
             raise Forbidden("this endpoint needs a server key (server.api_keys)")
@@ -145,10 +145,10 @@ def _check_model(who: Caller, model_id: str) -> None:
         raise Forbidden(f"this API key may not use model '{model_id}'", param="model")
 
 
-def log_access(registry: Registry, host: str) -> None:
+def log_access(config: Config, host: str) -> None:
     """Say at startup whether the daemon is open, and shout if it is open beyond this host."""
-    server_keys = len(registry.server.api_keys)
-    keyed = [name for name, model in registry.models.items() if model.api_keys]
+    server_keys = len(config.server.api_keys)
+    keyed = [name for name, model in config.models.items() if model.api_keys]
     if server_keys or keyed:
         log.info(
             "API keys required: %d server key(s); models with their own keys: %s",

@@ -76,7 +76,7 @@ class Shutdown:
             logging.shutdown()
             os._exit(128 + signum)
         self.daemon.draining = True
-        timeout = self.daemon.registry.server.drain_timeout
+        timeout = self.daemon.config.server.drain_timeout
         log.info(
             "%s: no new requests; draining %d in flight (up to %gs, server.drain_timeout)",
             name,

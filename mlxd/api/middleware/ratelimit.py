@@ -165,8 +165,8 @@ async def _limits() -> dict[str, RateLimitConfig]:
     if not names:
         return {}
     limits = {}
-    if daemon.registry.server.rate_limit is not None:
-        limits["*"] = daemon.registry.server.rate_limit
+    if daemon.config.server.rate_limit is not None:
+        limits["*"] = daemon.config.server.rate_limit
     for name in names:
         entry = daemon.routes.models.get(name)
         if entry is not None and entry.config.rate_limit is not None:
@@ -178,7 +178,7 @@ def _client() -> str:
     """The API key the request presented, or the client's address when the daemon is open
     (any key passes then: counting by key would let a client pick a fresh one per request)."""
     daemon = current_app.daemon
-    keyed = daemon.registry.server.api_keys or any(
+    keyed = daemon.config.server.api_keys or any(
         entry.config.api_keys for entry in daemon.routes.models.values()
     )
     key = presented_key(request.headers)

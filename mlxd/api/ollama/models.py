@@ -78,7 +78,7 @@ def _model_row(name: str, entry: ModelEntry) -> dict[str, Any]:
     return {
         "name": tagged,
         "model": tagged,
-        "modified_at": iso_time(current_app.daemon.config.loaded_at or time.time()),
+        "modified_at": iso_time(current_app.daemon.config_status.loaded_at or time.time()),
         "size": getattr(engine, "memory_bytes", 0) if engine is not None else 0,
         "digest": hashlib.sha256(f"{name}\0{entry.config.source}".encode()).hexdigest(),
         "details": model_details(entry),
@@ -123,7 +123,7 @@ async def show() -> Any:
         "details": details,
         "model_info": info,
         "capabilities": capabilities,
-        "modified_at": iso_time(current_app.daemon.config.loaded_at or time.time()),
+        "modified_at": iso_time(current_app.daemon.config_status.loaded_at or time.time()),
     }
 
 

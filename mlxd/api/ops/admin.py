@@ -16,7 +16,7 @@ blueprint = Blueprint("admin", __name__)
 
 
 def _config_status() -> dict[str, Any]:
-    config = current_app.daemon.config
+    config = current_app.daemon.config_status
     return {
         "generation": config.generation,
         "loaded_at": config.loaded_at,
@@ -34,7 +34,10 @@ async def health() -> Any:
         status, code = "draining", 503
     elif not daemon.ready:
         status, code = "starting", 503
-    elif any(s in ("failed", "restarting") for s in states.values()) or daemon.config.last_error:
+    elif (
+        any(s in ("failed", "restarting") for s in states.values())
+        or daemon.config_status.last_error
+    ):
         status, code = "degraded", 200
     else:
         status, code = "ok", 200

@@ -158,7 +158,7 @@ class EngineCollector:
         generation = GaugeMetricFamily(
             "mlxd_config_generation", "How many times the config was applied."
         )
-        generation.add_metric([], daemon.config.generation)
+        generation.add_metric([], daemon.config_status.generation)
         info = GaugeMetricFamily("mlxd_backend_info", "Compute backend in use.", labels=["backend"])
         info.add_metric([accel.describe()], 1)
         reloads = CounterMetricFamily(

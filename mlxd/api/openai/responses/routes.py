@@ -47,7 +47,7 @@ Event = dict[str, Any]
 
 def _store() -> ResponseStore:
     """The store under the live config's cache_dir (a reload may move it or change the TTL)."""
-    server = current_app.daemon.registry.server
+    server = current_app.daemon.config.server
     folder = server.cache_dir / "responses"
     store = current_app.extensions.get("response_store")
     if store is None or store.folder != folder:

@@ -58,7 +58,7 @@ async def _sample(app: App, history: History) -> None:
     metrics: Metrics = app.extensions["mlxd_metrics"]
     while True:
         try:
-            if not app.daemon.registry.server.dashboard:  # off: nobody will look
+            if not app.daemon.config.server.dashboard:  # off: nobody will look
                 await asyncio.sleep(history.interval_s)
                 continue
             async with app.app_context():
@@ -74,7 +74,7 @@ async def _sample(app: App, history: History) -> None:
 
 @blueprint.before_request
 async def enabled() -> None:
-    if not current_app.daemon.registry.server.dashboard:
+    if not current_app.daemon.config.server.dashboard:
         raise NotFound(f"no route for {request.method} {request.path} (server.dashboard: false)")
 
 
@@ -105,7 +105,7 @@ async def _state(model: str | None) -> dict[str, Any]:
     history, requests = current_app.extensions["mlxd_dashboard"]
     status = await admin.status()
     status["config"]["last_actions"] = daemon.last_actions
-    status["memory_budget"] = daemon.registry.server.memory_budget
+    status["memory_budget"] = daemon.config.server.memory_budget
     return {
         "status": status,
         "history": {"interval_s": history.interval_s, "models": history.series(time.time())},
@@ -130,7 +130,7 @@ async def events() -> Any:
         # Changes when a model changes state (every change publishes a new route table) or a
         # config is applied or rejected: sent at once rather than at the next tick. The table
         # itself is held, so `is` cannot be fooled by a reused id.
-        config = daemon.config
+        config = daemon.config_status
         return (daemon.routes, config.generation, config.last_error)
 
     def changed(sent: tuple[Any, ...]) -> bool:
