@@ -1,6 +1,23 @@
+import os
 from pathlib import Path
 
 import pytest
+
+# Under CI a skipped test is a failed one: a missing browser, weights or library must not
+# pass quietly. A test that does not apply to the machine says so with this prefix.
+NOT_APPLICABLE = "not applicable here:"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") != "true" or not report.skipped:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not reason.removeprefix("Skipped: ").startswith(NOT_APPLICABLE):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, which must run every test: {reason}"
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,6 @@ from mlx_lm.utils import load_tokenizer
 from mlxd.constrain import Constrainer, make_processor
 from mlxd.models.loader import LoadedModel, load_llm
 
-SMOLLM2 = Path.home() / ".cache/mlxd/gguf/b179c9523d0e6a0f"
-pytestmark = pytest.mark.skipif(not SMOLLM2.is_dir(), reason="converted SmolLM2 not in the cache")
 
 WEATHER = {
     "type": "function",
@@ -56,13 +54,14 @@ TOOL_CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>", re.DOTALL)
 
 
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_llm(SMOLLM2, model_name="t")
+def loaded(smol: LoadedModel) -> LoadedModel:
+    """The session's SmolLM2 (tests/unit/conftest.py)."""
+    return smol
 
 
 @pytest.fixture(scope="module")
-def constrainer() -> Constrainer:
-    return Constrainer(load_tokenizer(SMOLLM2))
+def constrainer(smol: LoadedModel) -> Constrainer:
+    return Constrainer(load_tokenizer(smol.path))
 
 
 def chat(loaded: LoadedModel, text: str) -> list[int]:
@@ -242,10 +241,10 @@ def test_tool_parameters_with_refs(constrainer):
     assert not matcher_accepts(constrainer, grammar, call % "Rome")
 
 
-def test_tool_call_tag_that_is_a_special_token():
+def test_tool_call_tag_that_is_a_special_token(smol: LoadedModel):
     # Hermes-style models often have <tool_call> as a special token: the grammar must allow
     # that token, since special tokens never match quoted text.
-    tokenizer = load_tokenizer(SMOLLM2)._tokenizer
+    tokenizer = load_tokenizer(smol.path)._tokenizer
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     constrainer = Constrainer(tokenizer)
     grammar = constrainer.tool_call([WEATHER])

@@ -153,11 +153,7 @@ def test_corrupt_header(tmp_path, content):
         estimate_weight_bytes(tmp_path, "keep")
 
 
-SMOLLM2 = Path.home() / ".cache/mlxd/gguf/b179c9523d0e6a0f"
-
-
-@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="converted SmolLM2 not in the cache")
-def test_real_smollm2_matches_loaded_sizes():
+def test_real_smollm2_matches_loaded_sizes(smol):
     # Sizes load_llm measured: float32 dequantized, and the stored q4/q8 weights.
-    assert estimate_weight_bytes(SMOLLM2, "float32") == pytest.approx(538_060_032, rel=0.01)
-    assert estimate_weight_bytes(SMOLLM2, "keep") == pytest.approx(98_346_240, rel=0.01)
+    assert estimate_weight_bytes(smol.path, "float32") == pytest.approx(538_060_032, rel=0.01)
+    assert estimate_weight_bytes(smol.path, "keep") == pytest.approx(98_346_240, rel=0.01)
