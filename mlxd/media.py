@@ -21,13 +21,16 @@ from urllib.parse import unquote, urlparse
 
 from mlxd.config import ServerConfig
 from mlxd.errors import InvalidRequest
+from mlxd.types import IMAGE_TYPES, OverLimit
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-IMAGE_TYPES = ("image_url", "image")
-# Decoded size cap: a small PNG can expand to gigabytes of pixels (decompression bombs).
+# Decoded size cap for all of a request's images together, read from their headers before any
+# is decoded: a 10 KB PNG can expand to hundreds of MB of RGB (decompression bombs).
 MAX_PIXELS = 64 * 1024 * 1024
+# The formats mlxd decodes; PIL would otherwise try every plugin it has on untrusted bytes.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 FETCH_CHUNK = 64 * 1024
 
 
@@ -64,8 +67,16 @@ def has_images(messages: list[dict[str, Any]] | None) -> bool:
 
 
 def load_images(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[Image]:
-    """The decoded (RGB) images of `messages`; any problem is a 400 naming the part."""
-    return [load_image(_url(part, param), policy, param) for part, param in image_parts(messages)]
+    """The decoded (RGB) images of `messages`; any problem is a 400 naming the part. Their
+    sizes are read from the headers first: nothing is decoded unless all of them fit."""
+    encoded = [
+        (load_bytes(_url(part, param), policy, param), param)
+        for part, param in image_parts(messages)
+    ]
+    pixels = sum(_pixels(data, param) for data, param in encoded)
+    if pixels > MAX_PIXELS:
+        raise OverLimit("images", f"{pixels} pixels in all; at most {MAX_PIXELS} are accepted")
+    return [decode_image(data, param) for data, param in encoded]
 
 
 def _url(part: dict[str, Any], param: str) -> str:
@@ -76,7 +87,8 @@ def _url(part: dict[str, Any], param: str) -> str:
     return url
 
 
-def load_image(url: str, policy: MediaPolicy, param: str) -> Image:
+def load_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
+    """The encoded image `url` names, within the policy."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
         data = _data_url(url, policy, param)
@@ -89,19 +101,30 @@ def load_image(url: str, policy: MediaPolicy, param: str) -> Image:
             f"{param}: images must be data:, http(s):, file:// URLs or absolute paths",
             param=param,
         )
-    return decode_image(data, param)
+    return data
+
+
+def _pixels(data: bytes, param: str) -> int:
+    """The image's width × height from its header (PIL opens lazily: nothing is decoded)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            return image.width * image.height
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequest(f"{param}: cannot decode the image: {exc}", param=param) from exc
 
 
 def decode_image(data: bytes, param: str) -> Image:
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             if image.width * image.height > MAX_PIXELS:
-                raise InvalidRequest(
-                    f"{param}: image is {image.width}x{image.height} pixels; at most "
-                    f"{MAX_PIXELS} pixels are accepted",
-                    param=param,
+                raise OverLimit(
+                    "images",
+                    f"{param} is {image.width}x{image.height} pixels; at most {MAX_PIXELS} "
+                    "are accepted",
                 )
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as exc:

@@ -57,6 +57,18 @@ class ServerConfig(Section):
         description="Keys accepted for every model (Bearer or x-api-key). Empty means open; "
         "entries that interpolate to an empty string are dropped.",
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names (the `Host` header, port aside) the daemon answers besides "
+        "localhost, IP addresses and `host`, e.g. `mlxd.home.arpa`; `*` answers any. Applies "
+        "only while no API key is set: it stops DNS-rebinding pages from reading an open daemon.",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins (`scheme://host[:port]`) that may call the API from their "
+        "pages (CORS, preflight included), e.g. Open WebUI's. Other cross-origin browser "
+        "requests are refused. `*` (any origin) needs API keys to be set.",
+    )
     cache_dir: Path = Field(
         Path("~/.cache/mlxd"),
         validate_default=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxd.api.anthropic.batch_store import BatchStore, StoredBatch
-from mlxd.api.openai.responses.store import owner_of
+from mlxd.api.middleware.auth import owner_of
 
 PARAMS = {"model": "smol", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 

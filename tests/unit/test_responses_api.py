@@ -16,10 +16,11 @@ import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
+from mlxd.api.middleware.auth import owner_of
 from mlxd.api.openai.responses.input import input_items, messages
 from mlxd.api.openai.responses.protocol import ResponseCreateRequest
 from mlxd.api.openai.responses.routes import initial_response, response_events
-from mlxd.api.openai.responses.store import ResponseStore, owner_of
+from mlxd.api.openai.responses.store import ResponseStore
 from mlxd.errors import InvalidRequest, NotFound
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.types import Finished, GenerationRequest

@@ -20,13 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from quart import Blueprint, Response, request
 
 from mlxd.api.anthropic.batch_store import BatchStore, StoredBatch
+from mlxd.api.anthropic.errors import anthropic_error
 from mlxd.api.anthropic.messages import create_message
 from mlxd.api.anthropic.protocol import MessagesRequest
 from mlxd.api.common.context import current_app
-from mlxd.api.common.error_shapes import anthropic_error, from_validation_error
+from mlxd.api.common.error_shapes import from_validation_error
 from mlxd.api.common.generation import new_id, parse_body
-from mlxd.api.middleware.auth import presented_key
-from mlxd.api.openai.responses.store import owner_of
+from mlxd.api.middleware import auth
+from mlxd.api.middleware.auth import owner_of, presented_key
 from mlxd.errors import InvalidRequest, MlxdError, NotFound
 
 log = logging.getLogger("mlxd.batches")
@@ -146,6 +147,8 @@ async def create() -> Any:
         params = _validated(item.params, index)
         if params.stream:
             raise InvalidRequest(f"requests.{index}.params: stream is not allowed in a batch")
+        # Runs later, out of this request: the key's access to the model is checked now.
+        current_app.daemon.routes.entry(params.model, auth.caller())
         requests.append((item.custom_id, item.params))
     batch = StoredBatch(new_id("msgbatch_"), _caller(), requests)
     batches = _batches()

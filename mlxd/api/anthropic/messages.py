@@ -18,12 +18,13 @@ from typing import Any
 from pydantic import ValidationError
 from quart import Blueprint, request
 
+from mlxd.api.anthropic.errors import anthropic_error
 from mlxd.api.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     prompt_fields,
 )
-from mlxd.api.common.error_shapes import anthropic_error, from_validation_error
+from mlxd.api.common.error_shapes import from_validation_error
 from mlxd.api.common.generation import (
     event_stream,
     generation_engine,

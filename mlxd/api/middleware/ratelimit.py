@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from quart import Quart, Response, g, request
 
 from mlxd.api.common.context import current_app
-from mlxd.api.middleware.auth import OPEN_PATHS, _requested_models, presented_key
+from mlxd.api.common.dialect import requested_models
+from mlxd.api.middleware.auth import OPEN_PATHS, presented_key
 from mlxd.config.server import RateLimitConfig
 from mlxd.errors import Overloaded
 
@@ -160,7 +161,7 @@ def install(app: Quart) -> None:
 async def _limits() -> dict[str, RateLimitConfig]:
     """{scope: limit} for this request: the server's, and each named model's own."""
     daemon = current_app.daemon
-    found = [daemon.routes.ids.get(model_id) for model_id in await _requested_models()]
+    found = [daemon.routes.name_of(model_id) for model_id in await requested_models()]
     names = [name for name in found if name is not None]
     if not names:
         return {}

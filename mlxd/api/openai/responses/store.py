@@ -10,7 +10,6 @@ at most once per PRUNE_INTERVAL_S, so nothing runs in the background.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -23,11 +22,6 @@ from mlxd.errors import NotFound
 PRUNE_INTERVAL_S = 3600.0
 # Ids are ours (`resp_` + hex): anything else cannot name a stored file, nor escape the folder.
 _ID = re.compile(r"resp_[0-9a-f]{1,64}")
-
-
-def owner_of(key: str | None) -> str:
-    """Who owns what this key stores; keys themselves are never written to disk."""
-    return hashlib.sha256(key.encode()).hexdigest() if key else ""
 
 
 class ResponseStore:
