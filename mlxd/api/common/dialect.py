@@ -65,7 +65,9 @@ def discover() -> list[Dialect]:
             if exc.name != f"mlxd.api.{package.name}.dialect":
                 raise
             continue
-        found.append(module.DIALECT)
+        declared = getattr(module, "DIALECT", None)  # common/dialect.py is this module
+        if isinstance(declared, Dialect):
+            found.append(declared)
     return found
 
 
