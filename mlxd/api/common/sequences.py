@@ -11,6 +11,7 @@ from typing import Any
 
 from mlxd.api.common.generation import new_id, start
 from mlxd.api.common.parts import Completion, Part, Parts, collect
+from mlxd.api.middleware import ratelimit
 from mlxd.control.routes import ModelEntry
 from mlxd.runtime.engine import Engine
 from mlxd.types import MAX_SEQUENCES, Finished, GenerationRequest, OverLimit
@@ -118,6 +119,7 @@ async def start_many(
         raise OverLimit(
             "n", f"n × prompts makes {len(requests)} sequences; at most {MAX_SEQUENCES}"
         )
+    ratelimit.admit_more(len(requests) - 1)  # the HTTP request itself counted one
     streams = Interleaved()
     share = per_prompt > 1 and entry.config.cache.ram > 0
     leaders = range(0, len(requests), per_prompt) if share else range(len(requests))

@@ -158,8 +158,9 @@ async def _observe(
                 if record.metrics is not None and record.model:
                     record.metrics.tokens(record.model, len(event.token_ids))
             elif isinstance(event, Finished):
-                record.prompt_tokens = event.prompt_tokens
-                record.completion_tokens = event.completion_tokens
+                # Summed: one request may run several sequences (n, prompt lists, batches).
+                record.prompt_tokens += event.prompt_tokens
+                record.completion_tokens += event.completion_tokens
                 if first_token is not None:
                     record.decode_s = time.perf_counter() - first_token
                 if event.reason == "error":
