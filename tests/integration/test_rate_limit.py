@@ -123,14 +123,14 @@ def test_every_sequence_and_batch_item_counts(generating: Daemon):
     for index, (path, body) in enumerate(attempts.items()):  # each with a fresh key
         headers = {"x-api-key": f"key-{index}"}
         reply = httpx.post(f"{generating.url}{path}", json=body, headers=headers, timeout=120)
-        assert reply.status_code == 429, (path, reply.text)
+        assert reply.status_code in (429, 529), (path, reply.text)  # 529: Anthropic's name
         assert "3 requests per minute" in reply.text
     batch = [{"model": "smol", "max_tokens": 2, "messages": hi}] * 4
     headers = {"x-api-key": "key-3"}
     reply = httpx.post(
         f"{generating.url}/v1/messages/batch", json=batch, headers=headers, timeout=120
     )
-    assert reply.status_code == 429
+    assert reply.status_code == 529
 
 
 def test_tokens_of_every_sequence_are_charged(generating: Daemon):
