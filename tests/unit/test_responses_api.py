@@ -177,6 +177,9 @@ def test_the_store_keeps_responses_per_owner(tmp_path: Path):
     store.save(alice, {"id": "resp_ab12", "output": []}, [{"role": "user", "content": "hi"}])
     assert store.load(alice, "resp_ab12")["input"] == [{"role": "user", "content": "hi"}]
     assert "key-a" not in (tmp_path / "responses" / "resp_ab12.json").read_text()
+    # Conversations: readable by the daemon's user only.
+    assert (tmp_path / "responses").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "responses" / "resp_ab12.json").stat().st_mode & 0o777 == 0o600
     for owner, response_id in [(bob, "resp_ab12"), (alice, "resp_ffff"), (alice, "../x")]:
         with pytest.raises(NotFound):
             store.load(owner, response_id)
