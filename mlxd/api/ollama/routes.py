@@ -5,7 +5,7 @@ in ollama_translate.py.
 Requests become the same `GenerationRequest` as every other dialect's and go through
 `generation.start`; answers are rendered from the one parsed part stream. A streamed answer
 is NDJSON (Ollama's default); `stream: false` folds the very same chunks into one object, so
-both agree by construction. Errors are Ollama's `{"error": "message"}` (see app._render).
+both agree by construction. Errors are Ollama's `{"error": "message"}` (see dialect.py).
 """
 
 from __future__ import annotations
