@@ -3,7 +3,8 @@
 Each dialect package (`mlxd/api/<name>/dialect.py`) hands the app a `Dialect`: its blueprints,
 how it renders an error, where its bodies name models and what it calls the internal request's
 fields. The app finds them itself (`discover`), so adding a dialect touches no shared module,
-and chooses an error's shape by the blueprint that served the request, not by its URL.
+and chooses an error's shape by the blueprint that served the request, not by its URL; the
+OpenAPI document lists each dialect's own routes and error shape.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
 from quart import Blueprint, request
 from quart.typing import ResponseReturnValue
 
@@ -24,6 +26,41 @@ from mlxd.errors import MlxdError
 from mlxd.types import OverLimit
 
 ErrorRenderer = Callable[[MlxdError], ResponseReturnValue]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route as the OpenAPI document (`api/ops/openapi.py`) lists it."""
+
+    method: str
+    path: str  # OpenAPI's {param} syntax
+    summary: str
+    tag: str
+    body: type[BaseModel] | None = None
+    streams: bool = False  # answers text/event-stream when the body asks for `stream: true`
+    content_type: str = "application/json"
+
+
+# The default error shape (OpenAI's) as a JSON schema, named as the OpenAPI document names it.
+DEFAULT_ERROR_SCHEMA = (
+    "OpenAIError",
+    {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
+)
 
 
 def body_model(body: Any) -> list[str]:
@@ -49,6 +86,9 @@ class Dialect:
     field_names: Mapping[str, str] = field(default_factory=dict)
     # Requests that match no route under these paths still get this dialect's error shape.
     unrouted_prefixes: tuple[str, ...] = ()
+    # What the OpenAPI document lists: the routes, and the error shape as a (name, schema).
+    routes: tuple[Route, ...] = ()
+    error_schema: tuple[str, dict[str, Any]] = DEFAULT_ERROR_SCHEMA
 
 
 def discover() -> list[Dialect]:
