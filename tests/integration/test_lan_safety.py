@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from pathlib import Path
 
 import httpx
@@ -216,3 +217,15 @@ def _png_data_url(width: int, height: int) -> str:
     buffer = io.BytesIO()
     Image.new("1", (width, height)).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_model_id_cannot_forge_a_log_line(daemon: Daemon):
+    forged = "nope\n2026-01-01 00:00:00,000 INFO    mlxd.access: request model=smol"
+    reply = post(daemon, "/v1/chat/completions", json={"model": forged, "messages": HI})
+    assert reply.status_code == 404
+    deadline = time.monotonic() + 30  # the access line is written as the response ends
+    while "nope" not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = daemon.log().splitlines()
+    assert any("nope" in line for line in lines)
+    assert not any(line.startswith("2026-01-01") for line in lines)
