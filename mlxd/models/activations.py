@@ -71,7 +71,12 @@ def use_rational_gelu(model: nn.Module) -> int:
 
 
 def _is_exact_gelu(module: object) -> bool:
-    return type(module) is nn.GELU and module._approx == "none"
+    # nn.GELU keeps its `approx` choice private: told apart by what it computes, where the
+    # tanh and sigmoid approximations differ from the exact GELU by 1e-4 and more.
+    if type(module) is not nn.GELU:
+        return False
+    probe = mx.linspace(-3, 3, 13)
+    return bool(mx.allclose(module(probe), nn.gelu(probe)).item())
 
 
 # Eigen's generic_fast_tanh_float: tanh(x) = x · P(x²) / Q(x²) on [-7.9053, 7.9053] (±1 beyond).
