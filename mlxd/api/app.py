@@ -20,7 +20,7 @@ from mlxd.api.middleware import drain as shutdown
 from mlxd.api.ops import dashboard
 from mlxd.api.ops.metrics import Metrics
 from mlxd.control.watcher import reload_on_sighup, watch_config
-from mlxd.daemon import Daemon
+from mlxd.daemon import Daemon, DaemonFootprint
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
 
 log = logging.getLogger("mlxd.api")
@@ -74,6 +74,12 @@ def create_app(daemon: Daemon) -> App:
 
     @app.before_serving
     async def start_engines() -> None:
+        daemon.footprint = footprint = DaemonFootprint.measure()
+        log.info(
+            "daemon up in %.2f s, %d MiB resident before any model",
+            footprint.startup_s,
+            footprint.rss_bytes >> 20,
+        )
         app.background = [asyncio.create_task(daemon.start())]
         if daemon.config_path is not None:
             app.background.append(
