@@ -125,7 +125,8 @@ class Dialects:
                 return self._by_blueprint[name]
         if request.url_rule is None:
             for dialect in self.all:
-                if request.path.startswith(dialect.unrouted_prefixes or ("\0",)):
+                prefixes = dialect.unrouted_prefixes
+                if prefixes and request.path.startswith(prefixes):
                     return dialect
         return None
 
