@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import anthropic
@@ -235,3 +236,23 @@ def test_keys_never_reach_the_log(daemon: Daemon):
     log = daemon.log()
     assert "API keys required" in log
     assert not any(key in log for key in ALL_KEYS)
+
+
+def test_a_model_keys_batch_reaches_only_its_models(daemon: Daemon):
+    """Batch requests run later, out of the HTTP request: as the key that created them."""
+    client = claude(daemon, SMOL_KEY)
+    batch = client.messages.batches.create(
+        requests=[
+            {"custom_id": m, "params": {"model": m, "max_tokens": 4, "messages": HI}}
+            for m in ("smol", "other", "other:latest")
+        ]
+    )
+    deadline = time.monotonic() + 300
+    while batch.processing_status != "ended" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        batch = client.messages.batches.retrieve(batch.id)
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert results["smol"].type == "succeeded"
+    for model in ("other", "other:latest"):
+        assert results[model].type == "errored"
+        assert results[model].error.error.type == "not_found_error"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mlxd.api.common.private_files import append_line, private_dir, read_lines, write_atomic
+from mlxd.control.routes import OPEN, Caller
 
 log = logging.getLogger("mlxd.batches")
 
@@ -36,6 +37,13 @@ class StoredBatch:
     cancel_initiated_at: datetime | None = None
     ended_at: datetime | None = None
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The models the creating key may use (None: every model); its requests run as that key.
+    scope: list[str] | None = None
+
+    def caller(self) -> Caller:
+        if self.scope is None:
+            return OPEN
+        return Caller(admin=False, models=frozenset(self.scope))
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -46,6 +54,7 @@ class StoredBatch:
             "status": self.status,
             "cancel_initiated_at": _iso(self.cancel_initiated_at),
             "ended_at": _iso(self.ended_at),
+            "scope": self.scope,
         }
 
     @classmethod
@@ -59,6 +68,7 @@ class StoredBatch:
             cancel_initiated_at=_time(meta["cancel_initiated_at"]),
             ended_at=_time(meta["ended_at"]),
             results=results,
+            scope=meta.get("scope"),
         )
 
 

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response, g, request
 
 from mlxd.api.anthropic.batch_store import BatchStore, StoredBatch
 from mlxd.api.anthropic.errors import anthropic_error
@@ -155,12 +155,13 @@ async def create() -> Any:
         params = _validated(item.params, index)
         if params.stream:
             raise InvalidRequest(f"requests.{index}.params: stream is not allowed in a batch")
-        # Runs later, out of this request: the key's access to the model is checked now.
-        current_app.daemon.routes.entry(params.model, auth.caller())
         requests.append((item.custom_id, item.params))
     # Every item is a request to the rate limits (this HTTP request counted one).
     charge = ratelimit.admit_more(len(requests) - 1)
-    batch = StoredBatch(new_id("msgbatch_"), _caller(), requests)
+    caller = auth.caller()
+    # Runs out of this request: its models are resolved for the key that created it.
+    scope = None if caller.models is None else sorted(caller.models)
+    batch = StoredBatch(new_id("msgbatch_"), _caller(), requests, scope=scope)
     batches = _batches()
     batches.store.save(batch)
     batches.all[batch.id] = batch
@@ -192,6 +193,7 @@ async def _run(batch: StoredBatch, app: Any, batches: Batches, charge: TokenChar
     pending = [(cid, params) for cid, params in batch.requests if cid not in batch.results]
     try:
         async with app.app_context():
+            g.caller = batch.caller()
             while not app.daemon.ready:  # resumed at start: the models are still loading
                 await asyncio.sleep(READY_POLL_S)
             await asyncio.gather(*(one(cid, params) for cid, params in pending))
