@@ -59,7 +59,7 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     for offset in HALF_FIELDS[qtype]:
-        scale = rng.uniform(0.002, 0.02, (blocks.shape[0], 1)).astype(np.float16)
+        scale = rng.uniform(0.0005, 0.002, (blocks.shape[0], 1)).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8)
     return blocks.reshape(rows, -1)
 
@@ -140,6 +140,7 @@ def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
             rope_local_base_freq=10000.0,
             sliding_window=512,
             sliding_window_pattern=6,
+            num_hidden_layers=6,  # mlx-lm needs one global layer (every sixth)
         )
     if model_type == "phi3":
         config.update(head_dim=16, original_max_position_embeddings=1024)
@@ -187,9 +188,7 @@ def gpt2_vocab() -> dict[str, Any]:
     return {"model": "gpt2", "pre": "smollm", "tokens": tokens, "types": types, "merges": merges}
 
 
-def _add_metadata(
-    writer: gguf.GGUFWriter, config: dict[str, Any], vocab: dict[str, Any]
-) -> None:
+def _add_metadata(writer: gguf.GGUFWriter, config: dict[str, Any], vocab: dict[str, Any]) -> None:
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from mlxd.models.gguf_errors import UnsupportedTokenizer
 
@@ -122,13 +131,14 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: list[int]
         )
     )
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    # As llama.cpp: spaces become "▁" and, unless told otherwise, one "▁" starts the text (even
+    # text that starts with a space, which a Metaspace pre-tokenizer would leave alone).
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    tokenizer.decoder = decoders.Sequence(steps)
+        decode.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(decode)
     return tokenizer
 
 
