@@ -22,7 +22,7 @@ import gguf
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, MODEL_ARCH
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH, GGMLQuantizationType
 from mlx.utils import tree_flatten
 
 Q = GGMLQuantizationType
@@ -233,13 +233,15 @@ def write_gguf(
     weights: dict[str, np.ndarray],
     qtype: GGMLQuantizationType = Q.F32,
     vocab: dict[str, Any] | None = None,
+    arch_name: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Write `weights` as llama.cpp would, matrices in `qtype`; returns the weights the file
-    holds, dequantized, by mlx-lm name (what an exact import must reproduce)."""
+    holds, dequantized, by mlx-lm name (what an exact import must reproduce). `arch_name`
+    overrides `general.architecture` (and the metadata keys' prefix)."""
     model_type = config["model_type"]
     arch = GGUF_ARCH[model_type]
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(path, arch_name or gguf.MODEL_ARCH_NAMES[arch])
     _add_metadata(writer, config, vocab or gpt2_vocab())
     held = {}
     for name, array in weights.items():

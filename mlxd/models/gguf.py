@@ -65,6 +65,12 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     return _metadata(_open(path))
 
 
+def gguf_model_type(architecture: str) -> str:
+    """The mlx-lm model type a GGUF `general.architecture` imports as (itself if unsupported)."""
+    arch = ARCHITECTURES.get(architecture)
+    return architecture if arch is None else arch.model_type
+
+
 def _shape(tensor: Any) -> tuple[int, ...]:
     """The row-major shape of a GGUF tensor (GGUF lists dimensions innermost first)."""
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from mlxd.models.gguf import convert_gguf
-from mlxd.models.gguf_quants import convert, pack, requant_bits
+from mlxd.models.gguf_quants import Converted, convert, pack, requant_bits
 from tests.tiny_gguf import random_blocks, tiny_config, tiny_weights, write_gguf
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K]
@@ -23,7 +23,7 @@ REQUANTIZED = {Q.Q6_K: (8, 0.01), Q.Q3_K: (5, 0.08), Q.Q2_K: (4, 0.15), Q.IQ4_NL
 REQUANTIZED[Q.IQ4_XS] = (6, 0.03)
 
 
-def dequantized(converted) -> np.ndarray:  # noqa: ANN001 (a Converted)
+def dequantized(converted: Converted) -> np.ndarray:
     """mx.dequantize of an imported tensor, scales and biases in float32 as the CPU runs them."""
     return np.array(
         mx.dequantize(

@@ -1,5 +1,5 @@
-"""GGUF tokenizers rebuilt with `tokenizers`: SentencePiece against the sentencepiece library
-itself, byte-level BPE pre-tokenizers by llama.cpp's names, and a tokenizer through a full import."""
+"""GGUF tokenizers rebuilt with `tokenizers`: SentencePiece against the sentencepiece library,
+byte-level BPE pre-tokenizers by llama.cpp's names, and a tokenizer through a full import."""
 
 from __future__ import annotations
 
