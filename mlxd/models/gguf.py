@@ -1,6 +1,6 @@
 """Import a GGUF file as an mlx-lm model directory, tensor by tensor.
 
-The file is memory-mapped with the `gguf` package (llama.cpp's own reader); each tensor is converted
+The file is memory-mapped (models/gguf_header.py reads its header); each tensor is converted
 straight into MLX's layout (models/gguf_quants.py), renamed by its architecture's table
 (models/gguf_arch.py) and written into safetensors shards of about 1 GiB, so the peak memory is one
 shard, never the whole model as floats. config.json describes the mlx-lm model of that family and
@@ -20,7 +20,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGUFReader
 from tqdm import tqdm
 
 from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta
@@ -31,6 +30,7 @@ from mlxd.models.gguf_errors import (
     UnsupportedQuantType,
     UnsupportedTokenizer,
 )
+from mlxd.models.gguf_header import GGUFFile, TensorInfo
 from mlxd.models.gguf_quants import GROUP_SIZE, Converted, convert, is_supported
 from mlxd.models.gguf_tokenizer import (
     build_tokenizer,
@@ -49,20 +49,9 @@ _REQUIRED_METADATA = ("embedding_length", "feed_forward_length", "block_count")
 _SHARD_BYTES = 1 << 30
 
 
-def _open(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path)
-    except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise GGUFError(f"cannot read GGUF file {path}: {type(exc).__name__}: {exc}") from exc
-
-
-def _metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items() if field.types}
-
-
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """The metadata of the GGUF file at `path` (no tensor data is read)."""
-    return _metadata(_open(path))
+    return GGUFFile(path).metadata
 
 
 def gguf_model_type(architecture: str) -> str:
@@ -71,13 +60,9 @@ def gguf_model_type(architecture: str) -> str:
     return architecture if arch is None else arch.model_type
 
 
-def _shape(tensor: Any) -> tuple[int, ...]:
-    """The row-major shape of a GGUF tensor (GGUF lists dimensions innermost first)."""
-    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
-
-
-def _problems(reader: GGUFReader, metadata: dict[str, Any]) -> list[UnsupportedGGUF]:
+def _problems(reader: GGUFFile) -> list[UnsupportedGGUF]:
     """Everything about the file this importer cannot handle, as typed errors."""
+    metadata = reader.metadata
     arch_name = str(metadata.get("general.architecture"))
     if (arch := ARCHITECTURES.get(arch_name)) is None:
         return [
@@ -123,10 +108,10 @@ def inspect_gguf(path: Path) -> list[str]:
     metadata. Each problem is one line naming what is unsupported.
     """
     try:
-        reader = _open(Path(path))
+        reader = GGUFFile(path)
     except GGUFError as exc:
         return [str(exc)]
-    return [str(problem) for problem in _problems(reader, _metadata(reader))]
+    return [str(problem) for problem in _problems(reader)]
 
 
 def quantization_config(bits: dict[str, int]) -> dict[str, Any] | None:
@@ -194,9 +179,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def _converted(tensor: Any, arch: Architecture, config: dict[str, Any]) -> Converted:
+def _converted(
+    reader: GGUFFile, tensor: TensorInfo, arch: Architecture, config: dict[str, Any]
+) -> Converted:
     """One tensor in MLX form, with llama.cpp's conversion-time changes undone."""
-    converted = convert(tensor.data, tensor.tensor_type, _shape(tensor))
+    converted = convert(reader.data(tensor), tensor.tensor_type, tensor.shape)
     parts = tensor.name.split(".")
     if arch.permute_qk and parts[-2] in ("attn_q", "attn_k"):
         heads = config["num_attention_heads" if parts[-2] == "attn_q" else "num_key_value_heads"]
@@ -210,7 +197,7 @@ def _converted(tensor: Any, arch: Architecture, config: dict[str, Any]) -> Conve
 
 
 def _write_weights(
-    reader: GGUFReader, arch: Architecture, config: dict[str, Any], out_dir: Path, bar: tqdm
+    reader: GGUFFile, arch: Architecture, config: dict[str, Any], out_dir: Path, bar: tqdm
 ) -> dict[str, int]:
     """Convert and write every tensor; returns the bit width of each quantized module."""
     bits: dict[str, int] = {}
@@ -222,7 +209,7 @@ def _write_weights(
             continue
         name = arch.mlx_name(tensor.name)
         assert name is not None  # _problems() rejected unknown tensors
-        converted = _converted(tensor, arch, config)
+        converted = _converted(reader, tensor, arch, config)
         writer.add(name, converted.weight)
         if converted.scales is not None and converted.biases is not None:
             module = name.removesuffix(".weight")
@@ -248,14 +235,15 @@ def _write_weights(
     return bits
 
 
-def model_config(
-    reader: GGUFReader, metadata: dict[str, Any], arch: Architecture
-) -> dict[str, Any]:
+def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
     """config.json for the mlx-lm model of the file's architecture (quantization added later)."""
+    metadata = reader.metadata
     meta = Meta(metadata, metadata["general.architecture"])
-    shapes = {t.name: _shape(t) for t in reader.tensors}
+    shapes = {t.name: t.shape for t in reader.tensors}
     rope = {
-        t.name.removesuffix(".weight"): np.asarray(t.data, dtype=np.float32)
+        t.name.removesuffix(".weight"): np.array(
+            convert(reader.data(t), t.tensor_type, t.shape).weight.astype(mx.float32)
+        )
         for t in reader.tensors
         if arch.is_rope_tensor(t.name)
     }
@@ -271,14 +259,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     Raises GGUFError for unreadable files, its subclass UnsupportedGGUF (as UnsupportedArchitecture,
     UnsupportedQuantType or UnsupportedTokenizer) for files it cannot import.
     """
-    reader = _open(gguf_path)
-    metadata = _metadata(reader)
-    if problems := _problems(reader, metadata):
+    reader = GGUFFile(gguf_path)
+    metadata = reader.metadata
+    if problems := _problems(reader):
         # The first problem's type, every problem's message.
         raise type(problems[0])(f"{gguf_path}: " + "; ".join(str(p) for p in problems))
     arch = ARCHITECTURES[metadata["general.architecture"]]
     try:
-        config = model_config(reader, metadata, arch)
+        config = model_config(reader, arch)
         build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
     except UnsupportedGGUF as exc:
         raise type(exc)(f"{gguf_path}: {exc}") from exc
