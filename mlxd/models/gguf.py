@@ -224,7 +224,7 @@ def _write_weights(
     for (qtype, width), errors in requantized.items():
         log.warning(
             "%d %s tensors requantized to %d-bit groups of %d (MLX has no exact equivalent): "
-            "relative RMS error mean %.2e, max %.2e",
+            "relative RMS error mean %.2e, max %.2e (measured on up to 32 MiB of each)",
             len(errors),
             qtype,
             width,
@@ -267,9 +267,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     arch = ARCHITECTURES[metadata["general.architecture"]]
     try:
         config = model_config(reader, arch)
-        build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
+        tokenizer = build_tokenizer(metadata)
     except UnsupportedGGUF as exc:
         raise type(exc)(f"{gguf_path}: {exc}") from exc
+    except Exception as exc:  # `tokenizers` raises a bare Exception for an inconsistent vocabulary
+        raise GGUFError(f"{gguf_path}: invalid tokenizer: {exc}") from exc
+    tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(
         out_dir / "tokenizer_config.json",
         tokenizer_config(metadata, config.get("max_position_embeddings")),

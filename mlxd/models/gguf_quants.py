@@ -202,15 +202,19 @@ def _convert_exact(
 
 
 def _requantize(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Converted:
+    """Requantize chunk by chunk; the error is measured on the first chunk (up to 32 MiB of
+    blocks: every row of most tensors), which costs as much again as the requantization."""
     bits = requant_bits(qtype)
     parts: list[tuple[mx.array, mx.array, mx.array]] = []
     error = norm = 0.0
     for chunk in _row_chunks(rows.shape[0], rows.shape[1]):
         reference = mx.array(dequantize(np.asarray(rows[chunk]), qtype))
         weight, scales, biases = mx.quantize(reference, group_size=GROUP_SIZE, bits=bits)
-        back = mx.dequantize(weight, scales, biases, group_size=GROUP_SIZE, bits=bits)
-        error += float(np.asarray(mx.sum(mx.square(back - reference))))
-        norm += float(np.asarray(mx.sum(mx.square(reference))))
+        if not parts:
+            back = mx.dequantize(weight, scales, biases, group_size=GROUP_SIZE, bits=bits)
+            error = float(np.asarray(mx.sum(mx.square(back - reference))))
+            norm = float(np.asarray(mx.sum(mx.square(reference))))
+        mx.eval(weight, scales, biases)  # and let the float chunk go
         parts.append((weight, scales, biases))
     weight, scales, biases = (mx.concatenate(list(column)) for column in zip(*parts, strict=True))
     lead = shape[:-1]

@@ -196,6 +196,14 @@ def test_inspect_unreadable_file(tmp_path: Path) -> None:
         convert_gguf(path, tmp_path)
 
 
+def test_inconsistent_vocabulary_is_a_gguf_error(tmp_path: Path) -> None:
+    vocab = {**_vocab(), "merges": ["h e", "x y"]}  # "xy" is not in the vocabulary
+    config = tiny_config("llama", num_hidden_layers=1, vocab_size=len(vocab["tokens"]))
+    write_gguf(tmp_path / "m.gguf", config, tiny_weights(config), vocab=vocab)
+    with pytest.raises(GGUFError, match="invalid tokenizer: .*out of vocabulary"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path)
+
+
 def test_sharded_output_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mlxd.models.gguf as importer
 
