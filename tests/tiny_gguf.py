@@ -268,8 +268,13 @@ def write_gguf(
         else:
             held[name] = array
             writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float32))
-    if (config.get("rope_scaling") or {}).get("rope_type") == "llama3":
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
+    if scaling.get("type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        for kind in ("long", "short"):
+            factors = np.array(scaling[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -107,6 +107,20 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path, scaling: dict) -> N
     assert not np.allclose(run(unscaled, prompt, steps=1)[0], ref_logits, atol=1e-3)
 
 
+def test_phi3_longrope_from_rope_factors(tmp_path: Path) -> None:
+    long = [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0]  # one per rotary pair (head_dim 16)
+    scaling = {"type": "longrope", "long_factor": long, "short_factor": [1.0] * 8}
+    config = tiny_config(
+        "phi3", rope_scaling=scaling, max_position_embeddings=4096,
+        original_max_position_embeddings=1024,
+    )  # fmt: skip
+    (ref_logits, ref_tokens), (logits, tokens), imported = both(tmp_path, config)
+    assert imported["rope_scaling"] == scaling
+    assert imported["original_max_position_embeddings"] == 1024
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q5_1])
 def test_quantized_llama_matches_its_dequantized_weights(tmp_path: Path, qtype: Q) -> None:
     config = tiny_config("llama", hidden_size=128, intermediate_size=256, head_dim=32)
