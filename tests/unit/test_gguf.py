@@ -200,7 +200,7 @@ def test_inconsistent_vocabulary_is_a_gguf_error(tmp_path: Path) -> None:
     vocab = {**_vocab(), "merges": ["h e", "x y"]}  # "xy" is not in the vocabulary
     config = tiny_config("llama", num_hidden_layers=1, vocab_size=len(vocab["tokens"]))
     write_gguf(tmp_path / "m.gguf", config, tiny_weights(config), vocab=vocab)
-    with pytest.raises(GGUFError, match="invalid tokenizer: .*out of vocabulary"):
+    with pytest.raises(GGUFError, match=r"invalid tokenizer: .*out of vocabulary"):
         convert_gguf(tmp_path / "m.gguf", tmp_path)
 
 
