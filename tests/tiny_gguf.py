@@ -43,6 +43,7 @@ HALF_FIELDS = {
 }
 GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,
+    "mixtral": MODEL_ARCH.LLAMA,  # llama.cpp writes Mixtral as a llama with experts
     "qwen2": MODEL_ARCH.QWEN2,
     "qwen3": MODEL_ARCH.QWEN3,
     "qwen3_moe": MODEL_ARCH.QWEN3MOE,
@@ -116,6 +117,8 @@ def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     }
     if model_type == "qwen2":
         config["num_key_value_heads"] = 2
+    if model_type == "mixtral":
+        config.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     if model_type == "qwen3_moe":
         config.update(
             num_experts=4,
@@ -203,6 +206,9 @@ def _add_metadata(writer: gguf.GGUFWriter, config: dict[str, Any], vocab: dict[s
     if model_type == "phi3":
         writer.add_rope_dimension_count(config["head_dim"])
         writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+    if model_type == "mixtral":
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     if model_type == "qwen3_moe":
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -246,10 +252,12 @@ def write_gguf(
     held = {}
     for name, array in weights.items():
         base, suffix = name.rsplit(".", 1)
-        gguf_name = names.get_name(base.replace("switch_mlp", "experts"))
+        # mlx-lm stacks the experts as switch_mlp; llama.cpp's map knows them as mlp.experts.
+        stacked = base.replace("block_sparse_moe.switch_mlp", "mlp.experts")
+        gguf_name = names.get_name(stacked.replace("switch_mlp", "experts"))
         assert gguf_name is not None, name
         data = array
-        if model_type == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
+        if arch == MODEL_ARCH.LLAMA and gguf_name.endswith(("attn_q", "attn_k")):
             heads = config["num_attention_heads"]
             kv = heads if gguf_name.endswith("attn_q") else config["num_key_value_heads"]
             data = llama_permute(array, heads, kv)

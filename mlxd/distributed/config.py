@@ -151,7 +151,7 @@ def gguf_geometry(path: Path) -> ModelGeometry:
 
     heads = meta("attention.head_count")
     return ModelGeometry(
-        model_type=gguf_model_type(arch),  # what mlxd's GGUF import produces (models/gguf.py)
+        model_type=gguf_model_type(metadata),  # what mlxd's GGUF import produces (models/gguf.py)
         attention_heads=heads,
         kv_heads=meta("attention.head_count_kv", heads),
         layers=meta("block_count"),

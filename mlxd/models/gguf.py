@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta
+from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta, architecture_of
 from mlxd.models.gguf_errors import (
     GGUFError,
     UnsupportedArchitecture,
@@ -54,17 +54,17 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     return GGUFFile(path).metadata
 
 
-def gguf_model_type(architecture: str) -> str:
-    """The mlx-lm model type a GGUF `general.architecture` imports as (itself if unsupported)."""
-    arch = ARCHITECTURES.get(architecture)
-    return architecture if arch is None else arch.model_type
+def gguf_model_type(metadata: dict[str, Any]) -> str:
+    """The mlx-lm model type a GGUF imports as (its `general.architecture` if unsupported)."""
+    arch = architecture_of(metadata)
+    return str(metadata.get("general.architecture")) if arch is None else arch.model_type
 
 
 def _problems(reader: GGUFFile) -> list[UnsupportedGGUF]:
     """Everything about the file this importer cannot handle, as typed errors."""
     metadata = reader.metadata
     arch_name = str(metadata.get("general.architecture"))
-    if (arch := ARCHITECTURES.get(arch_name)) is None:
+    if (arch := architecture_of(metadata)) is None:
         return [
             UnsupportedArchitecture(
                 f"GGUF architecture {arch_name!r} is not supported "
@@ -264,7 +264,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if problems := _problems(reader):
         # The first problem's type, every problem's message.
         raise type(problems[0])(f"{gguf_path}: " + "; ".join(str(p) for p in problems))
-    arch = ARCHITECTURES[metadata["general.architecture"]]
+    arch = architecture_of(metadata)
+    assert arch is not None  # _problems() rejected unsupported architectures
     try:
         config = model_config(reader, arch)
         tokenizer = build_tokenizer(metadata)

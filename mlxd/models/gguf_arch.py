@@ -73,6 +73,14 @@ _MOE_BLOCK = {
     T.FFN_UP_EXP: "mlp.switch_mlp.up_proj",
     T.FFN_DOWN_EXP: "mlp.switch_mlp.down_proj",
 }
+_MIXTRAL_BLOCK = {
+    **_ATTENTION,
+    T.FFN_NORM: "post_attention_layernorm",
+    T.FFN_GATE_INP: "block_sparse_moe.gate",
+    T.FFN_GATE_EXP: "block_sparse_moe.switch_mlp.gate_proj",
+    T.FFN_UP_EXP: "block_sparse_moe.switch_mlp.up_proj",
+    T.FFN_DOWN_EXP: "block_sparse_moe.switch_mlp.down_proj",
+}
 _PHI3_BLOCK = {
     T.ATTN_QKV: "self_attn.qkv_proj",
     T.ATTN_OUT: "self_attn.o_proj",
@@ -210,6 +218,17 @@ def _llama(meta: Meta, shapes: Shapes, rope: dict[str, np.ndarray]) -> dict[str,
     return config
 
 
+def _mixtral(meta: Meta, shapes: Shapes, rope: dict[str, np.ndarray]) -> dict[str, Any]:
+    config = _llama(meta, shapes, rope)
+    if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+        raise UnsupportedArchitecture("mixtral with head_dim × heads ≠ hidden size")
+    config.update(
+        num_local_experts=meta.require("expert_count"),
+        num_experts_per_tok=meta.require("expert_used_count"),
+    )
+    return config
+
+
 def _qwen2(meta: Meta, shapes: Shapes, rope: dict[str, np.ndarray]) -> dict[str, Any]:
     config = _common(meta, shapes)
     if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
@@ -285,6 +304,8 @@ def _gemma3(meta: Meta, shapes: Shapes, rope: dict[str, np.ndarray]) -> dict[str
     return config
 
 
+# llama.cpp writes Mixtral as a llama with experts (`llama.expert_count`).
+MIXTRAL = Architecture("mixtral", _MIXTRAL_BLOCK, _mixtral, permute_qk=True)
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", _LLAMA_BLOCK, _llama, permute_qk=True),
     "qwen2": Architecture("qwen2", _LLAMA_BLOCK, _qwen2),
@@ -296,3 +317,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma2": Architecture("gemma2", _GEMMA_BLOCK, _gemma2, norm_offset=1.0),
     "gemma3": Architecture("gemma3_text", {**_GEMMA_BLOCK, **_QK_NORM}, _gemma3, norm_offset=1.0),
 }
+
+
+def architecture_of(metadata: dict[str, Any]) -> Architecture | None:
+    """The table for a GGUF's `general.architecture` (and expert count), None if unsupported."""
+    name = metadata.get("general.architecture")
+    if name == "llama" and metadata.get("llama.expert_count"):
+        return MIXTRAL
+    return ARCHITECTURES.get(str(name))

@@ -46,7 +46,8 @@ def both(
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"]
+    "model_type",
+    ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"],
 )
 def test_same_logits_and_greedy_tokens(tmp_path: Path, model_type: str) -> None:
     config = tiny_config(model_type)
