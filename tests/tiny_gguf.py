@@ -131,7 +131,7 @@ def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     if model_type.startswith("gemma"):
         config.update(
             head_dim=32,
-            query_pre_attn_scalar=32.0,
+            query_pre_attn_scalar=32,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
         )
@@ -264,15 +264,17 @@ def write_gguf(
         if model_type.startswith("gemma") and name.endswith("norm.weight"):
             data = array + 1
         if array.ndim >= 2 and qtype != Q.F32:
-            if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16):
-                raw = gguf.quants.quantize(array, qtype)
+            # As llama-quantize: rows that do not fill its blocks fall back to Q8_0.
+            kind = qtype if array.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.Q8_0
+            if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16):
+                raw = gguf.quants.quantize(array, kind)
             else:
-                raw = random_blocks(qtype, math.prod(array.shape[:-1]), array.shape[-1], len(held))
+                raw = random_blocks(kind, math.prod(array.shape[:-1]), array.shape[-1], len(held))
                 raw = raw.reshape(*array.shape[:-1], -1)
-            held[name] = gguf.quants.dequantize(raw, qtype)
+            held[name] = gguf.quants.dequantize(raw, kind)
             if data is not array:  # permuting rows commutes with per-row quantization
                 raw = llama_permute(raw, heads, kv)
-            writer.add_tensor(f"{gguf_name}.{suffix}", raw, raw_dtype=qtype)
+            writer.add_tensor(f"{gguf_name}.{suffix}", raw, raw_dtype=kind)
         else:
             held[name] = array
             writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float32))

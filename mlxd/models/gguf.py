@@ -250,6 +250,7 @@ def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
     config: dict[str, Any] = {"model_type": arch.model_type, **arch.config(meta, shapes, rope)}
     config["bos_token_id"] = token_id(metadata, "bos")
     config["eos_token_id"] = token_id(metadata, "eos")
+    config["pad_token_id"] = token_id(metadata, "padding")  # else transformers' family default
     return config
 
 

@@ -273,11 +273,12 @@ def _phi3(meta: Meta, shapes: Shapes, rope: dict[str, np.ndarray]) -> dict[str, 
     return config
 
 
-def _query_scalar(meta: Meta, config: dict[str, Any], big_layers: int) -> float:
+def _query_scalar(meta: Meta, config: dict[str, Any], big_layers: int) -> int:
     # llama.cpp scales queries by hidden / heads for the 27B models, by head_dim otherwise.
+    # An int: transformers validates Gemma's config.json types strictly.
     if config["num_hidden_layers"] == big_layers:
-        return config["hidden_size"] / config["num_attention_heads"]
-    return float(config["head_dim"])
+        return int(config["hidden_size"] // config["num_attention_heads"])
+    return int(config["head_dim"])
 
 
 def _gemma2(meta: Meta, shapes: Shapes, rope: dict[str, np.ndarray]) -> dict[str, Any]:

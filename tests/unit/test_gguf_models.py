@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -55,6 +56,16 @@ def test_same_logits_and_greedy_tokens(tmp_path: Path, model_type: str) -> None:
     assert imported["model_type"] == model_type
     assert tokens == ref_tokens
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gemma2", "gemma3_text", "qwen3_moe"])
+def test_config_passes_transformers_validation(tmp_path: Path, model_type: str) -> None:
+    # mlx_lm.load builds the tokenizer through transformers, which type-checks config.json.
+    config = tiny_config(model_type)
+    write_gguf(tmp_path / "m.gguf", config, tiny_weights(config))
+    convert_gguf(tmp_path / "m.gguf", tmp_path)
+    _, tokenizer = load(str(tmp_path))
+    assert tokenizer.encode("hello") == [262]  # the "hello" merge of the test vocabulary
 
 
 def test_llama_mistral_shape_with_tied_embeddings(tmp_path: Path) -> None:
