@@ -133,11 +133,26 @@ def test_phi3_longrope_from_rope_factors(tmp_path: Path) -> None:
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q5_1])
-def test_quantized_llama_matches_its_dequantized_weights(tmp_path: Path, qtype: Q) -> None:
-    config = tiny_config("llama", hidden_size=128, intermediate_size=256, head_dim=32)
-    if qtype in (Q.Q4_K, Q.Q5_K):  # super-blocks of 256 values per row
-        config.update(hidden_size=256, intermediate_size=512, head_dim=64)
+@pytest.mark.parametrize(
+    ("model_type", "qtype"),
+    [
+        ("llama", Q.Q4_0),
+        ("llama", Q.Q8_0),
+        ("llama", Q.Q4_K),
+        ("llama", Q.Q5_K),
+        ("llama", Q.Q5_1),
+        ("qwen3_moe", Q.Q4_K),  # 3-D expert tensors
+        ("gemma3_text", Q.Q4_K),
+    ],
+)
+def test_quantized_model_matches_its_dequantized_weights(
+    tmp_path: Path, model_type: str, qtype: Q
+) -> None:
+    config = tiny_config(model_type, hidden_size=128, intermediate_size=256)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # super-blocks of 256 values per row (Q8_0 where not)
+        config.update(hidden_size=256, intermediate_size=512)
+        if "moe_intermediate_size" in config:
+            config["moe_intermediate_size"] = 256
     (ref_logits, ref_tokens), (logits, tokens), imported = both(tmp_path, config, qtype)
     assert imported["quantization"]["bits"] == {Q.Q8_0: 8, Q.Q5_K: 5, Q.Q5_1: 5}.get(qtype, 4)
     assert tokens == ref_tokens
