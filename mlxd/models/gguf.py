@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 # Part of the conversion cache key: bump it whenever the directory this writes changes.
 FORMAT_VERSION = 2
-SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 _REQUIRED_METADATA = ("embedding_length", "feed_forward_length", "block_count")
 _SHARD_BYTES = 1 << 30
 
@@ -269,11 +268,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     assert arch is not None  # _problems() rejected unsupported architectures
     try:
         config = model_config(reader, arch)
-        tokenizer = build_tokenizer(metadata)
-    except UnsupportedGGUF as exc:
+        try:
+            tokenizer = build_tokenizer(metadata)
+        except UnsupportedGGUF:
+            raise
+        except Exception as exc:  # `tokenizers` raises a bare Exception for a bad vocabulary
+            raise GGUFError(f"invalid tokenizer: {exc}") from exc
+    except GGUFError as exc:
         raise type(exc)(f"{gguf_path}: {exc}") from exc
-    except Exception as exc:  # `tokenizers` raises a bare Exception for an inconsistent vocabulary
-        raise GGUFError(f"{gguf_path}: invalid tokenizer: {exc}") from exc
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(
         out_dir / "tokenizer_config.json",
