@@ -40,6 +40,8 @@ HALF_FIELDS = {
     Q.Q6_K: (208,),
     Q.IQ4_NL: (0,),
     Q.IQ4_XS: (0,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ3_S: (0,),
 }
 GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,

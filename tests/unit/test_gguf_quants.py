@@ -20,7 +20,7 @@ from tests.tiny_gguf import random_blocks, tiny_config, tiny_weights, write_gguf
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K]
 REQUANTIZED = {Q.Q6_K: (8, 0.01), Q.Q3_K: (5, 0.08), Q.Q2_K: (4, 0.15), Q.IQ4_NL: (6, 0.03)}
-REQUANTIZED[Q.IQ4_XS] = (6, 0.03)
+REQUANTIZED.update({Q.IQ4_XS: (6, 0.03), Q.IQ2_XXS: (4, 0.15), Q.IQ3_S: (5, 0.06)})
 
 
 def dequantized(converted: Converted) -> np.ndarray:
