@@ -209,6 +209,8 @@ def _write_weights(
         name = arch.mlx_name(tensor.name)
         assert name is not None  # _problems() rejected unknown tensors
         converted = _converted(reader, tensor, arch, config)
+        mx.eval(converted.weight, converted.scales, converted.biases)
+        reader.release(tensor)
         writer.add(name, converted.weight)
         if converted.scales is not None and converted.biases is not None:
             module = name.removesuffix(".weight")
