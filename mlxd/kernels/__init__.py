@@ -74,6 +74,11 @@ def isas() -> list[str]:
     return [] if _cpu is None else list(_cpu.runnable_isas())
 
 
+def built_isas() -> list[str]:
+    """Every ISA variant the built module holds, best first (what this CPU runs or not)."""
+    return [] if _cpu is None else list(_cpu.built_isas())
+
+
 def use_isa(name: str) -> None:
     """Runs every later kernel on ISA variant `name`; ValueError if the CPU or module lacks it."""
     _module().use_isa(name)
@@ -177,6 +182,11 @@ def share_cores(packed: bool) -> None:
     _blas_in_process |= not packed
     if _cpu is not None:
         _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))
+
+
+def set_threads(threads: int) -> None:
+    """The kernels run on `threads` threads until the next `share_cores` (tests, benchmarks)."""
+    _module().set_threads(threads)
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
