@@ -36,26 +36,42 @@ constexpr int BLOCK = 32;  // inputs sharing one scale and bias
 constexpr int LANES = 16;  // output rows per tile (the packed layout)
 constexpr int V = LANES / W;  // vectors per tile
 
-// A work item is TILES tiles (NV vectors of output rows); a pass takes up to MAX_ROWS rows of x.
-// Sized so that the pass's MAX_ROWS x NV accumulators, NV weight vectors and a broadcast fit
-// the registers: 32 zmm (AVX-512), 16 ymm (AVX2), 32 (NEON) or 16 (generic, x86-64's xmm).
+// A work item is TILES tiles (NV vectors of output rows). A pass in registers takes up to
+// MAX_ROWS rows of x, a buffered pass BUFFER_ROWS: as many as leave the accumulators, the
+// weight vectors and a broadcast in the registers (32 zmm on AVX-512, 16 ymm on AVX2, 32 on
+// NEON, 16 xmm for the generic variant on x86-64), so that no hot loop spills to the stack.
 #if defined(MLXD_ISA_AVX512)
+constexpr int REGISTERS = 32;
 constexpr int TILES = 2;
 constexpr int MAX_ROWS = 8;
+constexpr int BUFFER_ROWS = 12;
 #elif defined(MLXD_ISA_AVX2)
+constexpr int REGISTERS = 16;
 constexpr int TILES = 1;
-constexpr int MAX_ROWS = 6;
+constexpr int MAX_ROWS = 5;
+constexpr int BUFFER_ROWS = 6;
 #elif defined(MLXD_ISA_NEON)
+constexpr int REGISTERS = 32;
 constexpr int TILES = 1;
 constexpr int MAX_ROWS = 4;
+constexpr int BUFFER_ROWS = 6;
 #else
+constexpr int REGISTERS = 16;
 constexpr int TILES = 1;
 constexpr int MAX_ROWS = 2;
+constexpr int BUFFER_ROWS = 2;
 #endif
 constexpr int NV = TILES * V;
 constexpr int GROUP = TILES * LANES;  // output rows per work item
+// Registers a pass in registers has for its accumulators: the rest hold a pair of inputs'
+// weights (2 x NV) and the broadcast x values.
+constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 2;
+#if !defined(MLXD_ISA_GENERIC)  // (x86-64's 16 xmm are not where the generic variant runs fast)
+static_assert(MAX_ROWS * NV <= ACCUMULATORS, "a pass's accumulators fit the registers");
+static_assert(BUFFER_ROWS * NV + NV + 1 <= REGISTERS, "a buffered pass fits the registers");
+#endif
 // From this many rows on, dequantizing a chunk of weights once into a buffer beats widening
-// them in registers for every pass of MAX_ROWS rows.
+// them in registers for every pass.
 constexpr int BUFFER_MIN_ROWS = 32;
 // Inputs per buffered chunk: 16 KB of float32 weights, which stay in L1 whatever K is.
 constexpr int CHUNK = 4096 / GROUP;
@@ -124,12 +140,21 @@ inline void with_rows(int count, F&& f) {
   f(std::integral_constant<int, MOST>{});
 }
 
-// y[m0 .. m0 + MB, work item g] with the weights widened in registers. With few rows the FMAs
-// alone cannot hide their latency, so inputs accumulate into SPLIT partial sums, summed per block.
+// Partial sums per accumulator for MB rows: with fewer than 8 independent FMA chains the FMAs
+// cannot hide their latency, so inputs alternate between 2 or 4 sums while registers allow.
+constexpr int split_for(int chains) {
+  int split = 1;
+  while (split < 4 && chains * split < 8 && chains * split * 2 <= ACCUMULATORS) {
+    split *= 2;
+  }
+  return split;
+}
+
+// y[m0 .. m0 + MB, work item g] with the weights widened in registers, inputs accumulating into
+// SPLIT partial sums summed per block.
 template <int BITS, int MB, typename S>
 void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
-  constexpr int CHAINS = MB * NV;
-  constexpr int SPLIT = CHAINS >= 8 ? 1 : CHAINS >= 4 ? 2 : 4;
+  constexpr int SPLIT = split_for(MB * NV);
   constexpr int PAIRS = SPLIT > 2 ? SPLIT / 2 : 1;  // pairs of inputs per step
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
@@ -223,7 +248,7 @@ void rows_from_buffer(const Problem<S>& p, const float* buf, int g, int k0, int 
   }
 }
 
-// Work items are split over the threads; each walks every row of x in passes of MAX_ROWS.
+// Work items are split over the threads; each walks every row of x in passes.
 template <int BITS, typename S>
 void run(const Problem<S>& p) {
   const int items = p.N / GROUP;
@@ -258,8 +283,8 @@ void run(const Problem<S>& p) {
       for (int k0 = 0; k0 < p.K; k0 += CHUNK) {
         const int count = imin(CHUNK, p.K - k0);
         dequantize_chunk<BITS, S>(p, g, k0, count, buf.data());
-        for (int m = 0; m < p.M; m += MAX_ROWS) {
-          with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
+        for (int m = 0; m < p.M; m += BUFFER_ROWS) {
+          with_rows<BUFFER_ROWS>(imin(BUFFER_ROWS, p.M - m), [&](auto mb) {
             rows_from_buffer<decltype(mb)::value, S>(p, buf.data(), g, k0, count, m);
           });
         }
