@@ -164,7 +164,7 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
 _timed: dict[str, Timings] = {}  # this process's timings by key (a locate, then its load)
 
 
-def choose(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
+def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
     """The CPU path for a quantized LLM loaded with dtype auto, or None where there is no
     choice (another backend or dtype, kernels not built, weights the kernels do not take, a
     distributed rank). Times the paths unless this CPU, kernel build and shape set were timed

@@ -152,3 +152,72 @@ def test_an_unreadable_cache_entry_means_timing_again(tmp_path):
     cache.root.mkdir(parents=True)
     (cache.root / f"{key}.json").write_text("{not json")
     assert cache.get(key) is None
+
+
+def test_split_layers_run_each_row_count_on_its_path(monkeypatch):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxd import kernels
+    from mlxd.models.packed import SplitLinear, pack_model
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    nn.quantize(model, group_size=32, bits=4)
+    reference = model.layers[0]
+    x = mx.random.normal((16, 64))
+    expected = reference(x)
+    split = nn.Sequential(nn.Linear(64, 64))
+    nn.quantize(split, group_size=32, bits=4)
+    split.update(model.parameters())
+    pack_model(split, lambda rows: "packed" if rows <= 8 else "float32")
+    assert isinstance(split.layers[0], SplitLinear)
+
+    packed_calls = []
+    qmatmul = kernels.qmatmul
+    monkeypatch.setattr(kernels, "qmatmul", lambda *a: packed_calls.append(1) or qmatmul(*a))
+    for rows, calls in ((4, 1), (16, 1)):
+        y = split(x[:rows])
+        assert mx.allclose(y, expected[:rows], atol=1e-4).item()
+        assert len(packed_calls) == calls
+
+
+def test_time_paths_gives_a_figure_per_phase_and_path():
+    from mlxd.models.cpu_path_timing import ModelShapes, time_paths
+
+    shapes = ModelShapes(layer=((64, 64, 32, 4), (128, 64, 32, 4)), head=(256, 64, 32, 8), layers=2)
+    timings = time_paths(shapes, Phases(prefill=16))
+    for figures in (timings.packed, timings.packed_shared, timings.float32):
+        assert len(figures) == 4 and all(ms > 0 for ms in figures)
+
+
+def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
+    from mlxd.config import ModelConfig, ServerConfig
+    from mlxd.models import cpu_path_timing
+
+    shapes = cpu_path_timing.model_shapes(smol_packed.path)
+    assert shapes is not None and shapes.layers == 30
+    assert shapes.head == (49_152, 576, 32, 8)  # the tied 8-bit embedding
+    assert (1536, 576, 32, 4) in shapes.layer and len(shapes.layer) == 7
+    timed = []
+
+    def fake(shapes, phases):
+        timed.append(phases)
+        return EPYC
+
+    monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
+    monkeypatch.setattr(cpu_path_timing, "_timed", {})
+    config = ModelConfig(kind="llm", source=str(smol_packed.path))
+    server = ServerConfig(cache_dir=tmp_path)
+    first = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
+    assert first is not None and first.plan == "float32" and not first.cached
+    assert timed == [Phases(prefill=config.batch.prefill_step_size)]
+    monkeypatch.setattr(cpu_path_timing, "_timed", {})  # a new worker process: the disk
+    second = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
+    assert second is not None and second.cached and second.plan == "float32"
+    assert len(timed) == 1
+
+    tight = ServerConfig(cache_dir=tmp_path / "other", memory_budget=300 * 2**20)
+    choice = cpu_path_timing.choose_cpu_path(smol_packed.path, config, tight)
+    assert choice is not None and choice.plan == "packed" and choice.timings is None
+    assert len(timed) == 1  # float32 does not fit: nothing timed
+    assert choice.weight_bytes < 300 * 2**20
