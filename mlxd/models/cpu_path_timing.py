@@ -161,7 +161,9 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
     return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
 
 
-_timed: dict[str, Timings] = {}  # this process's timings by key (a locate, then its load)
+# This process's timings by key, and whether they came from the disk cache: a worker
+# decides when it locates the model, then again (the same way) when it loads it.
+_timed: dict[str, tuple[Timings, bool]] = {}
 
 
 def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
@@ -200,10 +202,9 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
         return decided(None)  # packed is the only choice: nothing to time
     ident = identity(shapes, phases)
     cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
-    timings = _timed.get(key) or cache.get(key)
-    cached = timings is not None
-    if timings is None:
-        timings = time_paths(shapes, phases)
-        cache.put(key, ident, timings)
-    _timed[key] = timings
-    return decided(timings, cached)
+    if key not in _timed:
+        timings = cache.get(key)
+        _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
+        if timings is None:
+            cache.put(key, ident, _timed[key][0])
+    return decided(*_timed[key])
