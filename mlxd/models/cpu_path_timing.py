@@ -7,7 +7,9 @@ figure is a whole-model step estimate: layers × one layer's matmuls, plus the h
 (a prefill chunk projects only its last positions). The head is timed over at most
 `HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
 float32 head need not be materialised. Everything else a step does (attention, norms, RoPE)
-runs the same kernels on both paths and is left out. Each figure is the median of `REPEATS`.
+runs the same kernels on both paths and is left out. A decode figure is the median of
+`REPEATS` runs after a warm-up; the prefill chunk, which costs the most and runs on weights and
+threads the decode phases warmed, the median of `PREFILL_REPEATS` without one.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, qua
 Shape = tuple[int, int, int, int]  # out, in, group size, bits
 HEAD_ROWS = 8192
 REPEATS = 3
+PREFILL_REPEATS = 2
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -106,17 +109,18 @@ def _matrix(shape: Shape) -> _Matrix:
     return _Matrix(kernels.pack(weight, scales, biases, group, bits), dense, out / rows)
 
 
-def _median_ms(run: Callable[[], list[mx.array]]) -> float:
-    mx.eval(run())  # warm-up: first-call allocations, thread pools
+def _median_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:
+    if warm_up:
+        mx.eval(run())  # first-call allocations, thread pools
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         started = time.perf_counter()
         mx.eval(run())
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
 
-def _time(matrices: list[_Matrix], rows: int, packed: bool) -> float:
+def _time(matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = False) -> float:
     """ms for one pass of `matrices` over `rows` input rows (each scaled)."""
     total = 0.0
     for scale, group in _by_scale(matrices).items():
@@ -129,7 +133,8 @@ def _time(matrices: list[_Matrix], rows: int, packed: bool) -> float:
                 return [kernels.qmatmul(x[m.dense.shape[1]], m.packed) for m in group]
             return [x[m.dense.shape[1]] @ m.dense.T for m in group]
 
-        total += scale * _median_ms(run)
+        repeats = PREFILL_REPEATS if prefill else REPEATS
+        total += scale * _median_ms(run, repeats, warm_up=not prefill)
     return total
 
 
@@ -140,14 +145,16 @@ def _by_scale(matrices: list[_Matrix]) -> dict[float, list[_Matrix]]:
     return groups
 
 
-def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
-    """Each phase's step estimate packed on every core, packed on one thread, and float32."""
+def time_paths(shapes: ModelShapes, phases: Phases, shared: bool = True) -> Timings:
+    """Each phase's step estimate packed on every core, packed on one thread, and float32.
+    Without `shared` (both weight sets cannot be held: no mixed plan) the one-thread figures
+    are not timed and repeat the every-core ones."""
     layer = [_matrix(s) for s in shapes.layer]
     head = [_matrix(shapes.head)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
 
     def step(rows: int, packed: bool, decode: bool) -> float:
-        ms = shapes.layers * _time(layer, rows, packed)
+        ms = shapes.layers * _time(layer, rows, packed, prefill=not decode)
         return ms + (_time(head, rows, packed) if decode and head else 0.0)
 
     def phase_times(packed: bool) -> tuple[float, ...]:
@@ -157,7 +164,7 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)
     kernels.use_threads(1)
-    packed_one = packed_all if cores == 1 else phase_times(True)
+    packed_one = phase_times(True) if shared and cores > 1 else packed_all
     return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
 
 
@@ -200,11 +207,12 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
 
     if float32_bytes + config.cache.ram > budget:
         return decided(None)  # packed is the only choice: nothing to time
-    ident = identity(shapes, phases)
+    shared = packed_bytes + float32_bytes + config.cache.ram <= budget  # mixed possible
+    ident = identity(shapes, phases) | {"one_thread_timed": shared}
     cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
     if key not in _timed:
         timings = cache.get(key)
-        _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
+        _timed[key] = (timings or time_paths(shapes, phases, shared), timings is not None)
         if timings is None:
             cache.put(key, ident, _timed[key][0])
     return decided(*_timed[key])

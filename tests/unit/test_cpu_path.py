@@ -200,7 +200,7 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     assert (1536, 576, 32, 4) in shapes.layer and len(shapes.layer) == 7
     timed = []
 
-    def fake(shapes, phases):
+    def fake(shapes, phases, shared=True):
         timed.append(phases)
         return EPYC
 
