@@ -8,7 +8,8 @@ beat 32), large ones by arithmetic (BLAS's). So at load one layer's matmuls and 
 head are timed both ways (models/cpu_path_timing.py) for decode at batch 1, 8 and 32 and for a
 prefill chunk, and `decide` picks the plan that is fastest over those phases:
 
-- "packed": every phase on the kernels, on every core;
+- "packed": every phase on the kernels, on every core, or on one thread where that measured
+  faster (on a busy machine OpenMP's teams stall waiting for a descheduled thread);
 - "float32": every phase on BLAS (the weights dequantized: ~8x the bytes of 4-bit);
 - "mixed": both weight sets held, each matmul on the faster for its row count (e.g. packed
   decode, float32 prefill). The kernels then run on one thread beside BLAS's (see
@@ -69,6 +70,14 @@ class Choice:
     weight_bytes: int
     reason: str = ""  # why a plan was out of the running
     cached: bool = False  # the timings came from the cache
+    one_thread: bool = False  # the kernels measured faster on one thread (a busy machine)
+
+    @property
+    def packed_ms(self) -> tuple[float, ...]:
+        """The packed figures that apply: on one thread under mixed or `one_thread`."""
+        assert self.timings is not None
+        one = self.plan == "mixed" or self.one_thread
+        return self.timings.packed_shared if one else self.timings.packed
 
     def path_for(self, rows: int) -> WeightPath:
         """The path of a matmul over `rows` rows: the first phase with at least as many."""
@@ -81,9 +90,7 @@ class Choice:
         """One line: which path runs which phase and the timings behind it."""
         if self.timings is None:
             return f"packed ({self.reason})"
-        by_path = {"packed": self.timings.packed, "float32": self.timings.float32}
-        if self.plan == "mixed":
-            by_path["packed"] = self.timings.packed_shared
+        by_path = {"packed": self.packed_ms, "float32": self.timings.float32}
         parts = []
         for label, indices in (("decode", range(len(self.phases.decode))), ("prefill", [-1])):
             chosen = {self.paths[i] for i in indices}
@@ -96,7 +103,8 @@ class Choice:
             ours = "/".join(_ms(by_path[path][i]) for i in indices)
             theirs = "/".join(_ms(by_path[other][i]) for i in indices)
             parts.append(f"{path} {label} ({rows}: {ours} ms vs {other} {theirs})")
-        note = f"; {self.reason}" if self.reason else ""
+        note = "; kernels on one thread" if self.one_thread else ""
+        note += f"; {self.reason}" if self.reason else ""
         return ", ".join(parts) + note + (" [cached timings]" if self.cached else "")
 
     def as_dict(self) -> dict[str, Any]:
@@ -106,7 +114,7 @@ class Choice:
             name = f"prefill {rows}" if i == len(self.phases.rows) - 1 else f"decode {rows}"
             phase: dict[str, Any] = {"phase": name, "path": self.paths[i]}
             if self.timings is not None:
-                packed = self.timings.packed_shared if self.plan == "mixed" else self.timings.packed
+                packed = self.packed_ms
                 phase |= {
                     "packed_ms": round(packed[i], 2),
                     "float32_ms": round(self.timings.float32[i], 2),
@@ -168,8 +176,15 @@ def decide(
         return Choice("packed", all_packed, phases, None, packed_bytes, reason, cached)
     if timings is None:
         raise ValueError("float32 fits the budget: the paths must be timed")
+    # All packed, the kernels on every core or on one, whichever ran faster over the phases
+    # (OpenMP teams stall when other work holds the cores).
+    one_thread = _geomean(timings.packed_shared, timings.packed) < 1 / MORE_BYTES_MARGIN
     candidates: dict[str, tuple[tuple[WeightPath, ...], int, tuple[float, ...]]] = {
-        "packed": (all_packed, packed_bytes, timings.packed),
+        "packed": (
+            all_packed,
+            packed_bytes,
+            timings.packed_shared if one_thread else timings.packed,
+        ),
         "float32": (all_float32, float32_bytes, timings.float32),
     }
     mixed_paths: tuple[WeightPath, ...] = tuple(
@@ -192,8 +207,7 @@ def decide(
     best = [min(c[2][i] for c in candidates.values()) for i in range(len(phases.rows))]
 
     def score(item: tuple[str, tuple[tuple[WeightPath, ...], int, tuple[float, ...]]]) -> float:
-        ratios = [t / b for t, b in zip(item[1][2], best, strict=True)]
-        return math.exp(sum(map(math.log, ratios)) / len(ratios))
+        return _geomean(item[1][2], tuple(best))
 
     # Fewest bytes first; a plan holding more must be clearly faster (timings are noisy).
     ranked = sorted(candidates.items(), key=lambda item: item[1][1])
@@ -203,7 +217,14 @@ def decide(
         if score(item) * MORE_BYTES_MARGIN < best_score:
             plan, (paths, nbytes, _) = item
             best_score = score(item)
-    return Choice(plan, paths, phases, timings, nbytes, reason, cached)
+    one_thread = one_thread and plan == "packed"
+    return Choice(plan, paths, phases, timings, nbytes, reason, cached, one_thread)
+
+
+def _geomean(times: tuple[float, ...], reference: tuple[float, ...]) -> float:
+    """The geometric mean of times[i] / reference[i]."""
+    ratios = [t / r for t, r in zip(times, reference, strict=True)]
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
 
 
 def budget_bytes(memory_budget: int | None) -> int:

@@ -145,10 +145,8 @@ def _by_scale(matrices: list[_Matrix]) -> dict[float, list[_Matrix]]:
     return groups
 
 
-def time_paths(shapes: ModelShapes, phases: Phases, shared: bool = True) -> Timings:
-    """Each phase's step estimate packed on every core, packed on one thread, and float32.
-    Without `shared` (both weight sets cannot be held: no mixed plan) the one-thread figures
-    are not timed and repeat the every-core ones."""
+def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
+    """Each phase's step estimate packed on every core, packed on one thread, and float32."""
     layer = [_matrix(s) for s in shapes.layer]
     head = [_matrix(shapes.head)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
@@ -164,7 +162,7 @@ def time_paths(shapes: ModelShapes, phases: Phases, shared: bool = True) -> Timi
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)
     kernels.use_threads(1)
-    packed_one = phase_times(True) if shared and cores > 1 else packed_all
+    packed_one = phase_times(True) if cores > 1 else packed_all
     return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
 
 
@@ -207,12 +205,11 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
 
     if float32_bytes + config.cache.ram > budget:
         return decided(None)  # packed is the only choice: nothing to time
-    shared = packed_bytes + float32_bytes + config.cache.ram <= budget  # mixed possible
-    ident = identity(shapes, phases) | {"one_thread_timed": shared}
+    ident = identity(shapes, phases)
     cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
     if key not in _timed:
         timings = cache.get(key)
-        _timed[key] = (timings or time_paths(shapes, phases, shared), timings is not None)
+        _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
         if timings is None:
             cache.put(key, ident, _timed[key][0])
     return decided(*_timed[key])

@@ -175,7 +175,9 @@ def load_llm(
             # The CPU backend evaluates exp element by element: the exact SiLU was ≈12% of a
             # batch-32 decode step on SmolLM2; the rational one is ≈10x cheaper (test_fast_silu).
             use_rational_swiglu(model)
-            kernels.share_cores(plan == "packed")
+            # One thread beside BLAS, or where one measured faster than all (a busy CPU).
+            one_thread = cpu_path is not None and cpu_path.one_thread
+            kernels.share_cores(plan == "packed" and not one_thread)
             # MLX composes rope, norms and attention from element-wise ops on the CPU.
             use_kernel_layers(model)
             use_kernel_attention(model)

@@ -63,6 +63,20 @@ def test_mixed_is_judged_with_the_kernels_on_one_thread():
     assert choose(timings).plan == "packed"
 
 
+def test_packed_on_one_thread_where_the_cores_are_busy():
+    # Measured on 2 cores at load average 15: OpenMP's two-thread team stalled.
+    busy = Timings(
+        (12714.0, 9840.0, 9657.0, 15328.0),
+        (4.8, 12.4, 348.0, 2753.0),
+        (308.0, 674.0, 545.0, 6790.0),
+    )
+    choice = choose(busy)
+    assert (choice.plan, choice.one_thread) == ("packed", True)
+    assert choice.summary().startswith("packed decode (1/8/32: 4.8/12.4/348 ms vs float32")
+    assert "kernels on one thread" in choice.summary()
+    assert choice.as_dict()["phases"][0]["packed_ms"] == 4.8
+
+
 def test_holding_more_bytes_must_be_clearly_faster():
     close = Timings((9.8, 14.9, 29.0, 195.0), (9.9, 15.0, 29.5, 198.0), (9.0, 15.0, 30.0, 200.0))
     # float32 8% faster at batch 1, packed 1-3% faster elsewhere: not worth 6x the bytes
@@ -200,7 +214,7 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     assert (1536, 576, 32, 4) in shapes.layer and len(shapes.layer) == 7
     timed = []
 
-    def fake(shapes, phases, shared=True):
+    def fake(shapes, phases):
         timed.append(phases)
         return EPYC
 
