@@ -126,6 +126,7 @@ class Choice:
             "phases": phases,
             "weight_bytes": self.weight_bytes,
             "cached": self.cached,
+            "one_thread": self.one_thread,
             "reason": self.reason or None,
         }
 

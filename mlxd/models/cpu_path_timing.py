@@ -74,11 +74,10 @@ def identity(shapes: ModelShapes, phases: Phases) -> dict[str, Any]:
     spec = importlib.util.find_spec("mlxd.kernels._cpu")
     origin = spec.origin if spec is not None else None
     build = hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
-    running_isa = getattr(kernels, "isa", None)  # the ISA the kernels dispatched to, if told
     return {
         "cpu": cpu_model(),
         "kernels": build,
-        "isa": running_isa() if callable(running_isa) else os.environ.get("MLXD_KERNELS_ISA"),
+        "isa": kernels.isa(),  # the variant the kernels dispatched to (or were forced to)
         "blas": [os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_CORETYPE")],
         "threads": len(os.sched_getaffinity(0)),
         "mlx": importlib.metadata.version("mlx"),
@@ -169,7 +168,7 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)
-    kernels.use_threads(1)
+    kernels.set_threads(1)
     packed_one = phase_times(True) if cores > 1 else packed_all
     return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
 
