@@ -27,7 +27,7 @@ import psutil
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
 from mlxd.distributed.launch import LaunchError
-from mlxd.errors import MlxdError, ModelLoadError, Unavailable
+from mlxd.errors import MlxdError, TransientLoadError, Unavailable
 from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
@@ -40,7 +40,7 @@ CLOSE_TIMEOUT_S = 30.0
 STATS_TIMEOUT_S = 2.0
 
 
-class WorkerDied(ModelLoadError):
+class WorkerDied(TransientLoadError):
     """The worker process ended before it was ready."""
 
 
@@ -117,7 +117,7 @@ class WorkerEngine:
             if kind == "load_failed":
                 raise args[0]
             if kind != "ready":
-                raise ModelLoadError(f"model '{name}': unexpected worker message {kind!r}")
+                raise TransientLoadError(f"model '{name}': unexpected worker message {kind!r}")
         except (asyncio.IncompleteReadError, ConnectionError):
             status = await process.wait()
             writer.close()
