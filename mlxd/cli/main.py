@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check",
         help="validate a config file",
-        description="Validate a config file; print every problem with its line and exit 1.",
+        description="Validate a config file and what it can check without loading: adapter "
+        "folders, Ollama models, each GGUF's header (architecture, tensor types, tokenizer). "
+        "Print every problem with its line and exit 1.",
     )
     check.add_argument("file")
     check.set_defaults(run=_check)
@@ -139,12 +141,14 @@ def _check(args: argparse.Namespace) -> int:
     from mlxd.config import load_config
     from mlxd.distributed.config import check_distributed
     from mlxd.models.adapters import check_adapters
+    from mlxd.models.source_check import check_sources
 
     try:
         # Beyond the schema: a distributed model's rank count against its heads and layers,
-        # each adapter directory's files.
+        # each adapter directory's files, each GGUF's header and Ollama model.
         config = load_config(
-            args.file, extra_checks=lambda r: check_distributed(r) + check_adapters(r)
+            args.file,
+            extra_checks=lambda r: check_distributed(r) + check_adapters(r) + check_sources(r),
         )
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
@@ -169,6 +173,8 @@ def _ps(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
     for name, row in status["models"].items():
+        if row.get("error"):
+            print(f"{name}: {row['error']} ({_retry(row)})")
         for rank in (row.get("distributed") or {}).get("ranks", []):
             print(
                 f"{name} rank {rank['rank']}: pid {rank['pid']} on {rank['host']} ({rank['state']})"
@@ -192,6 +198,15 @@ def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",
     )
+
+
+def _retry(row: dict[str, Any]) -> str:
+    """When a failed model is tried again."""
+    if row.get("gave_up"):
+        return "not retried until its source files or the config change"
+    if row.get("next_retry_s") is not None:
+        return f"next try in {row['next_retry_s']:.0f}s"
+    return "a previous engine keeps serving" if "running" in row else "retrying"
 
 
 def _group(group: dict[str, Any] | None) -> str:
