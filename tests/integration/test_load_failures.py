@@ -1,0 +1,86 @@
+"""A load error that will recur (an unsupported or missing file) marks the model failed with its
+reason and is not retried on a backoff; changing the file or reloading the YAML tries again.
+Real daemon, real CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gguf_files import write_gguf
+from tests.integration.daemon import start_daemon
+
+pytestmark = pytest.mark.integration
+
+NOT_RETRIED = "not retried until its source files or the config change"
+
+
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+
+
+def test_a_load_error_that_recurs_is_not_retried_until_something_changes(
+    tmp_path: Path, mlxd_cache_dir: Path
+):
+    write_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {
+            "snake": {"source": str(tmp_path / "mamba.gguf")},
+            "gone": {"source": str(tmp_path / "later.gguf")},
+        },
+    }
+    daemon = start_daemon(tmp_path, config)
+    try:
+
+        def rows() -> dict:
+            return daemon.status()["models"]
+
+        wait_for(lambda: all(row["state"] == "failed" for row in rows().values()))
+        time.sleep(8)  # a backoff would have retried after 1, 2 and 4 s
+        snake, gone = rows()["snake"], rows()["gone"]
+        assert "architecture 'mamba'" in snake["error"] and "does not exist" in gone["error"]
+        for row in (snake, gone):
+            assert row["failures"] == 1 and row["gave_up"] and row["next_retry_s"] is None
+        assert daemon.log().count("model 'snake' failed to load") == 1
+        assert f"({NOT_RETRIED})" in daemon.log()
+
+        ps = subprocess.run(
+            [sys.executable, "-m", "mlxd", "ps", "--url", daemon.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ps.returncode == 0, ps.stderr
+        assert f"snake: model 'snake': " in ps.stdout and NOT_RETRIED in ps.stdout, ps.stdout
+
+        # A request gets the reason at once, and does not load the file again.
+        answer = httpx.post(
+            f"{daemon.url}/v1/chat/completions",
+            json={"model": "snake", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert answer.status_code == 503
+        assert "architecture 'mamba'" in answer.json()["error"]["message"]
+        assert "retry-after" not in answer.headers
+        assert rows()["snake"]["failures"] == 1
+
+        # The missing file appears: the model is tried again (and now fails on its contents).
+        write_gguf(tmp_path / "later.gguf", arch="mamba")
+        wait_for(lambda: rows()["gone"]["failures"] == 2)
+        assert "architecture 'mamba'" in rows()["gone"]["error"]
+
+        # A reload of the YAML tries the failed models again.
+        assert httpx.post(f"{daemon.url}/admin/reload", timeout=30).status_code == 200
+        wait_for(lambda: rows()["snake"]["failures"] == 2)
+        assert rows()["snake"]["gave_up"]
+    finally:
+        assert daemon.stop() == 0
