@@ -60,7 +60,7 @@ def test_a_load_error_that_recurs_is_not_retried_until_something_changes(
             timeout=60,
         )
         assert ps.returncode == 0, ps.stderr
-        assert f"snake: model 'snake': " in ps.stdout and NOT_RETRIED in ps.stdout, ps.stdout
+        assert "snake: model 'snake': " in ps.stdout and NOT_RETRIED in ps.stdout, ps.stdout
 
         # A request gets the reason at once, and does not load the file again.
         answer = httpx.post(
