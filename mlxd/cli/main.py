@@ -18,6 +18,7 @@ from mlxd.process_exit import exit_process
 if TYPE_CHECKING:
     from mlxd.config import ModelConfig, ServerConfig
     from mlxd.runtime.engine import Engine
+    from mlxd.runtime.wire import MemoryNeed
 
 COMMANDS = ("serve", "check", "ps", "reload", "load", "unload", "bench")
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -302,7 +303,7 @@ async def _start_inline(
     name: str,
     config: ModelConfig,
     server: Callable[[], ServerConfig],
-    make_room: Callable[[int], Awaitable[None]],
+    make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     # Imported on first use: only `workers: inline` brings MLX into the daemon's process.
     from mlxd.worker.factory import start_inline

@@ -37,6 +37,7 @@ from mlxd.control.routes import ModelEntry, RouteTable
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
 from mlxd.runtime.engine import Engine, EngineStarter
 from mlxd.runtime.shared_pool import AdapterHost, EnginePool, SharedView
+from mlxd.runtime.wire import MemoryNeed, gib
 from mlxd.runtime.worker_proxy import WorkerEngine
 
 log = logging.getLogger("mlxd.reconcile")
@@ -233,7 +234,7 @@ class Reconciler:
         return key if any(m.adapter != config.adapter for m in siblings) else None
 
     async def _start_engine(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
-        async def make_room(need: int) -> None:
+        async def make_room(need: MemoryNeed) -> None:
             await self._make_room(need, runtime)
 
         if self.server.workers == "process":
@@ -242,11 +243,17 @@ class Reconciler:
             raise Unavailable("this process cannot load models inline (server.workers: inline)")
         return await self.start_inline(runtime.name, config, lambda: self.server, make_room)
 
-    async def _make_room(self, need: int, loading: ModelRuntime) -> None:
-        """Unload idle models, least recently used first, until `need` fits the budget."""
-        budget = self.server.memory_budget
-        if budget is None:
-            return
+    async def _make_room(self, need: MemoryNeed, loading: ModelRuntime) -> None:
+        """Unload idle models, least recently used first, until `need` fits the budget. A model
+        that could not fit even alone is refused for good (until the config changes)."""
+        budget = self.server.budget_bytes
+        if need.total > budget:
+            unset = " (unset: 75% of physical memory)" if self.server.memory_budget is None else ""
+            raise ModelLoadError(
+                f"model '{loading.name}' needs {gib(need.total)} ({need.describe()}) but "
+                f"server.memory_budget is {gib(budget)}{unset}: lower batch.max_batch_size, "
+                "context_length or cache.ram, or raise server.memory_budget"
+            )
         draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
         # Models sharing an engine are evicted together: only the last one out frees it.
         groups: dict[str, list[ModelRuntime]] = {}
@@ -264,13 +271,13 @@ class Reconciler:
             )
             for key, rts in groups.items()
         ]
-        victims = evictions(need + draining, budget, residents)
+        victims = evictions(need.total + draining, budget, residents)
         if victims is None:
             in_use = draining + sum(r.memory_bytes for r in residents)
             busy = ", ".join(rt.name for rt in self.models.values() if rt.engine) or "none"
             raise Unavailable(
-                f"model '{loading.name}' needs {need / 2**30:.2f} GiB but server.memory_budget "
-                f"({budget / 2**30:.2f} GiB) has {max(budget - in_use, 0) / 2**30:.2f} GiB "
+                f"model '{loading.name}' needs {gib(need.total)} ({need.describe()}) but "
+                f"server.memory_budget ({gib(budget)}) has {gib(max(budget - in_use, 0))} "
                 f"free; loaded and busy: {busy}"
             )
         for key in victims:

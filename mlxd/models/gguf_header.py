@@ -42,6 +42,8 @@ class GGUFHeader:
     examples: dict[str, str] = field(default_factory=dict)
     tensor_bytes: int = 0  # the tensor data as stored
     parameters: int = 0  # elements over all tensors
+    # Every tensor: (name, GGML type name, shape row-major as numpy has it, input dim last).
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
     def arch_value(self, key: str, default: Any = None) -> Any:
         """`{architecture}.{key}` from the metadata (e.g. "block_count")."""
@@ -86,9 +88,12 @@ def read_header(path: Path) -> GGUFHeader:
             metadata[name] = reader_field.contents()
     types: Counter[str] = Counter()
     examples: dict[str, str] = {}
+    tensors = []
     stored = elements = 0
     for tensor in reader.tensors:
         kind = _type_name(tensor.tensor_type)
+        # GGUF lists dimensions innermost first.
+        tensors.append((tensor.name, kind, tuple(int(d) for d in reversed(tensor.shape))))
         types[kind] += 1
         examples.setdefault(kind, tensor.name)
         stored += int(tensor.n_bytes)
@@ -102,6 +107,7 @@ def read_header(path: Path) -> GGUFHeader:
         examples=examples,
         tensor_bytes=stored,
         parameters=elements,
+        tensors=tuple(tensors),
     )
 
 

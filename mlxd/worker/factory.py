@@ -9,33 +9,70 @@ from typing import TYPE_CHECKING
 
 from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
+from mlxd.models import ollama_store
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.estimate import estimate_model_bytes
+from mlxd.models.gguf_header import GGUFHeaderError, read_header
+from mlxd.models.sizing import dir_weights_and_geometry, gguf_weights_and_geometry, model_need
+from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
+from mlxd.runtime.wire import MemoryNeed
 
 if TYPE_CHECKING:
     from mlxd.worker.embedding import EmbeddingEngine
     from mlxd.worker.llm import LLMEngine
 
 
-async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path, int]:
-    """The model's resolved directory (converting a GGUF on first use) and the bytes it will
-    hold once loaded, weights plus its KV budget."""
-    path: Path = await asyncio.to_thread(
-        resolve_source, config.source, model_name=name, cache_dir=cache_dir
-    )
-    kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
+async def size_up(
+    name: str, config: ModelConfig, cache_dir: Path
+) -> tuple[MemoryNeed, Path | None]:
+    """What the model will hold once loaded, from its files' headers only, and its resolved
+    directory when resolving read no weights (None for a GGUF: `locate` converts it once the
+    daemon has made room). An unsupported GGUF is refused here, before it is read."""
+    return await asyncio.to_thread(_size_up, name, config, cache_dir)
+
+
+def _size_up(name: str, config: ModelConfig, cache_dir: Path) -> tuple[MemoryNeed, Path | None]:
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
-    need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget, packs=packs)
+    gguf = _gguf_file(config.source, name)
+    path = None
+    if gguf is not None:
+        try:
+            header = read_header(gguf)
+        except (GGUFHeaderError, OSError) as exc:
+            raise ModelLoadError(f"model '{name}': {exc}") from exc
+        if problems := header.problems():
+            raise ModelLoadError(f"model '{name}': {gguf.name}: {'; '.join(problems)}")
+        weights, geometry = gguf_weights_and_geometry(header, config.dtype, packs=packs)
+    else:
+        path = resolve_source(config.source, model_name=name, cache_dir=cache_dir)
+        weights, geometry = dir_weights_and_geometry(path, config.dtype, packs=packs)
+    extra = 0
     draft = config.speculative.draft if config.speculative else None
     if draft is not None:  # loaded into this model's worker too
-        draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
-        need += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
+        extra += estimate_model_bytes(resolve_draft(draft, cache_dir), draft.dtype, 0)
     if config.adapter is not None:
-        need += await asyncio.to_thread(adapter_bytes, config.adapter)
-    return path, need
+        extra += adapter_bytes(config.adapter)
+    return model_need(config, weights, geometry, extra), path
+
+
+def _gguf_file(source: str, name: str) -> Path | None:
+    """The GGUF file `source` names (a local or pkg:// `.gguf`, an Ollama blob), else None."""
+    if source.startswith("hf://"):
+        return None
+    path = source_path(source, model_name=name)
+    if source.startswith(ollama_store.SCHEME) or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    return None
+
+
+async def locate(name: str, config: ModelConfig, cache_dir: Path) -> Path:
+    """The model's resolved directory, converting a GGUF on first use."""
+    return await asyncio.to_thread(
+        resolve_source, config.source, model_name=name, cache_dir=cache_dir
+    )
 
 
 def resolve_draft(draft: DraftWeights, cache_dir: Path) -> Path:
@@ -65,9 +102,10 @@ async def start_inline(
     name: str,
     config: ModelConfig,
     server: Callable[[], ServerConfig],
-    make_room: Callable[[int], Awaitable[None]],
+    make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     """An `EngineStarter` that loads the model into the calling process (`workers: inline`)."""
-    path, need = await locate(name, config, server().cache_dir)
+    need, path = await size_up(name, config, server().cache_dir)
     await make_room(need)
+    path = path or await locate(name, config, server().cache_dir)
     return await load_engine(name, config, path, server)

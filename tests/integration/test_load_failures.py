@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.gguf_files import write_gguf
-from tests.integration.daemon import start_daemon
+from tests.integration.daemon import SMOL_GGUF, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -82,5 +82,28 @@ def test_a_load_error_that_recurs_is_not_retried_until_something_changes(
         assert httpx.post(f"{daemon.url}/admin/reload", timeout=30).status_code == 200
         wait_for(lambda: rows()["snake"]["failures"] == 2)
         assert rows()["snake"]["gave_up"]
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_model_over_the_budget_is_refused_with_its_numbers_before_it_is_read(tmp_path: Path):
+    cache_dir = tmp_path / "cache"  # nothing converted yet: a conversion would read the file
+    config = {
+        "server": {"cache_dir": str(cache_dir), "memory_budget": "300MiB"},
+        "models": {"big": {"source": SMOL_GGUF, "cache": {"ram": "1GiB"}}},
+    }
+    daemon = start_daemon(tmp_path, config)
+    try:
+        wait_for(lambda: daemon.status()["models"]["big"]["state"] == "failed")
+        row = daemon.status()["models"]["big"]
+        assert row["gave_up"], row
+        # The model's own context (8192) for 32 sequences: the numbers, then what to change.
+        assert (
+            "0.12 GiB weights + 11.25 GiB KV (32 sequences x 8192 tokens, float32) + "
+            in (row["error"])
+        )
+        assert "1.00 GiB prefix cache (cache.ram)" in row["error"]
+        assert "server.memory_budget is 0.29 GiB: lower batch.max_batch_size" in row["error"]
+        assert not (cache_dir / "gguf").exists()  # refused from the header alone
     finally:
         assert daemon.stop() == 0
