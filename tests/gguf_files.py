@@ -33,6 +33,8 @@ def write_gguf(
     writer.add_head_count_kv(2)
     writer.add_tokenizer_model(tokenizer)
     writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges(["t 1"])
     rng = np.random.default_rng(0)
     writer.add_tensor(
         "token_embd.weight", _matrix(rng, VOCAB, HIDDEN, matrix_type), **_raw(matrix_type)

@@ -246,14 +246,9 @@ class Reconciler:
     async def _make_room(self, need: MemoryNeed, loading: ModelRuntime) -> None:
         """Unload idle models, least recently used first, until `need` fits the budget. A model
         that could not fit even alone is refused for good (until the config changes)."""
+        if refusal := need.over_budget(loading.name, self.server):
+            raise ModelLoadError(refusal)
         budget = self.server.budget_bytes
-        if need.total > budget:
-            unset = " (unset: 75% of physical memory)" if self.server.memory_budget is None else ""
-            raise ModelLoadError(
-                f"model '{loading.name}' needs {gib(need.total)} ({need.describe()}) but "
-                f"server.memory_budget is {gib(budget)}{unset}: lower batch.max_batch_size, "
-                "context_length or cache.ram, or raise server.memory_budget"
-            )
         draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
         # Models sharing an engine are evicted together: only the last one out frees it.
         groups: dict[str, list[ModelRuntime]] = {}

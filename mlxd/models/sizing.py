@@ -12,29 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import ModelConfig
-from mlxd.models.estimate import estimate_weight_bytes, tensors_weight_bytes
-from mlxd.models.gguf_header import GGUFHeader
+from mlxd.models.estimate import tensors_weight_bytes
+from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits
 from mlxd.models.loader import _target_dtype
 from mlxd.runtime.wire import MemoryNeed
 
-# Bits per weight of a GGUF quant type once in MLX's affine layout (a scale and a bias per 32).
-AFFINE_BITS = {
-    "Q4_0": 4,
-    "Q4_1": 4,
-    "Q5_0": 5,
-    "Q5_1": 5,
-    "Q8_0": 8,
-    "Q2_K": 2,
-    "Q3_K": 3,
-    "Q4_K": 4,
-    "Q5_K": 5,
-    "Q6_K": 6,
-    "IQ4_NL": 4,
-    "IQ4_XS": 4,
-}
-GGUF_GROUP = 32
-# GGML float types as safetensors dtypes; any other type is counted as float16 (dequantized).
-_FLOATS = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2), "F64": ("F64", 8)}
+# Bits per weight of each GGUF type the importer holds exactly in MLX's affine layout (a scale
+# and a bias per 32); the others it requantizes to gguf_quants.requant_bits.
+EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8}
+# GGML float types as safetensors dtypes.
+_FLOATS = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}
 
 
 @dataclass(frozen=True)
@@ -73,61 +61,64 @@ def model_need(
     return MemoryNeed(weights, kv, shape, config.cache.ram, extra)
 
 
-def dir_weights_and_geometry(
-    model_dir: Path, dtype: str, *, packs: bool
-) -> tuple[int, KVGeometry | None]:
-    """A model directory's weight bytes (safetensors headers) and KV geometry (config.json)."""
-    weights = estimate_weight_bytes(model_dir, dtype, packs=packs)
+def dir_geometry(model_dir: Path) -> KVGeometry | None:
+    """A model directory's KV geometry, from its config.json (None where it does not say)."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return weights, None
-    return weights, _config_geometry(config)
+        return None
+    return _config_geometry(config)
 
 
 def gguf_weights_and_geometry(
-    header: GGUFHeader, dtype: str, *, packs: bool
+    gguf: GGUFFile, dtype: str, *, packs: bool
 ) -> tuple[int, KVGeometry | None]:
     """A GGUF's weight bytes once imported and loaded with `dtype`, and its KV geometry, from
-    the header: each quantized matrix as the affine layout it converts into, the rest as
+    its header: each quantized matrix as the affine layout the importer writes, the rest as
     stored, then counted by the same rules as a converted directory (estimate.py)."""
     tensors: dict[str, dict[str, Any]] = {}
-    for name, kind, shape in header.tensors:
-        name = name.replace("token_embd", "model.embed_tokens")  # the embedding rules apply
-        bits = AFFINE_BITS.get(kind)
-        rows, columns = list(shape[:-1]), shape[-1]
-        if bits is not None and name.endswith(".weight") and columns % GGUF_GROUP == 0:
-            module = name.removesuffix(".weight")
-            packed = [*rows, columns * bits // 32]
-            groups = [*rows, columns // GGUF_GROUP]
-            tensors[name] = _entry("U32", packed, 4)
-            tensors[f"{module}.scales"] = _entry("F16", groups, 2)
-            tensors[f"{module}.biases"] = _entry("F16", groups, 2)
-        else:
-            safetensors_dtype, itemsize = _FLOATS.get(kind, ("F16", 2))
-            tensors[name] = _entry(safetensors_dtype, list(shape), itemsize)
-    weights = tensors_weight_bytes(tensors, {"group_size": GGUF_GROUP}, dtype, packs=packs)
-    return weights, _gguf_geometry(header)
+    for tensor in gguf.tensors:
+        kind = tensor.tensor_type.name
+        name = tensor.name.replace("token_embd", "model.embed_tokens")  # its rules apply
+        rows, columns = list(tensor.shape[:-1]), tensor.shape[-1]
+        if kind in _FLOATS:
+            safetensors_dtype, itemsize = _FLOATS[kind]
+            tensors[name] = _entry(safetensors_dtype, list(tensor.shape), itemsize)
+            continue
+        bits = EXACT_BITS.get(kind) or requant_bits(tensor.tensor_type)
+        module = name.removesuffix(".weight")
+        groups = [*rows, columns // GROUP_SIZE]
+        tensors[f"{module}.weight"] = _entry("U32", [*rows, columns * bits // 32], 4)
+        tensors[f"{module}.scales"] = _entry("F16", groups, 2)
+        tensors[f"{module}.biases"] = _entry("F16", groups, 2)
+    weights = tensors_weight_bytes(tensors, {"group_size": GROUP_SIZE}, dtype, packs=packs)
+    return weights, _gguf_geometry(gguf.metadata)
 
 
 def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:
     return {"dtype": dtype, "shape": shape, "data_offsets": [0, math.prod(shape) * itemsize]}
 
 
-def _gguf_geometry(header: GGUFHeader) -> KVGeometry | None:
-    layers, heads = header.arch_value("block_count"), header.arch_value("attention.head_count")
-    hidden = header.arch_value("embedding_length")
+def _gguf_geometry(metadata: dict[str, Any]) -> KVGeometry | None:
+    arch = metadata.get("general.architecture")
+
+    def value(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    layers, heads = value("block_count"), value("attention.head_count")
+    hidden = value("embedding_length")
+    if isinstance(heads, list):  # per-layer counts (some architectures): the largest bounds
+        heads = max(heads)
     if not (isinstance(layers, int) and isinstance(heads, int) and heads and hidden):
         return None
-    kv_heads = header.arch_value("attention.head_count_kv", heads)
-    key_dim = header.arch_value("attention.key_length") or hidden // heads
+    kv_heads = value("attention.head_count_kv", heads)
+    key_dim = value("attention.key_length") or hidden // heads
     return KVGeometry(
         layers=layers,
-        # Per-layer counts (some architectures list one per layer): the largest bounds them.
         kv_heads=max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
         key_dim=key_dim,
-        value_dim=header.arch_value("attention.value_length") or key_dim,
-        context=header.arch_value("context_length"),
+        value_dim=value("attention.value_length") or key_dim,
+        context=value("context_length"),
     )
 
 

@@ -9,7 +9,7 @@ from mlxd.config import Config
 from mlxd.config.loader import Loc
 from mlxd.errors import ModelLoadError
 from mlxd.models import ollama_store
-from mlxd.models.gguf_header import GGUFHeaderError, read_header
+from mlxd.models.gguf import inspect_gguf
 from mlxd.models.source_paths import source_path
 
 
@@ -33,11 +33,7 @@ def source_problems(name: str, source: str) -> list[str]:
         return [exc.message] if source.startswith(ollama_store.SCHEME) else []
     if not _is_gguf(path, source):
         return []
-    try:
-        header = read_header(path)
-    except (GGUFHeaderError, OSError) as exc:
-        return [f"model '{name}': {exc}"]
-    return [f"model '{name}': {path.name}: {problem}" for problem in header.problems()]
+    return [f"model '{name}': {path.name}: {problem}" for problem in inspect_gguf(path)]
 
 
 def _is_gguf(path: Path, source: str) -> bool:

@@ -24,14 +24,13 @@ from tqdm import tqdm
 
 from mlxd.errors import ModelLoadError, TransientLoadError
 from mlxd.models import ollama_store
-from mlxd.models.gguf import GGUFError, convert_gguf
+from mlxd.models.gguf import FORMAT_VERSION, GGUFError, convert_gguf
 from mlxd.models.source_paths import source_path
 
 log = logging.getLogger(__name__)
 
 _HASH_CHUNK = 8 << 20
 _TRUE = {"1", "on", "true", "yes"}
-_SOURCE_LINK = "source.gguf"
 
 
 def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
@@ -44,7 +43,7 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
     path = source_path(source, model_name=model_name)
     if source.startswith(ollama_store.SCHEME):
         # The blob's name is its sha256: no need to hash gigabytes again.
-        digest = path.name.removeprefix("sha256-")[:16]
+        digest = path.name.removeprefix("sha256-")
         return _converted_gguf(path, model_name, Path(cache_dir).expanduser(), digest)
     if path.is_dir():
         return _check_model_dir(path, source, model_name)
@@ -128,16 +127,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _named_gguf(path: Path, scratch: Path) -> Path:
-    """`path`, or a `.gguf` link to it in `scratch` when its name lacks the suffix (an Ollama
-    blob): readers tell the format by the suffix."""
-    if path.suffix == ".gguf":
-        return path
-    link = scratch / _SOURCE_LINK
-    link.symlink_to(path)
-    return link
-
-
 @contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """An flock held while converting; the kernel drops it if the process dies."""
@@ -152,13 +141,14 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 def _converted_gguf(
     path: Path, model_name: str, cache_dir: Path, digest: str | None = None
 ) -> Path:
-    """Import `path` once into cache_dir/gguf/<sha256[:16]>/ and reuse it afterwards
-    (`digest`: that prefix, when already known).
+    """Import `path` once into cache_dir/gguf/<sha256[:16]>-v<FORMAT_VERSION>/ and reuse it
+    (`digest`: the file's sha256, when already known).
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    digest = digest or _sha256(path)[:16]
+    # The importer's version is part of the key: a new importer never reuses an old output.
+    digest = f"{(digest or _sha256(path))[:16]}-v{FORMAT_VERSION}"
     root = cache_dir / "gguf"
     final = root / digest
     if final.is_dir():
@@ -174,8 +164,7 @@ def _converted_gguf(
             partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
             try:
                 started = time.perf_counter()
-                convert_gguf(_named_gguf(path, partial), partial)
-                (partial / _SOURCE_LINK).unlink(missing_ok=True)
+                convert_gguf(path, partial)
                 os.rename(partial, final)
                 log.info(
                     "converted %s into %s in %.1fs", path, final, time.perf_counter() - started

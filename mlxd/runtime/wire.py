@@ -39,6 +39,16 @@ class WorkerSpec:
     config: ModelConfig
     server: ServerConfig
 
+    @classmethod
+    def without_keys(cls, name: str, config: ModelConfig, server: ServerConfig) -> WorkerSpec:
+        """The spec with every `api_keys` emptied: workers never check a key (the daemon does),
+        and a distributed model's rank 0 hands its config on to the other ranks' machines."""
+        return cls(
+            name,
+            config.model_copy(update={"api_keys": []}),
+            server.model_copy(update={"api_keys": []}),
+        )
+
 
 @dataclass(frozen=True)
 class MemoryNeed:
@@ -65,6 +75,18 @@ class MemoryNeed:
         if self.extra:
             parts.append(f"{gib(self.extra)} draft model and adapter")
         return " + ".join(parts)
+
+    def over_budget(self, model: str, server: ServerConfig) -> str | None:
+        """Why model `model` cannot fit server.memory_budget even alone; None when it can."""
+        budget = server.budget_bytes
+        if self.total <= budget:
+            return None
+        unset = " (unset: 75% of physical memory)" if server.memory_budget is None else ""
+        return (
+            f"model '{model}' needs {gib(self.total)} ({self.describe()}) but "
+            f"server.memory_budget is {gib(budget)}{unset}: lower batch.max_batch_size, "
+            "context_length or cache.ram, or raise server.memory_budget"
+        )
 
 
 def gib(size: int) -> str:

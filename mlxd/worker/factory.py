@@ -11,9 +11,11 @@ from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
 from mlxd.models import ollama_store
 from mlxd.models.adapters import adapter_bytes
-from mlxd.models.estimate import estimate_model_bytes
-from mlxd.models.gguf_header import GGUFHeaderError, read_header
-from mlxd.models.sizing import dir_weights_and_geometry, gguf_weights_and_geometry, model_need
+from mlxd.models.cpu_path_timing import choose_cpu_path
+from mlxd.models.estimate import estimate_model_bytes, estimate_weight_bytes
+from mlxd.models.gguf_errors import GGUFError
+from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_need
 from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
@@ -24,38 +26,47 @@ if TYPE_CHECKING:
     from mlxd.worker.llm import LLMEngine
 
 
-async def size_up(
-    name: str, config: ModelConfig, cache_dir: Path
-) -> tuple[MemoryNeed, Path | None]:
-    """What the model will hold once loaded, from its files' headers only, and its resolved
-    directory when resolving read no weights (None for a GGUF: `locate` converts it once the
-    daemon has made room). An unsupported GGUF is refused here, before it is read."""
-    return await asyncio.to_thread(_size_up, name, config, cache_dir)
-
-
-def _size_up(name: str, config: ModelConfig, cache_dir: Path) -> tuple[MemoryNeed, Path | None]:
+async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, MemoryNeed]:
+    """The model's resolved directory (converting a GGUF on first use) and what it will hold
+    once loaded (a MemoryNeed: weights, KV at full batch and context, prefix cache). A GGUF is
+    first sized from its header: one that cannot fit server.memory_budget even alone is refused
+    before it is converted (read). A quantized LLM on the CPU has its weights' path chosen here
+    (models/cpu_path.py: timed once per CPU and shapes, then cached), as the bytes depend on it."""
+    await asyncio.to_thread(_refuse_a_gguf_that_cannot_fit, name, config, server)
+    cache_dir = server.cache_dir
+    path: Path = await asyncio.to_thread(
+        resolve_source, config.source, model_name=name, cache_dir=cache_dir
+    )
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
-    gguf = _gguf_file(config.source, name)
-    path = None
-    if gguf is not None:
-        try:
-            header = read_header(gguf)
-        except (GGUFHeaderError, OSError) as exc:
-            raise ModelLoadError(f"model '{name}': {exc}") from exc
-        if problems := header.problems():
-            raise ModelLoadError(f"model '{name}': {gguf.name}: {'; '.join(problems)}")
-        weights, geometry = gguf_weights_and_geometry(header, config.dtype, packs=packs)
+    choice = await asyncio.to_thread(choose_cpu_path, path, config, server)
+    if choice is not None:
+        weights = choice.weight_bytes
     else:
-        path = resolve_source(config.source, model_name=name, cache_dir=cache_dir)
-        weights, geometry = dir_weights_and_geometry(path, config.dtype, packs=packs)
+        weights = await asyncio.to_thread(estimate_weight_bytes, path, config.dtype, packs=packs)
     extra = 0
     draft = config.speculative.draft if config.speculative else None
     if draft is not None:  # loaded into this model's worker too
-        extra += estimate_model_bytes(resolve_draft(draft, cache_dir), draft.dtype, 0)
+        draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
+        extra += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
     if config.adapter is not None:
-        extra += adapter_bytes(config.adapter)
-    return model_need(config, weights, geometry, extra), path
+        extra += await asyncio.to_thread(adapter_bytes, config.adapter)
+    return path, model_need(config, weights, dir_geometry(path), extra)
+
+
+def _refuse_a_gguf_that_cannot_fit(name: str, config: ModelConfig, server: ServerConfig) -> None:
+    gguf = _gguf_file(config.source, name)
+    if gguf is None:
+        return
+    try:
+        header = GGUFFile(gguf)
+    except GGUFError as exc:
+        raise ModelLoadError(f"model '{name}': {exc}") from exc
+    weights, geometry = gguf_weights_and_geometry(
+        header, config.dtype, packs=config.distributed is None
+    )
+    if refusal := model_need(config, weights, geometry).over_budget(name, server):
+        raise ModelLoadError(refusal)
 
 
 def _gguf_file(source: str, name: str) -> Path | None:
@@ -66,13 +77,6 @@ def _gguf_file(source: str, name: str) -> Path | None:
     if source.startswith(ollama_store.SCHEME) or (path.is_file() and path.suffix == ".gguf"):
         return path
     return None
-
-
-async def locate(name: str, config: ModelConfig, cache_dir: Path) -> Path:
-    """The model's resolved directory, converting a GGUF on first use."""
-    return await asyncio.to_thread(
-        resolve_source, config.source, model_name=name, cache_dir=cache_dir
-    )
 
 
 def resolve_draft(draft: DraftWeights, cache_dir: Path) -> Path:
@@ -105,7 +109,6 @@ async def start_inline(
     make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     """An `EngineStarter` that loads the model into the calling process (`workers: inline`)."""
-    need, path = await size_up(name, config, server().cache_dir)
+    path, need = await locate(name, config, server())
     await make_room(need)
-    path = path or await locate(name, config, server().cache_dir)
     return await load_engine(name, config, path, server)

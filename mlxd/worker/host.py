@@ -5,11 +5,11 @@ The daemon starts one worker per loaded model and talks to it over an inherited 
 costs this model alone, and unloading the model is this process's exit, so its memory really
 goes back to the system.
 
-Life of a worker: read its `WorkerSpec`; at a lower CPU priority size the model from its files'
-headers and tell the daemon what it will hold (a `MemoryNeed`); wait for the daemon to make room;
-resolve the weights (a GGUF is converted on first use) and load; restore the priority; say
-`ready`; then serve requests until told to close, until the daemon goes away (end of file on
-the socket), or until its engine's model thread dies.
+Life of a worker: read its `WorkerSpec`; at a lower CPU priority resolve the weights (a GGUF is
+sized from its header, then converted on first use) and tell the daemon what it will hold (a
+`MemoryNeed`); wait for the daemon to make room; load; restore the priority; say `ready`; then
+serve requests until told to close, until the daemon goes away (end of file on the socket), or
+until its engine's model thread dies.
 Events travel back in one message per engine step, for every sequence at once.
 """
 
@@ -36,7 +36,7 @@ from mlxd.runtime.wire import WorkerSpec, read_message, write_message
 from mlxd.settings import Settings
 from mlxd.types import Event
 from mlxd.worker import memory
-from mlxd.worker.factory import load_engine, locate, size_up
+from mlxd.worker.factory import load_engine, locate
 from mlxd.worker.hooks import load_hooks
 
 log = logging.getLogger("mlxd.worker")
@@ -213,12 +213,11 @@ async def _start(
     memory.apply_limits(spec.name, spec.server.metal)  # before the weights are allocated
     nice = _lower_priority()
     try:
-        need, path = await size_up(spec.name, spec.config, spec.server.cache_dir)
+        path, need = await locate(spec.name, spec.config, spec.server)
         write_message(writer, ("need", need))
         reply = await read_message(reader)  # the daemon made room for `need`, or could not
         if reply[0] != "go":
             return 1
-        path = path or await locate(spec.name, spec.config, spec.server.cache_dir)
         engine, extra = await load(spec.name, spec.config, path, lambda: server.current)
     except (asyncio.IncompleteReadError, ConnectionError):
         return 1  # the daemon gave up on this load

@@ -8,12 +8,9 @@ import psutil
 import pytest
 
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.models.gguf_header import read_header
-from mlxd.models.sizing import (
-    dir_weights_and_geometry,
-    gguf_weights_and_geometry,
-    model_need,
-)
+from mlxd.models.estimate import estimate_weight_bytes
+from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_need
 from mlxd.models.source_paths import source_path
 from tests.unit.conftest import SMOL_GGUF
 
@@ -23,15 +20,16 @@ SMOL_KV_TOKEN_F32 = 30 * 3 * (64 + 64) * 4
 
 @pytest.mark.parametrize("dtype", ["auto", "float32", "keep"])
 def test_a_gguf_is_sized_from_its_header_as_its_conversion_is(smol, dtype: str):
-    header = read_header(source_path(SMOL_GGUF, model_name="smol"))
-    from_header = gguf_weights_and_geometry(header, dtype, packs=True)
-    assert from_header == dir_weights_and_geometry(smol.path, dtype, packs=True)
-    assert from_header[1].bytes_per_token(4) == SMOL_KV_TOKEN_F32
-    assert from_header[1].context == 8192
+    header = GGUFFile(source_path(SMOL_GGUF, model_name="smol"))
+    weights, geometry = gguf_weights_and_geometry(header, dtype, packs=True)
+    assert weights == estimate_weight_bytes(smol.path, dtype, packs=True)
+    assert geometry == dir_geometry(smol.path)
+    assert geometry is not None and geometry.bytes_per_token(4) == SMOL_KV_TOKEN_F32
+    assert geometry.context == 8192
 
 
 def test_the_need_counts_kv_at_full_batch_and_context_and_the_prefix_cache(smol):
-    weights, geometry = dir_weights_and_geometry(smol.path, "auto", packs=True)
+    weights, geometry = estimate_weight_bytes(smol.path, "auto"), dir_geometry(smol.path)
     config = ModelConfig.model_validate(
         {"source": SMOL_GGUF, "batch": {"max_batch_size": 8}, "cache": {"ram": "64MiB"}}
     )
