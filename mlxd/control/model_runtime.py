@@ -78,9 +78,13 @@ class ModelRuntime:
         if self.loading is not None:
             return Actual(self.config, "loading")
         if self.engine is not None:
-            # A swap that failed leaves the old engine: its settings are what actually runs.
-            engine_fields = {f: getattr(self.built, f) for f in ENGINE_FIELDS}
-            running = self.config.model_copy(update=engine_fields)
+            # A swap that failed leaves the old engine: its settings are what actually runs,
+            # and the swap is retried once its backoff is over (never, if it gave up: until
+            # the source or the config changes).
+            running = self.config
+            if self.error is None or retry_in <= 0:
+                engine_fields = {f: getattr(self.built, f) for f in ENGINE_FIELDS}
+                running = self.config.model_copy(update=engine_fields)
             if self.dead():
                 return Actual(running, "dead", retry_in=retry_in)
             idle_for = now - self.engine.last_used if self.engine.idle else None

@@ -73,7 +73,7 @@ class Reconciler:
         Failed models are retried at once: the change may have fixed them."""
         self.desired, self.server = desired, server
         for runtime in self.models.values():
-            if runtime.engine is None and runtime.error is not None:
+            if runtime.error is not None:  # a failed load, or a failed swap beside its engine
                 runtime.retry_now()
         return self.tick()
 

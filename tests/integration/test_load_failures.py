@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.gguf_files import write_gguf
 from tests.integration.daemon import SMOL_GGUF, start_daemon
@@ -105,5 +106,37 @@ def test_a_model_over_the_budget_is_refused_with_its_numbers_before_it_is_read(t
         assert "1.00 GiB prefix cache (cache.ram)" in row["error"]
         assert "server.memory_budget is 0.29 GiB: lower batch.max_batch_size" in row["error"]
         assert not (cache_dir / "gguf").exists()  # refused from the header alone
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_swap_to_an_unsupported_file_keeps_the_old_engine_and_is_not_retried(
+    tmp_path: Path, mlxd_cache_dir: Path
+):
+    write_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    smol = {"source": SMOL_GGUF, "context_length": 256, "batch": {"max_batch_size": 2}}
+    daemon = start_daemon(
+        tmp_path, {"server": {"cache_dir": str(mlxd_cache_dir)}, "models": {"smol": smol}}
+    )
+    try:
+        pid = daemon.status()["models"]["smol"]["pid"]
+        config = {**daemon.config, "models": {"smol": {**smol, "source": "mamba.gguf"}}}
+        daemon.config_path.write_text(yaml.safe_dump(config))
+        assert httpx.post(f"{daemon.url}/admin/reload", timeout=30).status_code == 200
+        wait_for(lambda: daemon.status()["models"]["smol"]["error"] is not None)
+        time.sleep(5)  # a swap retried every tick would have failed again by now
+        row = daemon.status()["models"]["smol"]
+        assert row["state"] == "loaded" and row["pid"] == pid and row["gave_up"]
+        assert row["failures"] == 1 and "architecture 'mamba'" in row["error"]
+        answer = httpx.post(
+            f"{daemon.url}/v1/chat/completions",
+            json={
+                "model": "smol",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+            timeout=60,
+        )
+        assert answer.status_code == 200  # the old engine keeps serving
     finally:
         assert daemon.stop() == 0
