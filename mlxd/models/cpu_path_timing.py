@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, budget_bytes, decide
+from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
 from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
 
 Shape = tuple[int, int, int, int]  # out, in, group size, bits
@@ -197,7 +197,7 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
         return None
     phases = Phases(prefill=config.batch.prefill_step_size)
     float32_bytes = estimate_weight_bytes(model_dir, "float32")
-    budget = budget_bytes(server.memory_budget)
+    budget = server.budget_bytes  # unset: the default share of physical memory
 
     def decided(timings: Timings | None, cached: bool = False) -> Choice:
         return decide(
