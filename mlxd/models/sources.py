@@ -1,6 +1,7 @@
 """Where weights come from: a YAML `source` string becomes a local MLX/Hugging Face model dir.
 
-Forms: a local directory with config.json, a local `*.gguf` file (imported once into the cache dir),
+Forms: a local directory with config.json (a CTranslate2 Whisper directory, faster-whisper's
+format, is imported once into the cache dir), a local `*.gguf` file (imported likewise),
 `pkg://module/path` (a file or folder inside an installed package) and `hf://org/repo[@revision]`.
 """
 
@@ -14,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from tqdm import tqdm
 
 from mlxd.errors import ModelLoadError
+from mlxd.models.ctranslate2 import CTranslate2Error
 from mlxd.models.gguf import GGUFError, convert_gguf
+from mlxd.models.whisper_ct2 import convert_ct2_whisper, is_ct2_whisper
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,13 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
     if source.startswith("hf://"):
         return _check_model_dir(_hf_snapshot(source, model_name), source, model_name)
     path = package_or_local_path(source, model_name=model_name)
+    if path.is_dir() and is_ct2_whisper(path):
+        weights = path / "model.bin"
+        return _converted(weights, path, "ct2", convert_ct2_whisper, model_name, cache_dir)
     if path.is_dir():
         return _check_model_dir(path, source, model_name)
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path, model_name, Path(cache_dir).expanduser())
+        return _converted(path, path, "gguf", convert_gguf, model_name, cache_dir)
     if path.exists():
         raise ModelLoadError(
             f"model '{model_name}': source {source!r} ({path}) is neither a model directory "
@@ -168,14 +174,22 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _converted_gguf(path: Path, model_name: str, cache_dir: Path) -> Path:
-    """Import `path` once into cache_dir/gguf/<sha256[:16]>/ and reuse it afterwards.
+def _converted(
+    weights: Path,
+    path: Path,
+    kind: str,
+    convert: Callable[[Path, Path], None],
+    model_name: str,
+    cache_dir: Path,
+) -> Path:
+    """Import `path` once with `convert(path, into)` into cache_dir/<kind>/<sha256[:16] of
+    `weights`>/ and reuse it afterwards.
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    digest = _sha256(path)[:16]
-    root = cache_dir / "gguf"
+    digest = _sha256(weights)[:16]
+    root = Path(cache_dir).expanduser() / kind
     final = root / digest
     if final.is_dir():
         return final
@@ -190,14 +204,14 @@ def _converted_gguf(path: Path, model_name: str, cache_dir: Path) -> Path:
             partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
             try:
                 started = time.perf_counter()
-                convert_gguf(path, partial)
+                convert(path, partial)
                 os.rename(partial, final)
                 log.info(
                     "converted %s into %s in %.1fs", path, final, time.perf_counter() - started
                 )
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
-    except GGUFError as exc:
+    except (GGUFError, CTranslate2Error) as exc:
         raise ModelLoadError(f"model '{model_name}': {exc}") from exc
     except Exception as exc:  # a full disk, or metadata the importer did not expect
         raise ModelLoadError(

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlxd.config import DraftWeights, ModelConfig, ServerConfig
+from mlxd.config import TEXT_KINDS, DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.estimate import estimate_model_bytes
@@ -17,6 +17,7 @@ from mlxd.runtime.engine import Engine
 if TYPE_CHECKING:
     from mlxd.worker.embedding import EmbeddingEngine
     from mlxd.worker.llm import LLMEngine
+    from mlxd.worker.stt import STTEngine
 
 
 async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path, int]:
@@ -25,7 +26,7 @@ async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path,
     path: Path = await asyncio.to_thread(
         resolve_source, config.source, model_name=name, cache_dir=cache_dir
     )
-    kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
+    kv_budget = config.cache.ram if config.kind in TEXT_KINDS else 0  # others keep no KV
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
     need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget, packs=packs)
@@ -49,13 +50,15 @@ async def load_engine(
     """Load the weights at `path` into the engine of the model's kind. `server` gives the live
     server settings (the SSD KV tier's root, media policy)."""
     # Imported here: each kind pulls in its own libraries (mlx-vlm only for a vlm).
-    engine_class: type[LLMEngine] | type[EmbeddingEngine]
+    engine_class: type[LLMEngine] | type[EmbeddingEngine] | type[STTEngine]
     if config.kind == "llm":
         from mlxd.worker.llm import LLMEngine as engine_class
     elif config.kind == "vlm":
         from mlxd.worker.vlm import VLMEngine as engine_class
     elif config.kind == "embedding":
         from mlxd.worker.embedding import EmbeddingEngine as engine_class
+    elif config.kind == "stt":
+        from mlxd.worker.stt import STTEngine as engine_class
     else:
         raise ModelLoadError(f"model '{name}': kind '{config.kind}' is not supported")
     return await engine_class.load(name, config, path, server)
