@@ -157,6 +157,7 @@ class Word:
 @dataclass(frozen=True)
 class Segment:
     id: int
+    seek: int  # where its 30 s window starts, in 10 ms mel frames (Whisper's count)
     start: float  # seconds from the start of the clip
     end: float
     text: str

@@ -20,8 +20,8 @@ from mlxd.api.common.error_shapes import anthropic_error, anthropic_status, open
 from mlxd.api.middleware import auth, observe, ratelimit
 from mlxd.api.middleware import drain as shutdown
 from mlxd.api.ollama import routes as ollama
+from mlxd.api.openai import audio, embeddings, rerank
 from mlxd.api.openai import chat as openai
-from mlxd.api.openai import embeddings, rerank
 from mlxd.api.openai.responses import routes as responses
 from mlxd.api.ops import admin, dashboard, openapi
 from mlxd.api.ops.metrics import Metrics
@@ -45,12 +45,14 @@ def create_app(daemon: Daemon) -> App:
         MAX_CONTENT_LENGTH=server.max_request_bytes,
     )
     app.inflight = shutdown.install(app)
+    audio.install(app)  # before auth, which reads the upload's form
     auth.install(app)
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(responses.blueprint)
     app.register_blueprint(anthropic.blueprint)
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
+    app.register_blueprint(audio.blueprint)
     app.register_blueprint(ollama.blueprint)
     app.register_blueprint(rerank.blueprint)
     app.register_blueprint(admin.blueprint)

@@ -98,6 +98,8 @@ class JobCore:
         return []
 
     def step(self) -> list[Output]:
+        if not self._queue:  # the loop also steps after an idle poll
+            return []
         job = self._queue.popleft()
         started = time.perf_counter()
         try:

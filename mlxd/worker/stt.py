@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES
+
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.errors import InvalidRequest
 from mlxd.models.speech import LoadedSTT, load_stt
@@ -74,6 +76,7 @@ class STTEngine(ServiceEngine):
             fp16=self.loaded.dtype == "float16",
             verbose=None,
         )
+        code = output.language or request.language or "en"
         duration = len(request.samples) / self.loaded.sample_rate
         self.audio_seconds += duration
         segments = [_segment(raw) for raw in output.segments or []]
@@ -84,7 +87,7 @@ class STTEngine(ServiceEngine):
         ]
         return Transcript(
             text=output.text.strip(),
-            language=output.language or request.language or "en",
+            language=LANGUAGES.get(code, code),
             duration=duration,
             segments=segments,
             words=words,
@@ -118,6 +121,7 @@ def _segment(raw: dict[str, Any]) -> Segment:
 
     return Segment(
         id=int(raw["id"]),
+        seek=int(raw.get("seek", 0)),
         start=number("start"),
         end=number("end"),
         text=raw["text"],

@@ -111,6 +111,9 @@ async def _requested_models() -> list[str]:
     ids = [path_args["model_id"]] if "model_id" in path_args else []
     if request.method != "POST":
         return ids
+    if (request.content_type or "").startswith("multipart/form-data"):  # audio uploads
+        model_id = (await request.form).get("model")
+        return [*ids, model_id] if model_id else ids
     try:
         body = json.loads(await request.get_data())
     except (json.JSONDecodeError, UnicodeDecodeError):
