@@ -20,7 +20,7 @@ from mlxd.api.common.error_shapes import anthropic_error, anthropic_status, open
 from mlxd.api.middleware import auth, observe, ratelimit
 from mlxd.api.middleware import drain as shutdown
 from mlxd.api.ollama import routes as ollama
-from mlxd.api.openai import audio, embeddings, rerank
+from mlxd.api.openai import audio, embeddings, rerank, speech
 from mlxd.api.openai import chat as openai
 from mlxd.api.openai.responses import routes as responses
 from mlxd.api.ops import admin, dashboard, openapi
@@ -53,6 +53,7 @@ def create_app(daemon: Daemon) -> App:
     app.register_blueprint(batches.blueprint)
     app.register_blueprint(embeddings.blueprint)
     app.register_blueprint(audio.blueprint)
+    app.register_blueprint(speech.blueprint)
     app.register_blueprint(ollama.blueprint)
     app.register_blueprint(rerank.blueprint)
     app.register_blueprint(admin.blueprint)

@@ -66,3 +66,27 @@ def _compute_dtype(dtype: str) -> mx.Dtype:
     if dtype == "float32" or (dtype == "auto" and backend_name() == "cpu"):
         return mx.float32
     return mx.float16
+
+
+@dataclass
+class LoadedTTS:
+    model: Any  # an mlx-audio TTS model (its generate() yields audio segments)
+    nbytes: int
+    sample_rate: int
+    voices: list[str]  # what a request's `voice` may name (aliases included)
+
+
+def load_tts(path: Path, *, model_name: str) -> LoadedTTS:
+    """Any mlx-audio TTS architecture its own loader knows (Kokoro, KittenTTS …)."""
+    from mlx_audio.tts.utils import load_model
+
+    try:
+        model = load_model(str(path))
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        raise ModelLoadError(f"model '{model_name}': mlx-audio cannot load {path}: {exc}") from exc
+    voices = sorted(getattr(model, "voices", None) or {})
+    voices += sorted(getattr(model.config, "voice_aliases", None) or {})
+    if not voices and (path / "voices").is_dir():  # Kokoro: one file per voice
+        voices = sorted(p.stem for p in (path / "voices").iterdir() if p.is_file())
+    nbytes = sum(array.nbytes for _, array in flat_parameters(model))
+    return LoadedTTS(model, nbytes, int(model.sample_rate), voices)

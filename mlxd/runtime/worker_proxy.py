@@ -32,7 +32,14 @@ from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
 from mlxd.runtime.wire import WorkerSpec, read_message, write_message
-from mlxd.types import Finished, GenerationRequest, Transcript, TranscriptionRequest
+from mlxd.types import (
+    Finished,
+    GenerationRequest,
+    Speech,
+    SpeechRequest,
+    Transcript,
+    TranscriptionRequest,
+)
 
 log = logging.getLogger("mlxd.worker")
 
@@ -75,7 +82,7 @@ class WorkerEngine:
         # Weak: a stream dropped unread must still be collected (that cancels its sequence).
         self._readers: weakref.WeakValueDictionary[int, EventStream] = weakref.WeakValueDictionary()
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        # Whole requests in flight (embeddings, transcriptions): the engine is not idle.
+        # Whole requests in flight (embeddings, transcriptions, speech): the engine is not idle.
         self._busy_calls = 0
         self._ids = itertools.count()
         self._closing = False
@@ -209,6 +216,9 @@ class WorkerEngine:
 
     async def transcribe(self, request: TranscriptionRequest) -> Transcript:
         return await self._request("transcribe", request)
+
+    async def speak(self, request: SpeechRequest) -> Speech:
+        return await self._request("speak", request)
 
     async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A whole request answered by one call (embeddings, transcriptions): it keeps the

@@ -50,6 +50,7 @@ CALLS = frozenset(
         "count_prompt_tokens",
         "embed",
         "transcribe",
+        "speak",
         "stats",
         "resize_cache",
         "attach_adapter",

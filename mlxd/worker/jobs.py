@@ -19,7 +19,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import mlx.core as mx
 
+from mlxd.config import ModelConfig
 from mlxd.errors import MlxdError, Unavailable
+from mlxd.worker.loop import ModelLoop
 
 log = logging.getLogger("mlxd.scheduler")
 
@@ -123,6 +125,39 @@ class JobCore:
         self.stats.failed += len(outputs)
         self._queue.clear()
         return outputs
+
+
+JobLoop = ModelLoop[Job[Any], Output]
+
+
+async def start_jobs(
+    name: str, what: str, config: ModelConfig, load: Callable[[], T]
+) -> tuple[T, JobCore, JobLoop]:
+    """A job core, the model thread that runs it, and what `load()` returned, run as that
+    thread's first job: mlx-audio's models keep arrays that belong to the stream of the thread
+    that built them."""
+    core = JobCore(name, what)
+    loop: JobLoop = ModelLoop(name, core, deliver, config.batch.max_queue)
+    try:
+        loaded = await run_job(loop, load)
+    except BaseException:
+        await asyncio.to_thread(loop.close)
+        raise
+    core.stats = JobStats()  # the load is no request
+    return loaded, core, loop
+
+
+async def run_job(loop: JobLoop, run: Callable[[], T]) -> T:
+    """`run()` on `loop`'s model thread, in turn; its result here. A caller that goes away
+    before its turn drops it unrun."""
+    event_loop = asyncio.get_running_loop()
+    job: Job[T] = Job(run, event_loop, event_loop.create_future())
+    loop.submit(job)
+    try:
+        return await job.future
+    finally:
+        if not job.future.done():
+            loop.abort(job)
 
 
 def deliver(outputs: list[tuple[Delivered, Any]]) -> None:

@@ -8,9 +8,9 @@ times from the cross-attention alignment heads. Its timestamps are offsets into 
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,7 @@ from mlxd.config import ModelConfig, ServerConfig
 from mlxd.errors import InvalidRequest
 from mlxd.models.speech import LoadedSTT, load_stt
 from mlxd.types import Segment, Transcript, TranscriptionRequest, Word
-from mlxd.worker.jobs import Job, JobCore, deliver
-from mlxd.worker.loop import ModelLoop
+from mlxd.worker.jobs import JobCore, JobLoop, run_job, start_jobs
 from mlxd.worker.service import ServiceEngine
 
 # OpenAI's temperature 0: start greedy and raise the temperature while the output fails
@@ -32,11 +31,13 @@ FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 class STTEngine(ServiceEngine):
     kind = "stt"
 
-    def __init__(self, name: str, config: ModelConfig, loaded: LoadedSTT):
+    def __init__(
+        self, name: str, config: ModelConfig, loaded: LoadedSTT, core: JobCore, loop: JobLoop
+    ):
         super().__init__(name, config)
         self.loaded = loaded
-        self.core = JobCore(name, "transcription")
-        self.loop = ModelLoop(name, self.core, deliver, config.batch.max_queue)
+        self.core = core
+        self.loop = loop
         self.memory_bytes = loaded.nbytes
         self.audio_seconds = 0.0
 
@@ -44,8 +45,8 @@ class STTEngine(ServiceEngine):
     async def load(
         cls, name: str, config: ModelConfig, path: Path, server: Callable[[], ServerConfig]
     ) -> STTEngine:
-        loaded = await asyncio.to_thread(load_stt, path, dtype=config.dtype, model_name=name)
-        return cls(name, config, loaded)
+        load = partial(load_stt, path, dtype=config.dtype, model_name=name)
+        return cls(name, config, *await start_jobs(name, "transcription", config, load))
 
     async def transcribe(self, request: TranscriptionRequest) -> Transcript:
         if request.language not in (None, "en") and not self.loaded.multilingual:
@@ -54,14 +55,7 @@ class STTEngine(ServiceEngine):
                 param="language",
             )
         with self.serving():
-            loop = asyncio.get_running_loop()
-            job: Job[Transcript] = Job(lambda: self._run(request), loop, loop.create_future())
-            self.loop.submit(job)
-            try:
-                return await job.future
-            finally:
-                if not job.future.done():  # the caller went away: drop it if not started
-                    self.loop.abort(job)
+            return await run_job(self.loop, lambda: self._run(request))
 
     def _run(self, request: TranscriptionRequest) -> Transcript:
         """On the model thread."""

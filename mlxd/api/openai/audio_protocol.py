@@ -33,3 +33,18 @@ class TranscriptionForm(BaseModel):
         if not (len(language) == 2 and language.isalpha()):
             raise ValueError("must be an ISO-639-1 code such as 'en'")
         return language.lower()
+
+
+class SpeechBody(BaseModel):
+    """POST /v1/audio/speech (JSON). `instructions` (gpt-4o-mini-tts's style prompt) is
+    accepted and ignored: the voice sets the style."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    input: str = Field(min_length=1)
+    voice: str = Field(min_length=1)
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: str | None = None
