@@ -35,6 +35,12 @@ class TranscriptionForm(BaseModel):
         return language.lower()
 
 
+class TranscriptionUpload(TranscriptionForm):
+    """The whole multipart form, as the OpenAPI document describes it."""
+
+    file: bytes = Field(description="The audio: flac, m4a, mp3, mp4, mpeg, ogg, wav, webm …")
+
+
 class SpeechBody(BaseModel):
     """POST /v1/audio/speech (JSON). `instructions` (gpt-4o-mini-tts's style prompt) is
     accepted and ignored: the voice sets the style."""

@@ -25,6 +25,7 @@ from mlxd.api.ollama.protocol import (
     GenerateRequest,
     ShowRequest,
 )
+from mlxd.api.openai.audio_protocol import SpeechBody, TranscriptionUpload
 from mlxd.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,12 +46,20 @@ class Route:
     body: type[BaseModel] | None = None
     streams: bool = False  # answers text/event-stream when the body asks for `stream: true`
     content_type: str = "application/json"
+    body_type: str = "application/json"
 
 
 ROUTES = (
     Route("post", "/v1/chat/completions", "Chat completion", "openai", ChatCompletionRequest, True),
     Route("post", "/v1/completions", "Text completion", "openai", CompletionRequest, True),
     Route("post", "/v1/embeddings", "Embeddings", "openai", EmbeddingRequest),
+    Route("post", "/v1/audio/transcriptions", "Speech to text (kind stt)", "openai",
+          TranscriptionUpload, True, body_type="multipart/form-data"),
+    Route("post", "/v1/audio/translations", "Speech to English text (kind stt)", "openai",
+          TranscriptionUpload, body_type="multipart/form-data"),
+    Route("post", "/v1/audio/speech", "Text to speech (kind tts)", "openai", SpeechBody,
+          True, content_type="audio/mpeg"),
+    Route("get", "/v1/audio/voices", "A speech model's voices (?model=)", "openai"),
     Route("post", "/v1/responses", "Create a response (Responses API)", "openai",
           ResponseCreateRequest, True),
     Route("get", "/v1/responses/{response_id}", "A stored response", "openai"),
@@ -214,7 +223,7 @@ def _operation(route: Route, body_schema: dict[str, Any] | None) -> dict[str, An
     if body_schema is not None:
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": body_schema}},
+            "content": {route.body_type: {"schema": body_schema}},
         }
     return operation
 
