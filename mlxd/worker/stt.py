@@ -21,25 +21,21 @@ from mlxd.errors import InvalidRequest
 from mlxd.models.speech import LoadedSTT, load_stt
 from mlxd.types import Segment, Transcript, TranscriptionRequest, Word
 from mlxd.worker.jobs import JobCore, JobLoop, run_job, start_jobs
-from mlxd.worker.service import ServiceEngine
+from mlxd.worker.speech import SpeechEngine
 
 # OpenAI's temperature 0: start greedy and raise the temperature while the output fails
 # Whisper's checks (compression ratio, average log probability).
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
-class STTEngine(ServiceEngine):
+class STTEngine(SpeechEngine):
     kind = "stt"
 
     def __init__(
         self, name: str, config: ModelConfig, loaded: LoadedSTT, core: JobCore, loop: JobLoop
     ):
-        super().__init__(name, config)
+        super().__init__(name, config, loaded.nbytes, core, loop)
         self.loaded = loaded
-        self.core = core
-        self.loop = loop
-        self.memory_bytes = loaded.nbytes
-        self.audio_seconds = 0.0
 
     @classmethod
     async def load(
@@ -87,25 +83,8 @@ class STTEngine(ServiceEngine):
             words=words,
         )
 
-    def stats(self) -> dict[str, Any]:
-        s = self.core.stats
-        busy = s.busy_seconds
-        return {
-            "kind": self.kind,
-            "dtype": self.loaded.dtype,
-            "weights_bytes": self.loaded.nbytes,
-            "memory_bytes": self.memory_bytes,
-            "multilingual": self.loaded.multilingual,
-            "in_flight": self._open,
-            "requests": s.requests,
-            "completed": s.completed,
-            "failed": s.failed,
-            "cancelled": s.cancelled,
-            "audio_seconds": round(self.audio_seconds, 3),
-            "busy_seconds": round(busy, 3),
-            # Audio seconds transcribed per second of model time.
-            "real_time_factor": round(self.audio_seconds / busy, 2) if busy else None,
-        }
+    def model_stats(self) -> dict[str, Any]:
+        return {"dtype": self.loaded.dtype, "multilingual": self.loaded.multilingual}
 
 
 def _segment(raw: dict[str, Any]) -> Segment:

@@ -15,23 +15,19 @@ from mlxd.errors import InvalidRequest
 from mlxd.models.speech import LoadedTTS, load_tts
 from mlxd.types import Speech, SpeechRequest
 from mlxd.worker.jobs import JobCore, JobLoop, run_job, start_jobs
-from mlxd.worker.service import ServiceEngine
+from mlxd.worker.speech import SpeechEngine
 
 SYNTHESIS_SEED = 0
 
 
-class TTSEngine(ServiceEngine):
+class TTSEngine(SpeechEngine):
     kind = "tts"
 
     def __init__(
         self, name: str, config: ModelConfig, loaded: LoadedTTS, core: JobCore, loop: JobLoop
     ):
-        super().__init__(name, config)
+        super().__init__(name, config, loaded.nbytes, core, loop)
         self.loaded = loaded
-        self.core = core
-        self.loop = loop
-        self.memory_bytes = loaded.nbytes
-        self.audio_seconds = 0.0
 
     @classmethod
     async def load(
@@ -73,22 +69,5 @@ class TTSEngine(ServiceEngine):
         self.audio_seconds += len(samples) / self.loaded.sample_rate
         return Speech(samples, self.loaded.sample_rate)
 
-    def stats(self) -> dict[str, Any]:
-        s = self.core.stats
-        busy = s.busy_seconds
-        return {
-            "kind": self.kind,
-            "weights_bytes": self.loaded.nbytes,
-            "memory_bytes": self.memory_bytes,
-            "sample_rate": self.loaded.sample_rate,
-            "voices": self.loaded.voices,
-            "in_flight": self._open,
-            "requests": s.requests,
-            "completed": s.completed,
-            "failed": s.failed,
-            "cancelled": s.cancelled,
-            "audio_seconds": round(self.audio_seconds, 3),
-            "busy_seconds": round(busy, 3),
-            # Audio seconds synthesized per second of model time.
-            "real_time_factor": round(self.audio_seconds / busy, 2) if busy else None,
-        }
+    def model_stats(self) -> dict[str, Any]:
+        return {"sample_rate": self.loaded.sample_rate, "voices": self.loaded.voices}

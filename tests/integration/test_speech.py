@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import shutil
 import subprocess
+import sys
 import time
 import wave
 from pathlib import Path
@@ -225,6 +226,20 @@ def test_bad_fields_and_wrong_kinds(client: openai.OpenAI, fox_wav: bytes, daemo
     reply = httpx.post(f"{daemon.url}/v1/audio/transcriptions", json={"model": "whisper"})
     assert reply.status_code == 400 and "multipart" in reply.json()["error"]["message"]
     assert daemon.status()["models"]["smol"]["state"] != "loaded"
+
+
+def test_ps_and_status_show_speech_models(daemon: Daemon):
+    ps = subprocess.run(
+        [sys.executable, "-m", "mlxd", "ps", "--url", daemon.url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = {line.split()[0]: line.split() for line in ps.splitlines()[1:]}
+    assert rows["whisper"][1] == "stt" and rows["kitten"][1] == "tts"
+    kitten = daemon.status()["models"]["kitten"]
+    assert kitten["voices"] == ["expr-voice-2-f", "expr-voice-3-m"]
+    assert kitten["sample_rate"] == 24_000 and kitten["weights_bytes"] > 0
 
 
 def test_listed_and_unloaded_after_idle_ttl(client: openai.OpenAI, fox_wav: bytes, daemon: Daemon):
