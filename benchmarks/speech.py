@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
             port = free_port()
             baseline = [sys.executable, "-m", "mlx_audio.server", "--host", "127.0.0.1"]
             baseline += ["--port", str(port), "--log-dir", str(workdir / "logs")]
-            with running_server(baseline, port, env, workdir / "mlx-audio.log", 180) as url:
+            log = workdir / "mlx-audio.log"
+            with running_server(baseline, port, env, log, 180, health_path="/v1/models") as url:
                 rows += asyncio.run(
                     measure("mlx-audio", url, str(whisper), str(tts), audio, seconds, args.requests)
                 )
