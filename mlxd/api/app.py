@@ -26,7 +26,7 @@ from mlxd.api.openai.responses import routes as responses
 from mlxd.api.ops import admin, dashboard, openapi
 from mlxd.api.ops.metrics import Metrics
 from mlxd.control.watcher import reload_on_sighup, watch_config
-from mlxd.daemon import Daemon
+from mlxd.daemon import Daemon, DaemonFootprint
 from mlxd.errors import InvalidRequest, MlxdError, NotFound, RequestTooLarge
 
 log = logging.getLogger("mlxd.api")
@@ -88,6 +88,12 @@ def create_app(daemon: Daemon) -> App:
 
     @app.before_serving
     async def start_engines() -> None:
+        daemon.footprint = footprint = DaemonFootprint.measure()
+        log.info(
+            "daemon up in %.2f s, %d MiB resident before any model",
+            footprint.startup_s,
+            footprint.rss_bytes >> 20,
+        )
         app.background = [asyncio.create_task(daemon.start())]
         if daemon.config_path is not None:
             app.background.append(

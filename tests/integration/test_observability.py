@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import anthropic
 import httpx
 import openai
+import psutil
 import pytest
 from openapi_spec_validator import validate
 from prometheus_client.parser import text_string_to_metric_families
@@ -100,7 +102,15 @@ def test_status_shows_live_figures(daemon: Daemon):
     later = status["models"]["later"]
     assert later["state"] == "unloaded" and later["tokens_per_s"] == 0
     assert status["config"]["generation"] == 1
-    assert status["platform"] and status["uptime_s"] >= 0
+    # Uptime counts from the daemon's start: positive, and no longer than its process has lived.
+    lived = time.time() - psutil.Process(daemon.process.pid).create_time()
+    assert status["platform"] and 0 < status["uptime_s"] <= lived + 1
+    # The daemon's own cost, before any model: no weights, no MLX.
+    footprint = status["daemon"]
+    assert footprint["pid"] == daemon.process.pid
+    assert 0 < footprint["startup_s"] <= lived
+    assert 0 < footprint["rss_bytes"] < 1 << 30
+    assert f"daemon up in {footprint['startup_s']:.2f} s" in daemon.log()
 
 
 def test_request_id_is_returned_logged_and_in_anthropic_errors(daemon: Daemon):

@@ -72,26 +72,51 @@ def test_each_model_runs_in_its_own_process(daemon: Daemon):
     assert psutil.Process(daemon.process.pid).memory_info().rss < rows["smol"]["rss_bytes"]
 
 
-async def stream_one(client: openai.AsyncOpenAI) -> str:
+async def stream_one(
+    client: openai.AsyncOpenAI, started: asyncio.Event, killed: asyncio.Event, after_kill: list[int]
+) -> str:
+    """One long stream; `after_kill` gets how many chunks arrived once `killed` was set."""
     stream = await client.chat.completions.create(
-        model="smol", messages=COUNT, stream=True, logit_bias=NO_EOS
+        model="smol", messages=COUNT, stream=True, logit_bias=NO_EOS, max_tokens=200
     )
-    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    text, late = [], 0
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            started.set()
+            late += killed.is_set()
+    after_kill.append(late)
+    return "".join(text)
+
+
+async def wait_until_running(url: str, model: str, count: int, timeout: float = 120) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        deadline = time.monotonic() + timeout
+        while (await http.get("/v1/status")).json()["models"][model]["running"] < count:
+            assert time.monotonic() < deadline, f"{count} {model} streams never ran together"
+            await asyncio.sleep(0.05)
 
 
 def test_a_segfault_in_one_model_costs_the_other_nothing(daemon: Daemon):
     victim = models(daemon)["minilm"]["pid"]
     daemon_pid = daemon.process.pid
+    after_kill: list[int] = []
 
     async def streams_while_the_other_dies() -> list[str | BaseException]:
         client = openai.AsyncOpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0)
-        tasks = [asyncio.create_task(stream_one(client)) for _ in range(8)]
-        await asyncio.sleep(1.0)
+        events = [(asyncio.Event(), asyncio.Event()) for _ in range(8)]
+        tasks = [asyncio.create_task(stream_one(client, s, k, after_kill)) for s, k in events]
+        # The kill lands while all eight are generating, not after they finished.
+        await wait_until_running(daemon.url, "smol", 8)
+        await asyncio.gather(*(started.wait() for started, _ in events))
         os.kill(victim, signal.SIGSEGV)
+        for _, killed in events:
+            killed.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = asyncio.run(streams_while_the_other_dies())
     assert all(isinstance(r, str) and r for r in results), results  # zero failed streams
+    assert len(after_kill) == 8 and all(after_kill), after_kill  # each went on after the kill
     wait_for(
         lambda: (
             models(daemon)["minilm"].get("pid") not in (None, victim) and loaded(daemon, "minilm")

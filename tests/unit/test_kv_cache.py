@@ -137,6 +137,8 @@ def test_a_prefix_hit_alone_joins_its_batch_in_its_own_buffer() -> None:
     """The rebuilt cache has room for the rest of the prompt; a sequence admitted alone takes
     that buffer into its batch and its next tokens are written in place, holding what mlx-lm's
     own merge and growth would hold."""
+    if not kernels.available():
+        pytest.skip("mlxd's CPU kernels are not built (python -m mlxd.kernels.build)")
     cache = prefix_cache()
     prompt = list(range(13))
     layers = layers_for(len(prompt))
@@ -144,7 +146,7 @@ def test_a_prefix_hit_alone_joins_its_batch_in_its_own_buffer() -> None:
     match = cache.match(prompt, cache.keys(prompt))
     [rebuilt, *_] = cache.acquire(match, room=5)
     assert rebuilt.offset == 12
-    assert rebuilt.keys.shape[2] >= 12 + 5 or not kernels.available()
+    assert rebuilt.keys.shape[2] >= 12 + 5
     batch = type(rebuilt).merge([rebuilt])
     assert batch.keys is rebuilt.keys  # no copy
     new_keys, new_values = mx.random.normal((2, 1, HEADS, 3, DIM))

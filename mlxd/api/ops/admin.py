@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 from quart import Blueprint, Response
@@ -52,6 +53,7 @@ async def status() -> Any:
     return {
         "uptime_s": round(time.time() - daemon.started_at, 1),
         "platform": accel.describe(),  # the compute backend and BLAS in use
+        "daemon": asdict(daemon.footprint) if daemon.footprint else None,
         "config": {**_config_status(), "path": str(daemon.config_path)},
         "models": {name: _model_status(name, row) for name, row in models.items()},
     }
