@@ -97,11 +97,11 @@ async def first_audio_byte(url: str, model: str, repeats: int) -> tuple[float, i
                 if reply.status_code != 200:
                     failures += 1
                     continue
-                async for _chunk in reply.aiter_bytes():
-                    times.append(time.perf_counter() - started)
-                    break
-                async for _chunk in reply.aiter_bytes():
-                    pass
+                first = None
+                async for _chunk in reply.aiter_bytes():  # read to the end: the whole request
+                    first = first or time.perf_counter() - started
+                if first is not None:
+                    times.append(first)
     times.sort()
     return (times[len(times) // 2] if times else float("nan")), failures
 
@@ -109,15 +109,24 @@ async def first_audio_byte(url: str, model: str, repeats: int) -> tuple[float, i
 async def measure(
     server: str, url: str, stt: str, tts: str, audio: bytes, seconds: float, requests: int
 ) -> list[Row]:
-    rows = []
+    rows: list[Row] = []
     await transcription_rtf(url, stt, audio, seconds, 1, 1)  # load and warm up
     for concurrency in (1, 4):
         rtf, failed = await transcription_rtf(url, stt, audio, seconds, concurrency, requests)
         rows.append(Row(server, f"stt rtf, {concurrency} concurrent", rtf, "x real time", failed))
+        print(line(rows[-1]), flush=True)
     await first_audio_byte(url, tts, 1)
     ttfb, failed = await first_audio_byte(url, tts, 5)
     rows.append(Row(server, "tts first audio byte (median)", ttfb, "s", failed))
+    print(line(rows[-1]), flush=True)
     return rows
+
+
+HEADER = f"{'server':<10} {'case':<32} {'value':>8} {'unit':<12} {'failed':>6}"
+
+
+def line(r: Row) -> str:
+    return f"{r.server:<10} {r.case:<32} {r.value:>8.2f} {r.unit:<12} {r.failures:>6}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
 
     audio, seconds = clip()
     print(f"clip: {seconds:.1f} s of espeak-ng speech; {args.requests} requests per case")
+    print(HEADER, flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="mlxd-speech-bench-") as tmp:
         workdir = Path(tmp)
@@ -160,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
                 rows += asyncio.run(
                     measure("mlx-audio", url, str(whisper), str(tts), audio, seconds, args.requests)
                 )
-    print(f"{'server':<10} {'case':<32} {'value':>8} {'unit':<12} {'failed':>6}")
+    print("\n" + HEADER)
     for r in rows:
-        print(f"{r.server:<10} {r.case:<32} {r.value:>8.2f} {r.unit:<12} {r.failures:>6}")
+        print(line(r))
 
 
 if __name__ == "__main__":

@@ -341,3 +341,32 @@ def test_speech_errors(client: openai.OpenAI):
         client.audio.speech.create(model="whisper", voice="expr-voice-2-f", input="Hi.")
     with pytest.raises(openai.BadRequestError, match="kind 'tts'"):
         client.audio.transcriptions.create(model="kitten", file=("a.wav", b"RIFF"))
+
+
+def test_dashboard_playground_transcribes_and_speaks(daemon: Daemon, fox_wav: bytes, tmp_path):
+    pytest.importorskip("selenium")
+    from selenium.webdriver.support.ui import Select
+
+    from tests.integration.browser import eventually, start_browser
+
+    clip = tmp_path / "fox.wav"
+    clip.write_bytes(fox_wav)
+    driver = start_browser()
+    try:
+        driver.get(f"{daemon.url}/")
+        model = driver.find_element("id", "transcribe-model")
+        eventually(lambda: "whisper-1" in model.text)
+        Select(model).select_by_value("whisper-1")
+        driver.find_element("id", "transcribe-file").send_keys(str(clip))
+        driver.find_element("id", "transcribe-send").click()
+        stats = driver.find_element("id", "transcribe-stats")
+        eventually(lambda: "english audio" in stats.text, timeout=120)
+        assert "lazy dog" in driver.find_element("id", "transcribe-reply").text.lower()
+        Select(driver.find_element("id", "speak-model")).select_by_value("kitten")
+        voice = driver.find_element("id", "speak-voice")
+        eventually(lambda: "expr-voice-3-m" in voice.text)
+        driver.find_element("id", "speak-send").click()
+        eventually(lambda: "KiB of wav" in driver.find_element("id", "speak-stats").text)
+        assert driver.find_element("id", "speak-audio").get_attribute("src").startswith("blob:")
+    finally:
+        driver.quit()
