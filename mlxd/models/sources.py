@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import snapshot_download
@@ -25,7 +26,9 @@ from tqdm import tqdm
 
 from mlxd.errors import ModelLoadError
 from mlxd.models.ctranslate2 import CTranslate2Error
+from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
 from mlxd.models.gguf import GGUFError, convert_gguf
+from mlxd.models.whisper_ct2 import FORMAT_VERSION as CT2_VERSION
 from mlxd.models.whisper_ct2 import convert_ct2_whisper, is_ct2_whisper
 
 log = logging.getLogger(__name__)
@@ -43,12 +46,11 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
         return _check_model_dir(_hf_snapshot(source, model_name), source, model_name)
     path = package_or_local_path(source, model_name=model_name)
     if path.is_dir() and is_ct2_whisper(path):
-        weights = path / "model.bin"
-        return _converted(weights, path, "ct2", convert_ct2_whisper, model_name, cache_dir)
+        return _converted(CT2_WHISPER, path, path / "model.bin", model_name, cache_dir)
     if path.is_dir():
         return _check_model_dir(path, source, model_name)
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(path, path, "gguf", convert_gguf, model_name, cache_dir)
+        return _converted(GGUF, path, path, model_name, cache_dir)
     if path.exists():
         raise ModelLoadError(
             f"model '{model_name}': source {source!r} ({path}) is neither a model directory "
@@ -174,22 +176,31 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@dataclass(frozen=True)
+class Importer:
+    """A foreign format imported into the cache: under cache_dir/<folder>/, by `convert(path,
+    into)`, at a `version` that is part of the key (a new importer never reuses an old output)."""
+
+    folder: str
+    convert: Callable[[Path, Path], None]
+    version: int
+
+
+GGUF = Importer("gguf", convert_gguf, GGUF_VERSION)
+CT2_WHISPER = Importer("ct2", convert_ct2_whisper, CT2_VERSION)
+
+
 def _converted(
-    weights: Path,
-    path: Path,
-    kind: str,
-    convert: Callable[[Path, Path], None],
-    model_name: str,
-    cache_dir: Path,
+    importer: Importer, path: Path, weights: Path, model_name: str, cache_dir: Path
 ) -> Path:
-    """Import `path` once with `convert(path, into)` into cache_dir/<kind>/<sha256[:16] of
-    `weights`>/ and reuse it afterwards.
+    """Import `path` once into cache_dir/<folder>/<sha256[:16] of `weights`>-v<version>/ and
+    reuse it.
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    digest = _sha256(weights)[:16]
-    root = Path(cache_dir).expanduser() / kind
+    digest = f"{_sha256(weights)[:16]}-v{importer.version}"
+    root = Path(cache_dir).expanduser() / importer.folder
     final = root / digest
     if final.is_dir():
         return final
@@ -204,7 +215,7 @@ def _converted(
             partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
             try:
                 started = time.perf_counter()
-                convert(path, partial)
+                importer.convert(path, partial)
                 os.rename(partial, final)
                 log.info(
                     "converted %s into %s in %.1fs", path, final, time.perf_counter() - started

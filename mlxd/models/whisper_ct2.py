@@ -21,6 +21,8 @@ import numpy as np
 from mlxd.models.ctranslate2 import CTranslate2Error, read_model, spec_name
 
 WHISPER_SPEC = "WhisperSpec"
+# Bumped when the import's output changes: the cache then imports again.
+FORMAT_VERSION = 1
 _LAYER = re.compile(r"^(encoder|decoder)/layer_(\d+)/")
 # Whisper's audio front end (the same for every size but large-v3's 128 mels).
 SAMPLE_RATE, CHUNK_SECONDS = 16000, 30

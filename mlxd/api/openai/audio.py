@@ -20,11 +20,12 @@ from werkzeug.datastructures import FileStorage
 
 from mlxd.api.common.context import current_app
 from mlxd.api.common.error_shapes import from_validation_error
-from mlxd.api.middleware import observe
+from mlxd.api.middleware import auth, observe
 from mlxd.api.openai.audio_protocol import TranscriptionForm
 from mlxd.api.openai.chat import sse
 from mlxd.audio import codec, subtitles
 from mlxd.config import SERVES
+from mlxd.control.routes import ModelEntry
 from mlxd.errors import InvalidRequest, RequestTooLarge
 from mlxd.types import Segment, Transcript, TranscriptionRequest, Word
 
@@ -43,7 +44,7 @@ class Transcriber(Protocol):
 
 def install(app: Quart) -> None:
     """Let uploads be as large as the largest stt model's audio.max_bytes (the server's
-    max_request_bytes bounds every other body). Install before auth: it reads the form."""
+    max_request_bytes bounds every other body), before anything reads the form."""
 
     @app.before_request
     async def allow_audio_uploads() -> None:
@@ -69,14 +70,7 @@ async def _serve(task: Literal["transcribe", "translate"]) -> Any:
     if task == "translate" and (form.stream or form.language):
         field = "stream" if form.stream else "language"
         raise InvalidRequest(f"/v1/audio/translations takes no {field}", param=field)
-    entry = current_app.daemon.routes.entry(form.model)
-    if entry.config.kind != "stt":
-        raise InvalidRequest(
-            f"model '{form.model}' is of kind '{entry.config.kind}'; {request.path} needs a "
-            f"model of kind 'stt' ({SERVES.get(entry.config.kind, 'text generation')} is "
-            "what it serves)",
-            param="model",
-        )
+    entry = entry_of_kind(form.model, "stt")
     audio = entry.config.audio
     data = upload.read(audio.max_bytes + 1)
     if len(data) > audio.max_bytes:
@@ -88,7 +82,7 @@ async def _serve(task: Literal["transcribe", "translate"]) -> Any:
     samples = await asyncio.to_thread(
         codec.decode, data, sample_rate=SAMPLE_RATE, max_seconds=audio.max_seconds
     )
-    engine = cast(Transcriber, await current_app.daemon.engine(form.model))
+    engine = cast(Transcriber, await current_app.daemon.engine(entry.name, auth.caller()))
     job = TranscriptionRequest(
         samples,
         task=task,
@@ -103,6 +97,19 @@ async def _serve(task: Literal["transcribe", "translate"]) -> Any:
         return Response(_stream(engine, job), content_type="text/event-stream", headers=headers)
     transcript = await engine.transcribe(job)
     return _render(transcript, form, task)
+
+
+def entry_of_kind(model_id: str, kind: str) -> ModelEntry:
+    """The model `model_id` names (if the caller may use it), which must be of `kind`."""
+    entry = current_app.daemon.routes.entry(model_id, auth.caller())
+    if entry.config.kind != kind:
+        raise InvalidRequest(
+            f"model '{model_id}' is of kind '{entry.config.kind}'; {request.path} needs a "
+            f"model of kind '{kind}' ({SERVES.get(entry.config.kind, 'text generation')} is "
+            "what it serves)",
+            param="model",
+        )
+    return entry
 
 
 async def _read_form() -> tuple[TranscriptionForm, FileStorage]:

@@ -15,11 +15,11 @@ from quart import Blueprint, Response, request
 
 from mlxd.api.common.context import current_app
 from mlxd.api.common.generation import parse_body
+from mlxd.api.middleware import auth
+from mlxd.api.openai.audio import entry_of_kind
 from mlxd.api.openai.audio_protocol import SpeechBody
 from mlxd.api.openai.chat import sse
 from mlxd.audio import codec
-from mlxd.config import SERVES
-from mlxd.control.routes import ModelEntry
 from mlxd.errors import InvalidRequest
 from mlxd.types import Speech, SpeechRequest
 
@@ -30,22 +30,10 @@ class Speaker(Protocol):
     async def speak(self, request: SpeechRequest) -> Speech: ...
 
 
-def _speech_model(model_id: str) -> ModelEntry:
-    entry = current_app.daemon.routes.entry(model_id)
-    if entry.config.kind != "tts":
-        raise InvalidRequest(
-            f"model '{model_id}' is of kind '{entry.config.kind}'; {request.path} needs a "
-            f"model of kind 'tts' ({SERVES.get(entry.config.kind, 'text generation')} is "
-            "what it serves)",
-            param="model",
-        )
-    return entry
-
-
 @blueprint.post("/v1/audio/speech")
 async def speech() -> Any:
     body = await parse_body(SpeechBody)
-    entry = _speech_model(body.model)
+    entry = entry_of_kind(body.model, "tts")
     limit = entry.config.audio.max_input_chars
     if len(body.input) > limit:
         raise InvalidRequest(
@@ -53,7 +41,7 @@ async def speech() -> Any:
             f"{limit} (audio.max_input_chars)",
             param="input",
         )
-    engine = cast(Speaker, await current_app.daemon.engine(body.model))
+    engine = cast(Speaker, await current_app.daemon.engine(entry.name, auth.caller()))
     spoken = await engine.speak(SpeechRequest(body.input, body.voice, body.speed))
     audio = codec.encode(
         spoken.samples, sample_rate=spoken.sample_rate, response_format=body.response_format
@@ -76,8 +64,8 @@ async def voices() -> Any:
     model_id = request.args.get("model", "")
     if not model_id:
         raise InvalidRequest("name the speech model: /v1/audio/voices?model=ID", param="model")
-    _speech_model(model_id)
-    engine = await current_app.daemon.engine(model_id)
+    entry = entry_of_kind(model_id, "tts")
+    engine = await current_app.daemon.engine(entry.name, auth.caller())
     await engine.refresh_stats()
     names = engine.stats().get("voices", [])
     return {"voices": [{"id": name, "name": name} for name in names]}
