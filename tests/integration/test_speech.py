@@ -225,6 +225,14 @@ def test_bad_fields_and_wrong_kinds(client: openai.OpenAI, fox_wav: bytes, daemo
         client.audio.transcriptions.create(model="nope", file=("fox.wav", fox_wav))
     reply = httpx.post(f"{daemon.url}/v1/audio/transcriptions", json={"model": "whisper"})
     assert reply.status_code == 400 and "multipart" in reply.json()["error"]["message"]
+    # Another site's page may not post a form here (the dashboard, same origin, may).
+    forged = httpx.post(
+        f"{daemon.url}/v1/audio/transcriptions",
+        data={"model": "whisper"},
+        files={"file": ("fox.wav", fox_wav)},
+        headers={"Origin": "http://elsewhere.example"},
+    )
+    assert forged.status_code == 403
     assert daemon.status()["models"]["smol"]["state"] != "loaded"
 
 

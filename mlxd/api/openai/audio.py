@@ -20,7 +20,7 @@ from werkzeug.datastructures import FileStorage
 
 from mlxd.api.common.context import current_app
 from mlxd.api.common.error_shapes import from_validation_error
-from mlxd.api.middleware import auth, observe
+from mlxd.api.middleware import auth, browser, observe
 from mlxd.api.openai.audio_protocol import TranscriptionForm
 from mlxd.api.openai.chat import sse
 from mlxd.audio import codec, subtitles
@@ -31,7 +31,6 @@ from mlxd.types import Segment, Transcript, TranscriptionRequest, Word
 
 blueprint = Blueprint("audio", __name__)
 
-UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 # Whisper hears 16 kHz audio in 30 s windows.
 SAMPLE_RATE = 16_000
 WINDOW_S = 30
@@ -48,7 +47,7 @@ def install(app: Quart) -> None:
 
     @app.before_request
     async def allow_audio_uploads() -> None:
-        if request.path in UPLOAD_PATHS:
+        if request.path in browser.FORM_PATHS:
             config = current_app.daemon.config
             limits = [m.audio.max_bytes for m in config.models.values() if m.kind == "stt"]
             limit = max([config.server.max_request_bytes, *limits])
