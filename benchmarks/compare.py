@@ -131,9 +131,9 @@ def baseline_command(model_dir: Path, port: int) -> list[str]:
 
 
 def gguf_path() -> Path:
-    from mlxd.models.sources import _package_path
+    from mlxd.models.source_paths import source_path
 
-    return _package_path(DEMO_SOURCE, MODEL_NAME)
+    return source_path(DEMO_SOURCE, model_name=MODEL_NAME)
 
 
 def find_llama_server(explicit: Path | None) -> Path | None:

@@ -21,9 +21,10 @@ from mlxd.config.sections import (
 )
 from mlxd.config.server import RateLimitConfig
 from mlxd.config.units import Duration
+from mlxd.models import ollama_store
 from mlxd.types import RENDER_ARGUMENTS
 
-_SOURCE_SCHEMES = ("pkg://", "hf://")
+_SOURCE_SCHEMES = ("pkg://", "hf://", ollama_store.SCHEME)
 # The kinds that generate text (and keep a KV cache).
 TEXT_KINDS = frozenset({"llm", "vlm"})
 # What the other kinds serve, for the 400 a request meant for another kind gets.
@@ -46,7 +47,9 @@ class ModelConfig(Section):
     source: str = Field(
         min_length=1,
         description="Weights: pkg://MODULE/PATH (inside an installed package), hf://ORG/REPO, "
-        "or a local file/directory. Relative paths are relative to the config file.",
+        "ollama://MODEL[:TAG] (a model Ollama pulled; its PARAMETERs fill `defaults` and "
+        "`context_length` where this file sets none), or a local file/directory (a .gguf, or "
+        "MLX/Hugging Face layout). Relative paths are relative to the config file.",
     )
     aliases: list[ModelId] = Field(
         default_factory=list,
@@ -145,6 +148,25 @@ class ModelConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
+    def _ollama_parameters(cls, data: Any) -> Any:
+        """An Ollama model's PARAMETERs (its params layer) where the YAML sets nothing, as if
+        written here. A store or tag that is missing is the load's error (and `mlxd check`'s)."""
+        source = data.get("source") if isinstance(data, dict) else None
+        if not isinstance(source, str) or not source.startswith(ollama_store.SCHEME):
+            return data
+        try:
+            params = ollama_store.resolve(source.removeprefix(ollama_store.SCHEME)).params
+        except ollama_store.OllamaStoreError:
+            return data
+        defaults = data.get("defaults") or {}
+        if isinstance(defaults, dict):
+            data = {**data, "defaults": {**ollama_store.sampling_defaults(params), **defaults}}
+        if "num_ctx" in params and "context_length" not in data:
+            data = {**data, "context_length": params["num_ctx"]}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _embedding_pass_default(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("kind") != "embedding":
             return data
@@ -192,6 +214,6 @@ class ModelConfig(Section):
         if "://" in source:
             raise PydanticCustomError(
                 "source_scheme",
-                f"unsupported source {source!r}: use pkg://, hf:// or a local path",
+                f"unsupported source {source!r}: use pkg://, hf://, ollama:// or a local path",
             )
         return str(anchored(Path(source), info))

@@ -7,13 +7,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlxd.config import TEXT_KINDS, DraftWeights, ModelConfig, ServerConfig
+from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
+from mlxd.models import ollama_store
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
-from mlxd.models.estimate import estimate_model_bytes
+from mlxd.models.estimate import estimate_model_bytes, estimate_weight_bytes
+from mlxd.models.gguf_errors import GGUFError
+from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_need
+from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
+from mlxd.runtime.wire import MemoryNeed
 
 if TYPE_CHECKING:
     from mlxd.worker.embedding import EmbeddingEngine
@@ -22,32 +28,57 @@ if TYPE_CHECKING:
     from mlxd.worker.tts import TTSEngine
 
 
-async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, int]:
-    """The model's resolved directory (converting a GGUF on first use) and the bytes it will
-    hold once loaded, weights plus its KV budget. A quantized LLM on the CPU has its weights'
-    path chosen here (models/cpu_path.py: timed once per CPU and shapes, then cached), as
-    the bytes depend on it."""
+async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, MemoryNeed]:
+    """The model's resolved directory (converting a GGUF on first use) and what it will hold
+    once loaded (a MemoryNeed: weights, KV at full batch and context, prefix cache). A GGUF is
+    first sized from its header: one that cannot fit server.memory_budget even alone is refused
+    before it is converted (read). A quantized LLM on the CPU has its weights' path chosen here
+    (models/cpu_path.py: timed once per CPU and shapes, then cached), as the bytes depend on it."""
+    await asyncio.to_thread(_refuse_a_gguf_that_cannot_fit, name, config, server)
     cache_dir = server.cache_dir
     path: Path = await asyncio.to_thread(
         resolve_source, config.source, model_name=name, cache_dir=cache_dir
     )
-    kv_budget = config.cache.ram if config.kind in TEXT_KINDS else 0  # others keep no KV
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
     choice = await asyncio.to_thread(choose_cpu_path, path, config, server)
     if choice is not None:
-        need = choice.weight_bytes + kv_budget
+        weights = choice.weight_bytes
     else:
-        need = await asyncio.to_thread(
-            estimate_model_bytes, path, config.dtype, kv_budget, packs=packs
-        )
+        weights = await asyncio.to_thread(estimate_weight_bytes, path, config.dtype, packs=packs)
+    extra = 0
     draft = config.speculative.draft if config.speculative else None
     if draft is not None:  # loaded into this model's worker too
         draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
-        need += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
+        extra += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
     if config.adapter is not None:
-        need += await asyncio.to_thread(adapter_bytes, config.adapter)
-    return path, need
+        extra += await asyncio.to_thread(adapter_bytes, config.adapter)
+    return path, model_need(config, weights, dir_geometry(path), extra)
+
+
+def _refuse_a_gguf_that_cannot_fit(name: str, config: ModelConfig, server: ServerConfig) -> None:
+    gguf = _gguf_file(config.source, name)
+    if gguf is None:
+        return
+    try:
+        header = GGUFFile(gguf)
+    except GGUFError as exc:
+        raise ModelLoadError(f"model '{name}': {exc}") from exc
+    weights, geometry = gguf_weights_and_geometry(
+        header, config.dtype, packs=config.distributed is None
+    )
+    if refusal := model_need(config, weights, geometry).over_budget(name, server):
+        raise ModelLoadError(refusal)
+
+
+def _gguf_file(source: str, name: str) -> Path | None:
+    """The GGUF file `source` names (a local or pkg:// `.gguf`, an Ollama blob), else None."""
+    if source.startswith("hf://"):
+        return None
+    path = source_path(source, model_name=name)
+    if source.startswith(ollama_store.SCHEME) or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    return None
 
 
 def resolve_draft(draft: DraftWeights, cache_dir: Path) -> Path:
@@ -81,7 +112,7 @@ async def start_inline(
     name: str,
     config: ModelConfig,
     server: Callable[[], ServerConfig],
-    make_room: Callable[[int], Awaitable[None]],
+    make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     """An `EngineStarter` that loads the model into the calling process (`workers: inline`)."""
     path, need = await locate(name, config, server())

@@ -6,9 +6,10 @@ costs this model alone, and unloading the model is this process's exit, so its m
 goes back to the system.
 
 Life of a worker: read its `WorkerSpec`; at a lower CPU priority resolve the weights (a GGUF is
-converted on first use) and tell the daemon how many bytes it will hold; wait for the daemon to
-make room; load; restore the priority; say `ready`; then serve requests until told to close, until
-the daemon goes away (end of file on the socket), or until its engine's model thread dies.
+sized from its header, then converted on first use) and tell the daemon what it will hold (a
+`MemoryNeed`); wait for the daemon to make room; load; restore the priority; say `ready`; then
+serve requests until told to close, until the daemon goes away (end of file on the socket), or
+until its engine's model thread dies.
 Events travel back in one message per engine step, for every sequence at once.
 """
 
