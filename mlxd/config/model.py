@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 from mlxd.config.fields import ApiKeys, ConfigPath, ModelId, Section, anchored
 from mlxd.config.sections import (
     EMBEDDING_PASS_TOKENS,
+    AudioConfig,
     BatchConfig,
     CacheConfig,
     DistributedConfig,
@@ -24,12 +25,25 @@ from mlxd.models import ollama_store
 from mlxd.types import RENDER_ARGUMENTS
 
 _SOURCE_SCHEMES = ("pkg://", "hf://", ollama_store.SCHEME)
+# The kinds that generate text (and keep a KV cache).
+TEXT_KINDS = frozenset({"llm", "vlm"})
+# What the other kinds serve, for the 400 a request meant for another kind gets.
+SERVES = {
+    "embedding": "/v1/embeddings",
+    "stt": "/v1/audio/transcriptions and /v1/audio/translations",
+    "tts": "/v1/audio/speech",
+}
 
 
 class ModelConfig(Section):
     """One served model: where its weights come from and how it is run."""
 
-    kind: Literal["llm", "vlm", "embedding"] = Field("llm", description="What the model does.")
+    kind: Literal["llm", "vlm", "embedding", "stt", "tts"] = Field(
+        "llm",
+        description="What the model does: llm and vlm generate text, embedding serves "
+        "/v1/embeddings, stt transcribes speech (/v1/audio/transcriptions), tts speaks "
+        "(/v1/audio/speech).",
+    )
     source: str = Field(
         min_length=1,
         description="Weights: pkg://MODULE/PATH (inside an installed package), hf://ORG/REPO, "
@@ -117,6 +131,10 @@ class ModelConfig(Section):
         ge=1,
         description="Embedding models: most inputs in one /v1/embeddings request (OpenAI's "
         "limit is 2048); more is a 400.",
+    )
+
+    audio: AudioConfig = Field(
+        default_factory=AudioConfig, description="Speech models: audio limits and defaults."
     )
 
     @field_validator("chat_template_kwargs")

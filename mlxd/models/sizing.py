@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import ModelConfig
+from mlxd.config import TEXT_KINDS, ModelConfig
 from mlxd.models.estimate import tensors_weight_bytes
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits
@@ -46,8 +46,8 @@ def model_need(
     extra: int = 0,
 ) -> MemoryNeed:
     """The model's MemoryNeed given its weight bytes and KV geometry (None: no KV, e.g. an
-    embedding model, or a config that does not say)."""
-    if config.kind == "embedding":  # encoders keep no KV
+    embedding or speech model, or a config that does not say)."""
+    if config.kind not in TEXT_KINDS:  # encoders and speech models keep no KV
         return MemoryNeed(weights, extra=extra)
     context = config.context_length or (geometry.context if geometry else None)
     kv, shape = 0, ""

@@ -1,6 +1,7 @@
 """Where weights come from: a YAML `source` string becomes a local MLX/Hugging Face model dir.
 
-Forms: a local directory with config.json, a local `*.gguf` file (imported once into the cache dir),
+Forms: a local directory with config.json (a CTranslate2 Whisper directory, faster-whisper's
+format, is imported once into the cache dir), a local `*.gguf` file (imported likewise),
 `pkg://module/path` (a file or folder inside an installed package), `ollama://model[:tag]` (a
 GGUF in Ollama's store, models/ollama_store.py) and `hf://org/repo[@revision]`.
 """
@@ -14,8 +15,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import snapshot_download
@@ -24,8 +26,12 @@ from tqdm import tqdm
 
 from mlxd.errors import ModelLoadError, TransientLoadError
 from mlxd.models import ollama_store
-from mlxd.models.gguf import FORMAT_VERSION, GGUFError, convert_gguf
+from mlxd.models.ctranslate2 import CTranslate2Error
+from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
+from mlxd.models.gguf import GGUFError, convert_gguf
 from mlxd.models.source_paths import source_path
+from mlxd.models.whisper_ct2 import FORMAT_VERSION as CT2_VERSION
+from mlxd.models.whisper_ct2 import convert_ct2_whisper, is_ct2_whisper
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +50,13 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
     if source.startswith(ollama_store.SCHEME):
         # The blob's name is its sha256: no need to hash gigabytes again.
         digest = path.name.removeprefix("sha256-")
-        return _converted_gguf(path, model_name, Path(cache_dir).expanduser(), digest)
+        return _converted(GGUF, path, path, model_name, cache_dir, digest)
+    if path.is_dir() and is_ct2_whisper(path):
+        return _converted(CT2_WHISPER, path, path / "model.bin", model_name, cache_dir)
     if path.is_dir():
         return _check_model_dir(path, source, model_name)
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path, model_name, Path(cache_dir).expanduser())
+        return _converted(GGUF, path, path, model_name, cache_dir)
     if path.exists():
         raise ModelLoadError(
             f"model '{model_name}': source {source!r} ({path}) is neither a model directory "
@@ -138,18 +146,36 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _converted_gguf(
-    path: Path, model_name: str, cache_dir: Path, digest: str | None = None
+@dataclass(frozen=True)
+class Importer:
+    """A foreign format imported into the cache: under cache_dir/<folder>/, by `convert(path,
+    into)`, at a `version` that is part of the key (a new importer never reuses an old output)."""
+
+    folder: str
+    convert: Callable[[Path, Path], None]
+    version: int
+
+
+GGUF = Importer("gguf", convert_gguf, GGUF_VERSION)
+CT2_WHISPER = Importer("ct2", convert_ct2_whisper, CT2_VERSION)
+
+
+def _converted(
+    importer: Importer,
+    path: Path,
+    weights: Path,
+    model_name: str,
+    cache_dir: Path,
+    digest: str | None = None,
 ) -> Path:
-    """Import `path` once into cache_dir/gguf/<sha256[:16]>-v<FORMAT_VERSION>/ and reuse it
-    (`digest`: the file's sha256, when already known).
+    """Import `path` once into cache_dir/<folder>/<sha256[:16] of `weights`>-v<version>/ and
+    reuse it (`digest`: that sha256, when already known).
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    # The importer's version is part of the key: a new importer never reuses an old output.
-    digest = f"{(digest or _sha256(path))[:16]}-v{FORMAT_VERSION}"
-    root = cache_dir / "gguf"
+    digest = f"{(digest or _sha256(weights))[:16]}-v{importer.version}"
+    root = Path(cache_dir).expanduser() / importer.folder
     final = root / digest
     if final.is_dir():
         return final
@@ -164,14 +190,14 @@ def _converted_gguf(
             partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
             try:
                 started = time.perf_counter()
-                convert_gguf(path, partial)
+                importer.convert(path, partial)
                 os.rename(partial, final)
                 log.info(
                     "converted %s into %s in %.1fs", path, final, time.perf_counter() - started
                 )
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
-    except GGUFError as exc:
+    except (GGUFError, CTranslate2Error) as exc:
         raise ModelLoadError(f"model '{model_name}': {exc}") from exc
     except OSError as exc:  # a full disk: it may pass
         raise TransientLoadError(

@@ -32,7 +32,14 @@ from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
 from mlxd.runtime.wire import MemoryNeed, WorkerSpec, read_message, write_message
-from mlxd.types import Finished, GenerationRequest
+from mlxd.types import (
+    Finished,
+    GenerationRequest,
+    Speech,
+    SpeechRequest,
+    Transcript,
+    TranscriptionRequest,
+)
 
 log = logging.getLogger("mlxd.worker")
 
@@ -75,7 +82,8 @@ class WorkerEngine:
         # Weak: a stream dropped unread must still be collected (that cancels its sequence).
         self._readers: weakref.WeakValueDictionary[int, EventStream] = weakref.WeakValueDictionary()
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._busy_calls = 0  # embeddings in flight: they keep the engine from being idle
+        # Whole requests in flight (embeddings, transcriptions, speech): the engine is not idle.
+        self._busy_calls = 0
         self._ids = itertools.count()
         self._closing = False
         self._psutil = _process_handle(process.pid)
@@ -210,10 +218,21 @@ class WorkerEngine:
         return await self._call("count_prompt_tokens", request)
 
     async def embed(self, inputs: Any, *, truncate: bool, dimensions: int | None = None) -> Any:
+        return await self._request("embed", inputs, truncate=truncate, dimensions=dimensions)
+
+    async def transcribe(self, request: TranscriptionRequest) -> Transcript:
+        return await self._request("transcribe", request)
+
+    async def speak(self, request: SpeechRequest) -> Speech:
+        return await self._request("speak", request)
+
+    async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A whole request answered by one call (embeddings, transcriptions): it keeps the
+        engine from being idle while it runs."""
         self._busy_calls += 1
         self.last_used = time.monotonic()
         try:
-            return await self._call("embed", inputs, truncate=truncate, dimensions=dimensions)
+            return await self._call(method, *args, **kwargs)
         finally:
             self._busy_calls -= 1
             self.last_used = time.monotonic()

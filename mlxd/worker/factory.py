@@ -24,6 +24,8 @@ from mlxd.runtime.wire import MemoryNeed
 if TYPE_CHECKING:
     from mlxd.worker.embedding import EmbeddingEngine
     from mlxd.worker.llm import LLMEngine
+    from mlxd.worker.stt import STTEngine
+    from mlxd.worker.tts import TTSEngine
 
 
 async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, MemoryNeed]:
@@ -90,13 +92,17 @@ async def load_engine(
     """Load the weights at `path` into the engine of the model's kind. `server` gives the live
     server settings (the SSD KV tier's root, media policy)."""
     # Imported here: each kind pulls in its own libraries (mlx-vlm only for a vlm).
-    engine_class: type[LLMEngine] | type[EmbeddingEngine]
+    engine_class: type[LLMEngine] | type[EmbeddingEngine] | type[STTEngine] | type[TTSEngine]
     if config.kind == "llm":
         from mlxd.worker.llm import LLMEngine as engine_class
     elif config.kind == "vlm":
         from mlxd.worker.vlm import VLMEngine as engine_class
     elif config.kind == "embedding":
         from mlxd.worker.embedding import EmbeddingEngine as engine_class
+    elif config.kind == "stt":
+        from mlxd.worker.stt import STTEngine as engine_class
+    elif config.kind == "tts":
+        from mlxd.worker.tts import TTSEngine as engine_class
     else:
         raise ModelLoadError(f"model '{name}': kind '{config.kind}' is not supported")
     return await engine_class.load(name, config, path, server)

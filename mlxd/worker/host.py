@@ -47,7 +47,16 @@ LOAD_NICE = 10
 WATCH_S = 0.1
 # The engine methods the daemon may call; everything else is a message of its own.
 CALLS = frozenset(
-    {"count_prompt_tokens", "embed", "stats", "resize_cache", "attach_adapter", "detach_adapter"}
+    {
+        "count_prompt_tokens",
+        "embed",
+        "transcribe",
+        "speak",
+        "stats",
+        "resize_cache",
+        "attach_adapter",
+        "detach_adapter",
+    }
 )
 HOST_CALLS = frozenset({"stats"})  # answered by the host: the engine's figures and MLX's
 EXIT_ENGINE_DIED = 3

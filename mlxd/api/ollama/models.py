@@ -90,6 +90,8 @@ async def show() -> Any:
         "llm": ["completion", "tools"],
         "vlm": ["completion", "tools", "vision"],
         "embedding": ["embedding"],
+        "stt": [],  # Ollama has no audio capability to name
+        "tts": [],
     }[config.kind]
     if config.parsers.reasoning:
         capabilities.append("thinking")
