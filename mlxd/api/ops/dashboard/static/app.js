@@ -2,7 +2,7 @@
 
 import { call, explain, key, sse } from "./api.js";
 import { colour, drawLines } from "./charts.js";
-import { fillModels, setupPlayground } from "./playground.js";
+import { fillModels, fillVoices, setupPlayground } from "./playground.js";
 
 const $ = (id) => document.getElementById(id);
 let order = []; // model names in first-seen order: stable chart colours
@@ -131,6 +131,19 @@ function actionsCell(name, model) {
   return span;
 }
 
+function dtypeCell(model) {
+  // On the CPU, the weights' path chosen at load (packed / float32 / mixed) and its timings.
+  const span = document.createElement("span");
+  span.append(model.dtype ?? "–");
+  if (model.cpu_path) {
+    const path = Object.assign(document.createElement("small"), { className: "muted cpu-path" });
+    path.textContent = ` ${model.cpu_path.plan}`;
+    span.title = model.cpu_path.summary;
+    span.append(document.createElement("br"), path);
+  }
+  return span;
+}
+
 function renderModels(status) {
   const body = $("models").tBodies[0];
   const names = Object.keys(status.models);
@@ -147,7 +160,7 @@ function renderModels(status) {
     update(td.kind, ...text(model.kind));
     update(td.aliases, ...text((model.aliases || []).join(", ") || "–"));
     update(td.source, model.source, () => breakable(model.source));
-    update(td.dtype, ...text(model.dtype));
+    update(td.dtype, `${model.dtype}|${model.cpu_path?.summary}`, () => dtypeCell(model));
     const used = model.rss_bytes ?? model.memory_bytes;
     update(td.memory, `${used}|${model.pid}|${status.memory_budget}`, () => memory({ ...model, name }, status.memory_budget));
     update(td.queue, ...text(model.queue_depth));
@@ -223,6 +236,9 @@ function render(state) {
   const ids = (kinds) => models.filter(([, m]) => kinds.includes(m.kind)).flatMap(([n, m]) => [n, ...(m.aliases || [])]);
   fillModels($("chat-model"), ids(["llm", "vlm"]));
   fillModels($("embed-model"), ids(["embedding"]));
+  fillModels($("transcribe-model"), ids(["stt"]));
+  fillModels($("speak-model"), ids(["tts"]));
+  fillVoices(status.models);
   const logSelect = $("log-model");
   const choice = logSelect.value;
   const names = Object.keys(status.models);
