@@ -1,4 +1,4 @@
-"""mlx-lm's `BatchGenerator` with a decode step that only computes what was asked for.
+"""mlx-lm's prompt and generation batches with a decode step that only computes what was asked for.
 
 mlx-lm's `GenerationBatch._step` normalises every row of the logits (`logits - logsumexp`) and
 evaluates every row's log-probabilities each step, for samplers and `logprobs` that most
@@ -20,13 +20,13 @@ Where the model projects last positions alone (`SkipPrefillLogits.projects_last`
 prompt's last chunk takes its last token along and the first token is sampled from that
 prefill (`FastPromptProcessingBatch.start`): no decode step of its own for the last prompt
 token, as in llama.cpp. Otherwise prompts join the decode batch one step sooner than in
-mlx-lm (`FastBatchGenerator._next`). The KV copies around a prefill cover the positions in
+mlx-lm (`executor.batch.BatchExecutor.run`). The KV copies around a prefill cover the positions in
 use rather than whole allocations (`PrefillKVCache`, `FastGenerationBatch.extend`): both
 shorten the time to a first token when prompts arrive while others decode.
 
 The subclasses hook in where mlx-lm builds its batches: `PromptProcessingBatch.generate`
-constructs the `GenerationBatch` (whose first step runs in its constructor), and the
-`BatchGenerator` holds one empty batch of each kind that later batches are merged into.
+constructs the `GenerationBatch` (whose first step runs in its constructor). Which rows run
+when is `executor.batch.BatchExecutor`'s, as the scheduler planned it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.executor.sampling import sample_rows
@@ -410,107 +410,6 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
         finally:
             for cache in plain:
                 cache.__class__ = BatchKVCache
-
-
-class FastBatchGenerator(BatchGenerator):
-    def __init__(self, model: Any, speculator: Speculator[Any] | None = None, **kwargs: Any):
-        super().__init__(model, **kwargs)
-        # New prompt batches are merged into this one and split off from it (its class is
-        # kept by `_copy`), so every GenerationBatch is built by FastPromptProcessingBatch.
-        self._prompt_batch.__class__ = FastPromptProcessingBatch
-        self._generation_batch = FastGenerationBatch.empty(self.model, self.sampler)
-        self._generation_batch.speculator = speculator
-        if speculator is not None:  # it may outlive a generator whose uids started from 0 too
-            speculator.retain([])
-
-    def _next(self) -> tuple[list[Any], list[Any]]:
-        """mlx-lm moves the prompts whose prefill has ended into the generation batch after
-        this step's decode, so their first tokens waited a whole step of the running rows:
-        here they move first and get their first tokens from this step's decode. Where the
-        model projects only last positions, a prompt's last chunk takes its last token along
-        and its first token comes out of that prefill (`_finish_prompts`)."""
-        final = self._final_prompts()
-        started = self._start_prefilled()
-        prompt_responses, generation_responses = super()._next()
-        if final is not None:
-            finished, firsts = self._finish_prompts(*final)
-            started, generation_responses = started + finished, generation_responses + firsts
-        return started + prompt_responses, generation_responses
-
-    def _final_prompts(
-        self,
-    ) -> tuple[FastPromptProcessingBatch, list[list[int]], list[tuple[int, int]]] | None:
-        """The prompts whose rest, last token included, fits one prefill step, split off the
-        prompt batch (so that mlx-lm's `_next` leaves them alone), with their rests and
-        progress; None where the model cannot project last positions alone."""
-        if not getattr(self.model, "projects_last", False):
-            return None
-        self._admit_waiting()
-        final, rests = [], []
-        for index, (segments, *_) in enumerate(self._currently_processing):
-            rest = [token for segment in segments for token in segment]
-            # insert() makes [prompt[:-1], prompt[-1:]]: two segments at most, here.
-            if len(segments) <= 2 and len(rest) <= self.prefill_step_size:
-                final.append(index)
-                rests.append(rest)
-        if not final:
-            return None
-        progress = [(self._currently_processing[i][2],) * 2 for i in final]
-        self._currently_processing = [
-            seq for i, seq in enumerate(self._currently_processing) if i not in final
-        ]
-        batch = cast(FastPromptProcessingBatch, self._prompt_batch.split(final))
-        return batch, rests, progress
-
-    def _finish_prompts(
-        self,
-        batch: FastPromptProcessingBatch,
-        rests: list[list[int]],
-        progress: list[tuple[int, int]],
-    ) -> tuple[list[PromptProcessingBatch.Response], list[GenerationBatch.Response]]:
-        """Prefill the final prompts with their last tokens and hand out their first tokens;
-        the rows that go on join the generation batch."""
-        uids = list(batch.uids)
-        generation = batch.start(rests)
-        firsts = generation.next()
-        if len(generation):
-            self._generation_batch.extend(generation)
-        finished = [
-            PromptProcessingBatch.Response(uid, prompt_progress, True, True)
-            for uid, prompt_progress in zip(uids, progress, strict=True)
-        ]
-        return finished, firsts
-
-    def _admit_waiting(self) -> None:
-        """mlx-lm's own move of inserted prompts into the prompt batch (its `_next` does it
-        after the decode step), done before it so that their final chunks are seen."""
-        free = self.completion_batch_size - len(self._generation_batch)
-        count = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            free,
-            len(self._unprocessed_sequences),
-        )
-        if count > 0:
-            self._prompt_batch.extend(self._make_batch(count))
-
-    def _start_prefilled(self) -> list[PromptProcessingBatch.Response]:
-        """Prompts with only their last token left to feed, moved into the generation batch
-        (mlx-lm's own split in `_next`, done before the decode step instead of after it)."""
-        done = [i for i, (segments, *_) in enumerate(self._currently_processing)
-                if len(segments) == 1 and len(segments[0]) == 1]  # fmt: skip
-        if not done:
-            return []
-        last_inputs = [self._currently_processing[i][0][0] for i in done]
-        progress = [(self._currently_processing[i][2],) * 2 for i in done]
-        self._currently_processing = [
-            seq for i, seq in enumerate(self._currently_processing) if i not in done
-        ]
-        generation = self._prompt_batch.split(done).generate(last_inputs)
-        self._generation_batch.extend(generation)
-        return [
-            PromptProcessingBatch.Response(uid, prompt_progress, True, True)
-            for uid, prompt_progress in zip(generation.uids, progress, strict=True)
-        ]
 
 
 def _route_rows(model: Any, uids: list[int]) -> None:
