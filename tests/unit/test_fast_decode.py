@@ -9,7 +9,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxd.executor.fast_batch import PrefillKVCache
+from mlxd.executor.fast_batch import finalize_used_span
 from mlxd.executor.prefill import SkipPrefillLogits
 from mlxd.executor.sampling import (
     GREEDY,
@@ -210,13 +210,14 @@ def test_rolling_only_the_used_span_leaves_every_row_as_mlx_lm_does() -> None:
     """Prompts of 3, 1 and 2 new tokens after cached prefixes: right-padded, then rolled into
     left padding. Every position a row attends to matches mlx-lm's, before and after the
     next decode step grows the (now smaller) buffer."""
-    ours, theirs = PrefillKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
+    ours, theirs = BatchKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
     prefix, prompt, step = (mx.random.normal((3, 2, n, 4)) for n in (5, 3, 1))
     for cache in (ours, theirs):
         cache.update_and_fetch(prefix, prefix + 1)
         cache.prepare(lengths=[3, 1, 2], right_padding=[0, 2, 1])
         cache.update_and_fetch(prompt, prompt + 1)
-        cache.finalize()
+    finalize_used_span(ours)
+    theirs.finalize()
     assert ours.keys.shape[2] == 8 < theirs.keys.shape[2]  # 8 in use of 256 allocated
 
     def attended(cache: BatchKVCache) -> list[mx.array]:
