@@ -22,6 +22,7 @@ bootstrap: $(STAMP) $(KERNELS)
 # chromium + chromium-driver: the dashboard's browser tests (under CI=true a failed install
 # fails here, and a test missing its browser fails: tests/conftest.py).
 # g++ + cmake: mlxd's CPU kernels (without them quantized models run as float32 on the CPU).
+# g++-aarch64-linux-gnu + qemu-user (x86-64): the kernels' aarch64 variants, tested under qemu.
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1; then \
 	  need=""; \
@@ -31,6 +32,10 @@ system-deps:
 	  command -v chromedriver >/dev/null 2>&1 || need="$$need chromium-driver"; \
 	  command -v g++ >/dev/null 2>&1 || need="$$need g++"; \
 	  command -v cmake >/dev/null 2>&1 || need="$$need cmake"; \
+	  if [ "$$(uname -m)" = x86_64 ]; then \
+	    command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || need="$$need g++-aarch64-linux-gnu"; \
+	    command -v qemu-aarch64 >/dev/null 2>&1 || need="$$need qemu-user"; \
+	  fi; \
 	  if [ -n "$$need" ]; then \
 	    echo "installing$$need"; \
 	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$need \

@@ -4,6 +4,7 @@ environment, same sweep, one run.
 python -m benchmarks.compare --levels 1,8,32 --max-tokens 64
 python -m benchmarks.compare --only mlxd,llama.cpp --scenario editing --speculative-tokens 4
 python -m benchmarks.compare --model-dir /path/to/mlx-model --only baseline
+python -m benchmarks.compare --sampling greedy        # greedy rows only (default: also t0.7/p0.9)
 
 llama.cpp's `llama-server` serves the same GGUF mlxd converts (the demo model) with `-np C`
 slots of 512 tokens each, restarted per concurrency level C, as a home lab would size it.
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ if __package__ in (None, ""):
 import httpx2 as httpx  # noqa: E402
 
 from mlxd.cli.loadgen import (  # noqa: E402
+    SAMPLING,
     LevelResult,
     default_requests,
     parse_levels,
@@ -75,7 +77,7 @@ class ServerFailed(RuntimeError):
 
 @dataclass
 class ServerRun:
-    results: list[LevelResult] | None = None
+    results: dict[str, list[LevelResult]] | None = None  # by sampling label (loadgen.SAMPLING)
     error: str | None = None
 
 
@@ -167,7 +169,7 @@ def editing_prompts() -> Iterator[str]:
 
 
 async def run_editing(
-    url: str, model: str, levels: list[int], requests: int | None
+    url: str, model: str, levels: list[int], requests: int | None, sampling: Mapping[str, float]
 ) -> list[LevelResult]:
     timeout = httpx.Timeout(600.0, connect=30.0)
     limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
@@ -177,7 +179,9 @@ async def run_editing(
         for level in levels:
             count = requests or default_requests(level)
             results.append(
-                await run_level(client, url, model, level, EDITING_MAX_TOKENS, count, prompts)
+                await run_level(
+                    client, url, model, level, EDITING_MAX_TOKENS, count, prompts, sampling
+                )
             )
     return results
 
@@ -244,27 +248,31 @@ def bench_server(
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     try:
         with running_server(cmd, port, env, log_path, args.startup_timeout) as url:
-            results = asyncio.run(sweep(url, model_id, args.levels, args))
+            results = {}
+            for label in args.sampling:  # one server, each sampling in turn
+                results[label] = asyncio.run(sweep(url, model_id, args.levels, args, label))
+                print(f"-- {name}, {label}")
+                print_results(results[label])
     except ServerFailed as exc:
         print(f"{name} failed: {exc} (log: {log_path})", file=sys.stderr, flush=True)
         return ServerRun(error=str(exc))
-    print_results(results)
     return ServerRun(results=results)
 
 
 async def sweep(
-    url: str, model: str, levels: list[int], args: argparse.Namespace
+    url: str, model: str, levels: list[int], args: argparse.Namespace, label: str
 ) -> list[LevelResult]:
+    sampling = SAMPLING[label]
     if args.scenario == "editing":
-        return await run_editing(url, model, levels, args.requests)
-    return await run_sweep(url, model, levels, args.max_tokens, args.requests)
+        return await run_editing(url, model, levels, args.requests, sampling)
+    return await run_sweep(url, model, levels, args.max_tokens, args.requests, sampling=sampling)
 
 
 def bench_llama(
     binary: Path, args: argparse.Namespace, env: dict[str, str], log_dir: Path
 ) -> ServerRun:
     """llama-server sized per level (-np C), so one server per concurrency level."""
-    gguf, results = gguf_path(), []
+    gguf, results = gguf_path(), {label: [] for label in args.sampling}
     for level in args.levels:
         port = free_port()
         cmd = llama_command(binary, gguf, port, level)
@@ -273,7 +281,8 @@ def bench_llama(
         )
         if run.error:
             return run
-        results.extend(run.results or [])
+        for label, level_results in (run.results or {}).items():
+            results[label].extend(level_results)
     return ServerRun(results=results)
 
 
@@ -287,12 +296,15 @@ def _ttft(result: LevelResult | None) -> str:
     return f"{result.ttft_p50_s:.2f}/{result.ttft_p95_s:.2f}s"
 
 
-def print_comparison(levels: list[int], runs: dict[str, ServerRun]) -> None:
+def print_comparison(levels: list[int], runs: dict[str, ServerRun], label: str) -> None:
     """One row per level: each server's tok/s, TTFT p50/p95, failures, and mlxd's ratio."""
-    by_level = {name: {r.concurrency: r for r in run.results or []} for name, run in runs.items()}
+    by_level = {
+        name: {r.concurrency: r for r in (run.results or {}).get(label, [])}
+        for name, run in runs.items()
+    }
     names = list(runs)
     peers = [n for n in names if n != "mlxd"]
-    print()
+    print(f"\nsampling: {label}")
     header = f"{'conc':>4}"
     for name in names:
         header += f" | {name + ' tok/s':>15} | {'TTFT p50/p95':>13} | {'fail':>5}"
@@ -337,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scenario", choices=SCENARIOS, default="chat")
     parser.add_argument(
+        "--sampling",
+        type=lambda text: text.split(","),
+        default=list(SAMPLING),
+        help=f"comma-separated sampling rows, of {', '.join(SAMPLING)} (default: all)",
+    )
+    parser.add_argument(
         "--speculative-tokens",
         type=int,
         default=0,
@@ -354,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     args = parser.parse_args(argv)
+    if unknown := set(args.sampling) - set(SAMPLING):
+        parser.error(f"--sampling: unknown {', '.join(sorted(unknown))}")
 
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     env = server_env()
@@ -363,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OPENBLAS_CORETYPE: {env.get('OPENBLAS_CORETYPE', '(auto)')}")
     print(f"levels {args.levels}, max_tokens {args.max_tokens}, scenario {args.scenario}")
     print(f"mlxd speculative tokens: {args.speculative_tokens or 'off'}")
+    print(f"sampling: {', '.join(f'{k} {dict(SAMPLING[k])}' for k in args.sampling)}")
     print(f"CPU: {cpu_model()}", flush=True)
 
     runs: dict[str, ServerRun] = {}
@@ -384,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
             cmd, model_id = baseline_command(model_dir, port), BASELINE_MODEL_ID
         runs[name] = bench_server(name, cmd, port, model_id, args, env, log_dir)
 
-    print_comparison(args.levels, runs)
+    for label in args.sampling:
+        print_comparison(args.levels, runs, label)
     startup_failed = any(run.error for run in runs.values())
-    requests_failed = any(r.failed for run in runs.values() for r in run.results or [])
+    requests_failed = any(
+        r.failed for run in runs.values() for rs in (run.results or {}).values() for r in rs
+    )
     if startup_failed or requests_failed:
         print(f"\nserver logs kept in {log_dir}")
     else:

@@ -1,11 +1,13 @@
 """mlxd's CPU kernels against the MLX ops they replace, and whole SmolLM2 steps packed vs float32.
 
-python -m benchmarks.kernels [--batches 1,8,32] [--context 128]
+python -m benchmarks.kernels [--batches 1,8,32] [--context 128] [--isas avx2,generic]
 
-Each op at the shapes one SmolLM2 decode step uses (per call, ms, fastest round; the machine
-is shared), then a 512-token prefill chunk's attention, then whole forward passes of the model
-loaded as the CPU engine loads it (packed 4/8-bit weights on the kernels) and dequantized to
-float32 on OpenBLAS (what the engine ran before), in this one process. Runs with mlxd.accel's
+For each ISA variant of the kernels this CPU runs (csrc/simd.h; the dispatch's own choice
+first): each op at the shapes one SmolLM2 decode step uses (per call, ms, fastest round; the
+machine is shared), a 512-token prefill chunk's attention, and whole forward passes of the
+model loaded as the CPU engine loads it (packed 4/8-bit weights on the kernels); then the
+same model dequantized to float32 on OpenBLAS (what the engine ran before), in this one
+process, and a table of the packed/float32 ratios per ISA. Runs with mlxd.accel's
 environment (the script re-executes itself), as the engine does. Compare ratios: absolute
 figures depend on the CPU and on what else it runs.
 """
@@ -100,15 +102,63 @@ def step_ms(model, batch: int, context: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+# The CPU flags that decide which kernel variant can run.
+ISA_FLAGS = [
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "asimd",
+    "asimddp",
+    "sve",
+]
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return " ".join(flag for flag in ISA_FLAGS if flag in present)
+    except OSError:
+        pass
+    return "unknown"
+
+
+def op_ms(model, batch: int, context: int, layers: int) -> list[tuple[str, float, float]]:
+    """(op, MLX's ms, the kernel's ms) per call, each timed as `layers` calls in one evaluation,
+    as a step's layers run (alone, dispatch dominates)."""
+    rows = []
+    for name, mlx_op, kernel_op in op_rows(model, batch, context):
+        before = best_ms(lambda op=mlx_op: [op() for _ in range(layers)]) / layers
+        after = best_ms(lambda op=kernel_op: [op() for _ in range(layers)]) / layers
+        rows.append((name, before, after))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    reexec_with_blas("benchmarks.kernels")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--isas", default=None, help="ISA variants to run (default: every one)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="kernel and OpenBLAS threads (default: every core; 1 gives steadier per-core "
+        "figures on a busy shared machine, where threads wait on each other)",
+    )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
+    if args.threads:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
+    reexec_with_blas("benchmarks.kernels")
 
     from benchmarks.compare import cpu_model, resolve_model_dir
     from mlxd import kernels
@@ -118,42 +168,66 @@ def main(argv: list[str] | None = None) -> int:
     if not kernels.available():
         print("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
         return 1
+    chosen = kernels.isa()
+    isas = args.isas.split(",") if args.isas else kernels.isas()
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     packed = load_llm(model_dir, dtype="auto", model_name="smol")
+    if args.threads:
+        kernels.set_threads(args.threads)
     print(describe())
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+    print(f"CPU flags: {cpu_flags()}; threads: {args.threads or 'every core'}")
+    print(
+        f"kernel ISAs: built {kernels.built_isas()}, this CPU runs {kernels.isas()}; "
+        f"the dispatch chose {chosen}"
+    )
     batches = [int(b) for b in args.batches.split(",")]
     layers = len(packed.model.model.layers)
-    print(
-        f"\nper call, ms: MLX op | kernel (speed-up), kv length {args.context}; each timed as "
-        f"{layers} calls in one evaluation, as a step's layers run (alone, dispatch dominates)"
-    )
-    for b in batches:
-        for name, mlx_op, kernel_op in op_rows(packed.model, b, args.context):
-            before = best_ms(lambda op=mlx_op: [op() for _ in range(layers)]) / layers
-            after = best_ms(lambda op=kernel_op: [op() for _ in range(layers)]) / layers
-            print(f"batch {b:>2}  {name:<50} {before:8.3f} | {after:8.3f} ({before / after:.1f}x)")
-    for rows, keys in ((512, 512), (512, 1536), (24, 1528)):
-        before, after = prefill_attention(packed.model, rows, keys)
-        print(
-            f"prefill attention, {rows} rows × {keys} keys (causal)"
-            f"{'':<12} {before:8.3f} | {after:8.3f} ({before / after:.1f}x)"
-        )
-    steps = {b: step_ms(packed.model, b, args.context, args.rounds) for b in batches}
+    ops: dict[str, dict[int, list[tuple[str, float, float]]]] = {}
+    steps: dict[str, dict[int, float]] = {}
+    for isa in isas:
+        kernels.use_isa(isa)
+        print(f"\n[{isa}] per call, ms: MLX op | kernel (speed-up), kv length {args.context}")
+        ops[isa] = {}
+        for b in batches:
+            ops[isa][b] = op_ms(packed.model, b, args.context, layers)
+            for name, before, after in ops[isa][b]:
+                print(
+                    f"batch {b:>2}  {name:<50} {before:8.3f} | {after:8.3f} ({before / after:.2f}x)"
+                )
+        for rows, keys in ((512, 512), (512, 1536), (24, 1528)):
+            before, after = prefill_attention(packed.model, rows, keys)
+            print(
+                f"prefill attention, {rows} rows × {keys} keys (causal)"
+                f"{'':<12} {before:8.3f} | {after:8.3f} ({before / after:.2f}x)"
+            )
+        steps[isa] = {b: step_ms(packed.model, b, args.context, args.rounds) for b in batches}
+    kernels.use_isa(chosen or isas[0])
     # The float32 model last: it turns the kernels' threads off for this process (see
     # kernels.share_cores), as a worker with a float32 model does.
     float32 = load_llm(model_dir, dtype="float32", model_name="smol")
+    if args.threads:
+        kernels.set_threads(args.threads)
     print(f"\nwhole decode step, ms (median of {args.rounds}; kv length {args.context})")
     print(
         f"weights: packed {packed.dtype} {packed.nbytes / 1e6:.0f} MB, float32 "
         f"{float32.nbytes / 1e6:.0f} MB"
     )
+    reference = {b: step_ms(float32.model, b, args.context, args.rounds) for b in batches}
     for b in batches:
-        before = step_ms(float32.model, b, args.context, args.rounds)
-        print(
-            f"batch {b:>2}: float32 on OpenBLAS {before:6.1f} | packed on the kernels "
-            f"{steps[b]:6.1f} ({before / steps[b]:.2f}x; {1000 * b / steps[b]:.0f} tok/s)"
-        )
+        line = f"batch {b:>2}: float32 on OpenBLAS {reference[b]:6.1f}"
+        for isa in isas:
+            line += f" | {isa} {steps[isa][b]:6.1f} ({reference[b] / steps[isa][b]:.2f}x)"
+        print(line)
+    print("\nspeed-up over float32 (MLX's op on OpenBLAS), per ISA: ops, then the whole step")
+    for b in batches:
+        for i, (name, _, _) in enumerate(ops[isas[0]][b]):
+            ratios = "  ".join(
+                f"{isa} {ops[isa][b][i][1] / ops[isa][b][i][2]:5.2f}x" for isa in isas
+            )
+            print(f"batch {b:>2}  {name:<50} {ratios}")
+        ratios = "  ".join(f"{isa} {reference[b] / steps[isa][b]:5.2f}x" for isa in isas)
+        print(f"batch {b:>2}  {'whole decode step':<50} {ratios}")
     return 0
 
 

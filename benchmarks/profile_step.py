@@ -184,17 +184,21 @@ def step_ab(
     """ms per decode step (median over interleaved turns): stock generator + exact SiLU vs
     fast generator, exact and rational SiLU."""
     import mlx.core as mx
+    from mlx.utils import tree_unflatten
     from mlx_lm.generate import BatchGenerator
 
     from mlxd.executor.batch import BatchExecutor, NewRow
     from mlxd.executor.sampling import GREEDY
-    from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
+    from mlxd.models.activations import RationalSwiGLU, use_rational_swiglu
     from mlxd.scheduler import Chunk
+    from tests.unit.test_fast_decode import ExactSwiGLU
 
     def exact() -> None:
-        for _, module in model.named_modules():
-            if type(module) in _RATIONAL_CLASSES.values():
-                module.__class__ = type(module).__bases__[0]
+        swaps = [
+            (n, ExactSwiGLU(m)) for n, m in model.named_modules() if isinstance(m, RationalSwiGLU)
+        ]
+        if swaps:
+            model.update_modules(tree_unflatten(swaps))
 
     prompts = [mx.random.randint(100, 20000, (context,)).tolist() for _ in range(batch)]
     uids = list(range(batch))

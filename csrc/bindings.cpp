@@ -1,10 +1,12 @@
 // Python module mlxd.kernels._cpu (nanobind; arrays cross as mlx.core.array).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "assemble.h"
 #include "attention.h"
+#include "kernels.h"
 #include "qmatmul.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -16,6 +18,18 @@ using namespace nb::literals;
 
 NB_MODULE(_cpu, m) {
   m.doc() = "mlxd's CPU kernels for MLX";
+  m.def(
+      "isa", []() { return std::string(mlxd::kernels().isa); }, "The ISA variant the kernels run.");
+  m.def(
+      "use_isa",
+      &mlxd::use_isa,
+      "isa"_a,
+      "Runs every later kernel on this ISA variant (ValueError: not built, or the CPU lacks it).");
+  m.def(
+      "runnable_isas",
+      &mlxd::runnable_isas,
+      "The ISA variants built into this module that this CPU runs, best first.");
+  m.def("built_isas", &mlxd::built_isas, "Every ISA variant built into this module, best first.");
   m.def(
       "set_threads",
       [](int threads) { mlxd::kernel_threads().store(threads < 1 ? 1 : threads); },

@@ -1,6 +1,7 @@
 // The MLX op around qmatmul_cpu: shape checks, output allocation, dispatch on the CPU stream.
 #include <stdexcept>
 
+#include "kernels.h"
 #include "mlx/ops.h"
 #include "qmatmul.h"
 #include "threads.h"
@@ -54,16 +55,16 @@ void QMatmul::eval_cpu(
   float* yp = y.data<float>();
   const int bits = bits_;
   const int threads = threads_on(stream());
+  const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
-    encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
-      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits, threads);
+    encoder.dispatch([=, f = run.qmatmul_f16, sp = rows<uint16_t>(scale_bias, encoder)]() {
+      f(xp, wp, sp, yp, M, N, K, bits, threads);
     });
   } else {
-    encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
-      qmatmul_cpu(xp, wp, sp, yp, M, N, K, bits, threads);
+    encoder.dispatch([=, f = run.qmatmul_f32, sp = rows<float>(scale_bias, encoder)]() {
+      f(xp, wp, sp, yp, M, N, K, bits, threads);
     });
   }
 }
-
 
 }  // namespace mlxd

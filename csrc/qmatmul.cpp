@@ -1,10 +1,10 @@
-// A CPU matmul against affine-quantized weights (4 or 8 bits, blocks of 32), as an MLX primitive.
+// A CPU matmul against affine-quantized weights (4 or 8 bits, blocks of 32), per ISA variant.
 //
 // MLX 0.32's CPU backend dequantizes quantized weights element by element, 2-4x slower than
 // float32 BLAS; float32 weights in turn move 8x the bytes of a 4-bit file at batch 1, where a
-// decode step is bound by memory bandwidth. This kernel reads the packed weights once per step,
-// turns them into float32 in registers and multiplies them with up to 8 rows of x at a time;
-// with many rows (prefill) each tile pair is dequantized once into a buffer instead.
+// decode step is bound by memory bandwidth. This kernel reads the packed weights once per pass
+// and multiplies them in registers with up to MAX_ROWS rows of x at a time; with many rows
+// (prefill) each chunk of a tile's weights is dequantized once into an L1-sized buffer instead.
 //
 // `mlxd.kernels.pack` lays the weights out (once, at load) for vectors along the output axis, so
 // no horizontal sums are needed: output rows go in tiles of 16, and for each tile and input k
@@ -14,74 +14,83 @@
 // as for a GGUF's) or float32: w = scale * q + bias (MLX's affine quantization). At batch 1 a
 // step streams every weight from memory, so the bytes per weight set its pace: 4.5 bits here
 // with float16 scales, as a Q4_1 GGUF.
-// GCC vector extensions keep the code portable: -march=native turns them into AVX-512 or AVX2.
-
-#include "qmatmul.h"
-#include "simd.h"
-#include "threads.h"
+//
+// In registers the bias is factored out of each block, as llama.cpp does:
+//   sum_k x_k (s q_k + b) = s sum_k x_k q_k + b sum_k x_k
+// so the inner loop only widens q to float and multiplies-adds; the block's sum of x is
+// computed once per row, and scale and bias are applied once per block.
 
 #include <omp.h>
 
-#include <algorithm>
-#include <cstring>
-#include <stdexcept>
-#include <vector>
+#include <type_traits>
+
+#include "simd.h"
+#include "variant.h"
 
 namespace mlxd {
+namespace MLXD_ISA {
 
 namespace {
 
-constexpr int BLOCK = 32;  // inputs sharing one scale and bias (a tile: LANES output rows)
-constexpr int TILES = 2;  // tiles per work item: each broadcast x value feeds two FMAs
-constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
-// From this many rows on, dequantizing a tile pair once into a buffer beats dequantizing it
-// in registers for every pass of 8 (measured: slower below, up to 1.15x faster at 512 rows).
-constexpr int BUFFER_MIN_ROWS = 64;
+constexpr int BLOCK = 32;  // inputs sharing one scale and bias
+constexpr int LANES = 16;  // output rows per tile (the packed layout)
+constexpr int V = LANES / W;  // vectors per tile
+
+// A work item is TILES tiles (NV vectors of output rows). A pass in registers takes up to
+// MAX_ROWS rows of x, a buffered pass BUFFER_ROWS: as many as leave the accumulators, the
+// weight vectors and a broadcast in the registers (32 zmm on AVX-512, 16 ymm on AVX2, 32 on
+// NEON, 16 xmm for the generic variant on x86-64), so that no hot loop spills to the stack.
+#if defined(MLXD_ISA_AVX512)
+constexpr int REGISTERS = 32;
+constexpr int TILES = 2;
+constexpr int MAX_ROWS = 8;
+constexpr int BUFFER_ROWS = 12;
+#elif defined(MLXD_ISA_AVX2)
+constexpr int REGISTERS = 16;
+constexpr int TILES = 1;
+constexpr int MAX_ROWS = 5;
+constexpr int BUFFER_ROWS = 6;
+#elif defined(MLXD_ISA_NEON)
+constexpr int REGISTERS = 32;
+constexpr int TILES = 1;
+constexpr int MAX_ROWS = 4;
+constexpr int BUFFER_ROWS = 6;
+#else
+constexpr int REGISTERS = 16;
+constexpr int TILES = 1;
+constexpr int MAX_ROWS = 2;
+constexpr int BUFFER_ROWS = 2;
+#endif
+constexpr int NV = TILES * V;
+constexpr int GROUP = TILES * LANES;  // output rows per work item
+// Registers a pass in registers has for its accumulators: the rest hold a pair of inputs'
+// weights (2 x NV) and the broadcast x values.
+constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 2;
+#if !defined(MLXD_ISA_GENERIC)  // (x86-64's 16 xmm are not where the generic variant runs fast)
+static_assert(MAX_ROWS * NV <= ACCUMULATORS, "a pass's accumulators fit the registers");
+static_assert(BUFFER_ROWS * NV + NV + 1 <= REGISTERS, "a buffered pass fits the registers");
+#endif
+// From this many rows on, dequantizing a chunk of weights once into a buffer beats widening
+// them in registers for every pass.
+constexpr int BUFFER_MIN_ROWS = 32;
+// Inputs per buffered chunk: 16 KB of float32 weights, which stay in L1 whatever K is.
+constexpr int CHUNK = 4096 / GROUP;
 constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weights are fetched
 
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
+static_assert(CHUNK % BLOCK == 0, "chunks hold whole blocks");
 
-// 16 bytes widened to 16 int32 lanes. GCC's generic __builtin_convertvector does this byte by
-// byte in scalar code, so the x86 widening instructions are named where they exist.
-inline i32x16 load_u8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i halves[2] = {
-      _mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
-  i32x16 v;
-  std::memcpy(&v, halves, sizeof(v));
-  return v;
-#else
-  u8x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return __builtin_convertvector(v, i32x16);
-#endif
+// W scales or biases as float32, from float32 or float16 (uint16_t bits).
+template <typename S>
+inline vf load_scales(const S* p) {
+  if constexpr (sizeof(S) == 4) {
+    return load(reinterpret_cast<const float*>(p));
+  } else {
+    return load_f16(p);
+  }
 }
 
-// 16 scales or biases as float32, from float32 or float16 (uint16_t bits).
-template <typename S>
-inline f32x16 load_scales(const S* p) {
-  if constexpr (sizeof(S) == 4) {
-    return load_f32(reinterpret_cast<const float*>(p));
-  } else {
-#if defined(__AVX512F__)
-    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-    const __m256 halves[2] = {
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-    f32x16 v;
-    std::memcpy(&v, halves, sizeof(v));
-    return v;
-#else
-    typedef _Float16 f16x16 __attribute__((vector_size(32)));
-    f16x16 h;
-    std::memcpy(&h, p, sizeof(h));
-    return __builtin_convertvector(h, f32x16);
-#endif
-  }
+inline vf to_float(vi q) {
+  return __builtin_convertvector(q, vf);
 }
 
 template <typename S>
@@ -93,181 +102,219 @@ struct Problem {
   int M, N, K;
   int threads;
 
+  // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W).
   template <int BITS>
-  const uint8_t* tile(int t) const {
-    return w + size_t(t) * K * BITS / 8 * LANES;
+  const uint8_t* weights(int g, int v) const {
+    return w + size_t(g * TILES + v / V) * K * BITS / 8 * LANES + (v % V) * W;
   }
-  const S* scales(int t, int block) const {  // the tile's 16 scales; its biases follow
-    return scale_bias + (size_t(t) * (K / BLOCK) + block) * 2 * LANES;
+  const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
+    return scale_bias + (size_t(g * TILES + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
+  }
+  float* out(int m, int g, int v) const {
+    return y + size_t(m) * N + g * GROUP + v * W;
   }
 };
 
-// Weights of inputs k and k + 1 for the 16 rows of a tile, as float32.
+// q of inputs k and k + 1 for the W rows at `at`, as float32.
 template <int BITS>
-inline void dequantize_pair(
-    const uint8_t* tile, int k, f32x16 scale, f32x16 bias, f32x16& w0, f32x16& w1) {
+inline void widen_pair(const uint8_t* at, int k, vf& q0, vf& q1) {
   if constexpr (BITS == 4) {
-    const i32x16 q = load_u8(tile + (k / 2) * LANES);
-    w0 = __builtin_convertvector(q & 15, f32x16) * scale + bias;
-    w1 = __builtin_convertvector(q >> 4, f32x16) * scale + bias;
+    const vi q = load_u8(at + (k / 2) * LANES);
+    q0 = to_float(q & 15);
+    q1 = to_float(q >> 4);
   } else {
-    w0 = __builtin_convertvector(load_u8(tile + k * LANES), f32x16) * scale + bias;
-    w1 = __builtin_convertvector(load_u8(tile + (k + 1) * LANES), f32x16) * scale + bias;
+    q0 = to_float(load_u8(at + k * LANES));
+    q1 = to_float(load_u8(at + (k + 1) * LANES));
   }
 }
 
-// y[m0 .. m0 + MB, n0 .. n0 + 32] for tiles t0 and t0 + 1. With few rows the FMAs alone cannot
-// hide their latency, so inputs k and k + 1 accumulate apart (SPLIT) and are summed at the end.
+// Calls f(std::integral_constant<int, count>) for 1 <= count <= MOST: kernels whose row count
+// is a compile-time constant keep their accumulators in registers.
+template <int MOST, typename F>
+inline void with_rows(int count, F&& f) {
+  if constexpr (MOST > 1) {
+    if (count < MOST) {
+      return with_rows<MOST - 1>(count, f);
+    }
+  }
+  f(std::integral_constant<int, MOST>{});
+}
+
+// Partial sums per accumulator for MB rows: with fewer than 8 independent FMA chains the FMAs
+// cannot hide their latency, so inputs alternate between 2 or 4 sums while registers allow.
+constexpr int split_for(int chains) {
+  int split = 1;
+  while (split < 4 && chains * split < 8 && chains * split * 2 <= ACCUMULATORS) {
+    split *= 2;
+  }
+  return split;
+}
+
+// y[m0 .. m0 + MB, work item g] with the weights widened in registers, inputs accumulating into
+// SPLIT partial sums summed per block.
 template <int BITS, int MB, typename S>
-void tile_pair(const Problem<S>& p, int t0, int m0) {
-  constexpr int SPLIT = MB <= 4 ? 2 : 1;
+void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
+  constexpr int SPLIT = split_for(MB * NV);
+  constexpr int PAIRS = SPLIT > 2 ? SPLIT / 2 : 1;  // pairs of inputs per step
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
-  f32x16 acc[MB][TILES][SPLIT] = {};
   for (int b = 0; b < blocks; ++b) {
-    f32x16 scale[TILES], bias[TILES];
-    for (int v = 0; v < TILES; ++v) {
+    for (int t = 0; t < TILES; ++t) {
       // The hardware prefetcher alone streamed a decode step's weights at ≈10 GB/s of the
-      // ≈33 this machine reads: ask for the block a few ahead (past the end: harmless).
-      const uint8_t* ahead = p.template tile<BITS>(t0 + v) + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
+      // ≈33 the machine reads: ask for the block a few ahead (past the end: harmless).
+      const uint8_t* ahead = p.template weights<BITS>(g, t * V) + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
       for (int line = 0; line < BLOCK_BYTES; line += 64) {
         __builtin_prefetch(ahead + line);
       }
-      __builtin_prefetch(p.scales(t0 + v, b + PREFETCH_BLOCKS));
-      scale[v] = load_scales(p.scales(t0 + v, b));
-      bias[v] = load_scales(p.scales(t0 + v, b) + LANES);
+      __builtin_prefetch(p.scales(g, t * V, b + PREFETCH_BLOCKS));
     }
-    for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
-      f32x16 w0[TILES], w1[TILES];
-      for (int v = 0; v < TILES; ++v) {
-        dequantize_pair<BITS>(p.template tile<BITS>(t0 + v), k, scale[v], bias[v], w0[v], w1[v]);
-      }
-      for (int i = 0; i < MB; ++i) {
-        const float* xr = p.x + size_t(m0 + i) * p.K + k;
-        const float x0 = xr[0], x1 = xr[1];
-        for (int v = 0; v < TILES; ++v) {
-          acc[i][v][0] += w0[v] * x0;
-          acc[i][v][SPLIT - 1] += w1[v] * x1;
+    vf part[MB][NV][SPLIT] = {};
+    for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2 * PAIRS) {
+      for (int u = 0; u < PAIRS; ++u) {
+        const int kk = k + 2 * u;
+        vf q0[NV], q1[NV];
+        for (int v = 0; v < NV; ++v) {
+          widen_pair<BITS>(p.template weights<BITS>(g, v), kk, q0[v], q1[v]);
+        }
+        for (int i = 0; i < MB; ++i) {
+          const float* xr = p.x + size_t(m0 + i) * p.K + kk;
+          const float x0 = xr[0], x1 = xr[1];
+          for (int v = 0; v < NV; ++v) {
+            part[i][v][(2 * u) % SPLIT] += q0[v] * x0;
+            part[i][v][(2 * u + 1) % SPLIT] += q1[v] * x1;
+          }
         }
       }
     }
-  }
-  for (int i = 0; i < MB; ++i) {
-    for (int v = 0; v < TILES; ++v) {
-      f32x16 sum = acc[i][v][0];
-      if constexpr (SPLIT == 2) {
-        sum += acc[i][v][1];
+    for (int v = 0; v < NV; ++v) {
+      const vf scale = load_scales(p.scales(g, v, b));
+      const vf bias = load_scales(p.scales(g, v, b) + LANES);
+      for (int i = 0; i < MB; ++i) {
+        vf sum = part[i][v][0];
+        for (int s = 1; s < SPLIT; ++s) {
+          sum += part[i][v][s];
+        }
+        float* out = p.out(m0 + i, g, v);
+        const vf block_y = sum * scale + bias * xsum[size_t(m0 + i) * blocks + b];
+        store(out, b == 0 ? block_y : load(out) + block_y);
       }
-      std::memcpy(p.y + size_t(m0 + i) * p.N + (t0 + v) * LANES, &sum, sizeof(sum));
     }
   }
 }
 
+// Work item g's weights of inputs [k0, k0 + count) as float32 into buf [count][GROUP].
 template <int BITS, typename S>
-void rows(const Problem<S>& p, int t0, int m0, int count) {
-  switch (count) {
-    case 1: return tile_pair<BITS, 1, S>(p, t0, m0);
-    case 2: return tile_pair<BITS, 2, S>(p, t0, m0);
-    case 3: return tile_pair<BITS, 3, S>(p, t0, m0);
-    case 4: return tile_pair<BITS, 4, S>(p, t0, m0);
-    case 5: return tile_pair<BITS, 5, S>(p, t0, m0);
-    case 6: return tile_pair<BITS, 6, S>(p, t0, m0);
-    case 7: return tile_pair<BITS, 7, S>(p, t0, m0);
-    default: return tile_pair<BITS, 8, S>(p, t0, m0);
-  }
-}
-
-// Many rows (prefill): a tile pair's weights dequantized once into `wbuf` [TILES][K][16]
-// (L2-resident), then each pass of 8 rows loads them instead of dequantizing again: 2 loads
-// and 8 broadcasts feed 16 FMAs, where dequantizing cost about as much as the FMAs.
-template <int BITS, typename S>
-void dequantize_tiles(const Problem<S>& p, int t0, float* wbuf) {
-  for (int v = 0; v < TILES; ++v) {
-    for (int b = 0; b < p.K / BLOCK; ++b) {
-      const f32x16 scale = load_scales(p.scales(t0 + v, b));
-      const f32x16 bias = load_scales(p.scales(t0 + v, b) + LANES);
+void dequantize_chunk(const Problem<S>& p, int g, int k0, int count, float* buf) {
+  for (int b = k0 / BLOCK; b < (k0 + count) / BLOCK; ++b) {
+    for (int v = 0; v < NV; ++v) {
+      const vf scale = load_scales(p.scales(g, v, b));
+      const vf bias = load_scales(p.scales(g, v, b) + LANES);
       for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
-        f32x16 w0, w1;
-        dequantize_pair<BITS>(p.template tile<BITS>(t0 + v), k, scale, bias, w0, w1);
-        std::memcpy(wbuf + (size_t(v) * p.K + k) * LANES, &w0, sizeof(w0));
-        std::memcpy(wbuf + (size_t(v) * p.K + k + 1) * LANES, &w1, sizeof(w1));
+        vf q0, q1;
+        widen_pair<BITS>(p.template weights<BITS>(g, v), k, q0, q1);
+        store(buf + size_t(k - k0) * GROUP + v * W, q0 * scale + bias);
+        store(buf + size_t(k + 1 - k0) * GROUP + v * W, q1 * scale + bias);
       }
     }
   }
 }
 
+// y[m0 .. m0 + MB, work item g] += x[.., k0 .. k0 + count] @ buf: per input NV loads and MB
+// broadcasts feed MB x NV FMAs.
 template <int MB, typename S>
-void buffered_pair(const Problem<S>& p, const float* wbuf, int t0, int m0) {
-  f32x16 acc[MB][TILES] = {};
-  for (int k = 0; k < p.K; ++k) {
-    f32x16 w[TILES];
-    for (int v = 0; v < TILES; ++v) {
-      w[v] = load_f32(wbuf + (size_t(v) * p.K + k) * LANES);
+void rows_from_buffer(const Problem<S>& p, const float* buf, int g, int k0, int count, int m0) {
+  vf acc[MB][NV];
+  for (int i = 0; i < MB; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = k0 == 0 ? vf{} : load(p.out(m0 + i, g, v));
+    }
+  }
+  for (int k = 0; k < count; ++k) {
+    vf w[NV];
+    for (int v = 0; v < NV; ++v) {
+      w[v] = load(buf + size_t(k) * GROUP + v * W);
     }
     for (int i = 0; i < MB; ++i) {
-      const float xk = p.x[size_t(m0 + i) * p.K + k];
-      for (int v = 0; v < TILES; ++v) {
+      const float xk = p.x[size_t(m0 + i) * p.K + k0 + k];
+      for (int v = 0; v < NV; ++v) {
         acc[i][v] += w[v] * xk;
       }
     }
   }
   for (int i = 0; i < MB; ++i) {
-    for (int v = 0; v < TILES; ++v) {
-      std::memcpy(p.y + size_t(m0 + i) * p.N + (t0 + v) * LANES, &acc[i][v], sizeof(acc[i][v]));
+    for (int v = 0; v < NV; ++v) {
+      store(p.out(m0 + i, g, v), acc[i][v]);
     }
   }
 }
 
-// Work items are pairs of tiles, split over the threads; each walks every row of x in passes of
-// up to 8: up to BUFFER_MIN_ROWS rows dequantize in registers per pass, more once into a buffer.
+// Work items are split over the threads; each walks every row of x in passes.
 template <int BITS, typename S>
 void run(const Problem<S>& p) {
-  const int pairs = p.N / (LANES * TILES);
+  const int items = p.N / GROUP;
   const int threads = p.threads;
   if (p.M < BUFFER_MIN_ROWS) {
+    const int blocks = p.K / BLOCK;
+    Scratch xsum(size_t(p.M) * blocks);
+    for (int m = 0; m < p.M; ++m) {
+      for (int b = 0; b < blocks; ++b) {
+        vf sum = {};
+        for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += W) {
+          sum += load(p.x + size_t(m) * p.K + k);
+        }
+        xsum.data()[size_t(m) * blocks + b] = hsum(sum);
+      }
+    }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < pairs; ++t) {
+    for (int g = 0; g < items; ++g) {
       for (int m = 0; m < p.M; m += MAX_ROWS) {
-        rows<BITS, S>(p, t * TILES, m, std::min(MAX_ROWS, p.M - m));
+        with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
+          rows_in_registers<BITS, decltype(mb)::value, S>(p, xsum.data(), g, m);
+        });
       }
     }
     return;
   }
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float> wbuf(size_t(TILES) * p.K * LANES);
+    Scratch buf(size_t(CHUNK) * GROUP);
 #pragma omp for schedule(static)
-    for (int t = 0; t < pairs; ++t) {
-      dequantize_tiles<BITS, S>(p, t * TILES, wbuf.data());
-      int m = 0;
-      for (; m + MAX_ROWS <= p.M; m += MAX_ROWS) {
-        buffered_pair<MAX_ROWS, S>(p, wbuf.data(), t * TILES, m);
-      }
-      for (; m < p.M; ++m) {
-        buffered_pair<1, S>(p, wbuf.data(), t * TILES, m);
+    for (int g = 0; g < items; ++g) {
+      for (int k0 = 0; k0 < p.K; k0 += CHUNK) {
+        const int count = imin(CHUNK, p.K - k0);
+        dequantize_chunk<BITS, S>(p, g, k0, count, buf.data());
+        for (int m = 0; m < p.M; m += BUFFER_ROWS) {
+          with_rows<BUFFER_ROWS>(imin(BUFFER_ROWS, p.M - m), [&](auto mb) {
+            rows_from_buffer<decltype(mb)::value, S>(p, buf.data(), g, k0, count, m);
+          });
+        }
       }
     }
   }
 }
 
-}  // namespace
-
 template <typename S>
-void qmatmul_cpu(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N,
-                 int K, int bits, int threads) {
+void qmatmul(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
+             int bits, int threads) {
   const Problem<S> p{x, w, scale_bias, y, M, N, K, threads};
   if (bits == 4) {
     run<4, S>(p);
-  } else if (bits == 8) {
-    run<8, S>(p);
   } else {
-    throw std::invalid_argument("qmatmul: bits must be 4 or 8");
+    run<8, S>(p);  // the op checked: 4 or 8
   }
 }
 
-template void qmatmul_cpu<float>(const float*, const uint8_t*, const float*, float*, int, int,
-                                 int, int, int);
-template void qmatmul_cpu<uint16_t>(const float*, const uint8_t*, const uint16_t*, float*, int,
-                                    int, int, int, int);
+}  // namespace
 
+void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
+                 int K, int bits, int threads) {
+  qmatmul(x, w, scale_bias, y, M, N, K, bits, threads);
+}
+
+void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                 int N, int K, int bits, int threads) {
+  qmatmul(x, w, scale_bias, y, M, N, K, bits, threads);
+}
+
+}  // namespace MLXD_ISA
 }  // namespace mlxd

@@ -1,12 +1,13 @@
 // RMS normalisation on the CPU in one pass per row.
 //
 // MLX 0.32's CPU backend runs mx.fast.rms_norm as several element-wise ops: ≈25 µs for one
-// decode token's 576 features, 61 times a SmolLM2 step. One row here is two short vector loops.
+// decode token's 576 features, 61 times a SmolLM2 step. One row here is two short vector loops
+// (pointwise.cpp, per ISA variant).
 #include "rms_norm.h"
 
-#include <cmath>
 #include <stdexcept>
 
+#include "kernels.h"
 #include "mlx/ops.h"
 
 namespace mx = mlx::core;
@@ -36,23 +37,8 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                     yp = y.data<float>(),
                     rows = x.size() / D,
                     D,
-                    eps = eps_]() {
-    for (size_t r = 0; r < rows; ++r) {
-      const float* in = xp + r * D;
-      float* out = yp + r * D;
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int d = 0; d < D; ++d) {
-        squares += in[d] * in[d];
-      }
-      const float inv = 1.0f / std::sqrt(squares / D + eps);
-#pragma omp simd
-      for (int d = 0; d < D; ++d) {
-        out[d] = in[d] * inv * wp[d];
-      }
-    }
-  });
+                    eps = eps_,
+                    run = kernels().rms_norm]() { run(xp, wp, yp, rows, D, eps); });
 }
-
 
 }  // namespace mlxd

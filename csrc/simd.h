@@ -1,35 +1,177 @@
-// The float32 vector every kernel computes with: 16 lanes (one AVX-512 register, two AVX2 ones;
-// GCC vector extensions with -march=native pick the instructions).
+// The float32 vector the kernels compute with, one per ISA variant (see dispatch.cpp).
+//
+// Every kernel source (KERNEL_SOURCES in CMakeLists.txt) is compiled once per variant with
+// -DMLXD_ISA=<name> and that variant's target flags; this header gives it a vector as wide as
+// the variant's registers: 16 lanes (AVX-512), 8 (AVX2) or 4 (NEON, and the generic variant,
+// which any x86-64 or aarch64 CPU runs). A wider vector than the registers lowers to pairs of
+// registers and spills every broadcast to the stack (measured: 10x slower than float32 BLAS).
+//
+// Each variant's code lives in namespace mlxd::MLXD_ISA and uses no std:: container or other
+// out-of-line template: the linker keeps one copy of such a template's code for the whole
+// module, which might then be another variant's (an AVX-512 instruction on an AVX2 CPU).
 #pragma once
 
-#include <immintrin.h>
-
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
+#if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
+#include <immintrin.h>
+#elif defined(MLXD_ISA_NEON)
+#include <arm_neon.h>
+#endif
+
+#if defined(MLXD_ISA_AVX512) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#error "the avx512 variant needs -mavx512f -mavx512bw -mavx512vl"
+#endif
+#if defined(MLXD_ISA_AVX2) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "the avx2 variant needs -mavx2 -mfma -mf16c"
+#endif
+
 namespace mlxd {
+namespace MLXD_ISA {
 
-constexpr int LANES = 16;
+#if defined(MLXD_ISA_AVX512)
+constexpr int W = 16;
+#elif defined(MLXD_ISA_AVX2)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
 
-inline f32x16 load_f32(const float* p) {
-  f32x16 v;
+inline vf load(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline float hsum(f32x16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
+inline void store(float* p, vf v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// W bytes widened to W int32 lanes (GCC's generic __builtin_convertvector does this byte by
+// byte in scalar code, so each ISA's widening instruction is named).
+inline vi load_u8(const uint8_t* p) {
+#if defined(MLXD_ISA_AVX512)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(MLXD_ISA_AVX2)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(MLXD_ISA_NEON)
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const uint16x8_t wide = vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word)));
+  return (vi)vmovl_u16(vget_low_u16(wide));
 #else
-  float s = 0.0f;
-  for (int lane = 0; lane < LANES; ++lane) {
-    s += v[lane];
-  }
-  return s;
+  typedef uint8_t u8 __attribute__((vector_size(W)));
+  u8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(v, vi);
 #endif
 }
 
+// IEEE half (bits) to float, exactly; the generic variant's conversion.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// W float16 values (bits) as float32.
+inline vf load_f16(const uint16_t* p) {
+#if defined(MLXD_ISA_AVX512)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(MLXD_ISA_AVX2)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(MLXD_ISA_NEON)
+  return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+#else
+  vf v;
+  for (int lane = 0; lane < W; ++lane) {
+    v[lane] = half_to_float(p[lane]);
+  }
+  return v;
+#endif
+}
+
+// The sum of the lanes, as a tree (a serial loop over the lanes is W dependent adds).
+inline float hsum(vf v) {
+#if defined(MLXD_ISA_AVX512)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(MLXD_ISA_AVX2)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#elif defined(MLXD_ISA_NEON)
+  return vaddvq_f32((float32x4_t)v);
+#else
+  return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
+}
+
+inline float hmax(vf v) {
+#if defined(MLXD_ISA_AVX512)
+  return _mm512_reduce_max_ps((__m512)v);
+#elif defined(MLXD_ISA_AVX2)
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#elif defined(MLXD_ISA_NEON)
+  return vmaxvq_f32((float32x4_t)v);
+#else
+  const float a = v[0] > v[2] ? v[0] : v[2], b = v[1] > v[3] ? v[1] : v[3];
+  return a > b ? a : b;
+#endif
+}
+
+// A float scratch buffer (not std::vector: see the top of this file), 64-byte aligned.
+class Scratch {
+ public:
+  explicit Scratch(size_t floats)
+      : data_(static_cast<float*>(std::aligned_alloc(64, ((floats | 1) * sizeof(float) + 63) / 64 * 64))) {
+    if (data_ == nullptr) {
+      std::abort();  // as operator new would throw: out of memory inside a kernel
+    }
+  }
+  ~Scratch() {
+    std::free(data_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float* data() const {
+    return data_;
+  }
+
+ private:
+  float* data_;
+};
+
+inline int imin(int a, int b) {
+  return a < b ? a : b;
+}
+
+inline int imax(int a, int b) {
+  return a > b ? a : b;
+}
+
+}  // namespace MLXD_ISA
 }  // namespace mlxd

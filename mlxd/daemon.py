@@ -14,8 +14,8 @@ import psutil
 from mlxd.config import Config, load_config
 from mlxd.control.plan import Action, describe
 from mlxd.control.reconciler import Reconciler
-from mlxd.control.routes import RouteTable
-from mlxd.errors import ConfigError
+from mlxd.control.routes import Caller, RouteTable
+from mlxd.errors import ConfigError, Forbidden
 from mlxd.runtime.engine import Engine, EngineStarter
 
 log = logging.getLogger("mlxd")
@@ -113,23 +113,33 @@ class Daemon:
             log.info("reconcile: generation %d, nothing to change", self.config_status.generation)
         return actions
 
-    async def engine(self, model_id: str) -> Engine:
+    # Each takes the caller: a model id is resolved, and authorized, in one place
+    # (`RouteTable.entry`), whichever route names it.
+
+    async def engine(self, model_id: str, caller: Caller) -> Engine:
         """The engine serving `model_id` (a name or alias); waits for a lazy or loading one."""
-        entry = self.routes.entry(model_id)
+        entry = self.routes.entry(model_id, caller)
         return entry.engine or await self.reconciler.engine_for(entry.name)
 
-    async def load_model(self, model_id: str) -> None:
+    async def load_model(self, model_id: str, caller: Caller) -> None:
         """Load `model_id` (a name or alias) now; it stays declared as it is in the YAML."""
-        await self.reconciler.load_now(self.routes.entry(model_id).name)
+        await self.reconciler.load_now(self.routes.entry(model_id, caller).name)
 
-    async def unload_model(self, model_id: str) -> None:
-        """Unload `model_id` now, once its requests finish; its next request loads it again."""
-        await self.reconciler.unload_now(self.routes.entry(model_id).name)
+    async def unload_model(self, model_id: str, caller: Caller) -> None:
+        """Unload `model_id` now, once its requests finish; its next request loads it again.
+        It is unloaded for everyone: only a server key may (or anyone on an open daemon)."""
+        name = self.routes.entry(model_id, caller).name
+        if not caller.admin:
+            raise Forbidden("unloading a model needs a server key (server.api_keys)")
+        await self.reconciler.unload_now(name)
 
-    def set_keep_alive(self, model_id: str, seconds: float | None) -> None:
+    def set_keep_alive(self, model_id: str, caller: Caller, seconds: float | None) -> None:
         """A client's keep-alive for `model_id`: idle seconds before it unloads (math.inf:
-        never), over its YAML idle_ttl. Never written to the YAML."""
-        self.reconciler.set_keep_alive(self.routes.entry(model_id).name, seconds)
+        never), over its YAML idle_ttl. Never written to the YAML. It holds the model for
+        everyone: only a server key may set it."""
+        name = self.routes.entry(model_id, caller).name
+        if caller.admin:
+            self.reconciler.set_keep_alive(name, seconds)
 
     async def _tick(self) -> None:
         while True:

@@ -9,26 +9,35 @@ Sources: `data:` URLs; `http(s)` URLs only with `server.allow_remote_media`; loc
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
-import time
+import ipaddress
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
+import httpx
+
 from mlxd.config import ServerConfig
 from mlxd.errors import InvalidRequest
+from mlxd.types import IMAGE_TYPES, OverLimit
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-IMAGE_TYPES = ("image_url", "image")
-# Decoded size cap: a small PNG can expand to gigabytes of pixels (decompression bombs).
+# Decoded size cap for all of a request's images together, read from their headers before any
+# is decoded: a 10 KB PNG can expand to hundreds of MB of RGB (decompression bombs).
 MAX_PIXELS = 64 * 1024 * 1024
-FETCH_CHUNK = 64 * 1024
+# The formats mlxd decodes; PIL would otherwise try every plugin it has on untrusted bytes.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+
+
+MAX_REDIRECTS = 5
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,9 @@ class MediaPolicy:
     dirs: tuple[Path, ...]
     max_bytes: int
     timeout: float
+    # Host names (and their subdomains) or addresses remote images may come from; empty: any
+    # public host. Listed ones may also be private (a NAS on the LAN).
+    domains: tuple[str, ...] = ()
 
     @classmethod
     def from_server(cls, server: ServerConfig) -> MediaPolicy:
@@ -45,7 +57,11 @@ class MediaPolicy:
             dirs=tuple(d.resolve() for d in server.media_dirs),
             max_bytes=int(server.max_image_bytes),
             timeout=float(server.media_fetch_timeout),
+            domains=tuple(d.lower().strip(".") for d in server.allowed_media_domains),
         )
+
+    def listed(self, host: str) -> bool:
+        return any(host == d or host.endswith(f".{d}") for d in self.domains)
 
 
 def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str]]:
@@ -64,8 +80,16 @@ def has_images(messages: list[dict[str, Any]] | None) -> bool:
 
 
 def load_images(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[Image]:
-    """The decoded (RGB) images of `messages`; any problem is a 400 naming the part."""
-    return [load_image(_url(part, param), policy, param) for part, param in image_parts(messages)]
+    """The decoded (RGB) images of `messages`; any problem is a 400 naming the part. Their
+    sizes are read from the headers first: nothing is decoded unless all of them fit."""
+    encoded = [
+        (load_bytes(_url(part, param), policy, param), param)
+        for part, param in image_parts(messages)
+    ]
+    pixels = sum(_pixels(data, param) for data, param in encoded)
+    if pixels > MAX_PIXELS:
+        raise OverLimit("images", f"{pixels} pixels in all; at most {MAX_PIXELS} are accepted")
+    return [decode_image(data, param) for data, param in encoded]
 
 
 def _url(part: dict[str, Any], param: str) -> str:
@@ -76,7 +100,8 @@ def _url(part: dict[str, Any], param: str) -> str:
     return url
 
 
-def load_image(url: str, policy: MediaPolicy, param: str) -> Image:
+def load_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
+    """The encoded image `url` names, within the policy."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
         data = _data_url(url, policy, param)
@@ -89,19 +114,30 @@ def load_image(url: str, policy: MediaPolicy, param: str) -> Image:
             f"{param}: images must be data:, http(s):, file:// URLs or absolute paths",
             param=param,
         )
-    return decode_image(data, param)
+    return data
+
+
+def _pixels(data: bytes, param: str) -> int:
+    """The image's width × height from its header (PIL opens lazily: nothing is decoded)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            return image.width * image.height
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequest(f"{param}: cannot decode the image: {exc}", param=param) from exc
 
 
 def decode_image(data: bytes, param: str) -> Image:
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             if image.width * image.height > MAX_PIXELS:
-                raise InvalidRequest(
-                    f"{param}: image is {image.width}x{image.height} pixels; at most "
-                    f"{MAX_PIXELS} pixels are accepted",
-                    param=param,
+                raise OverLimit(
+                    "images",
+                    f"{param} is {image.width}x{image.height} pixels; at most {MAX_PIXELS} "
+                    "are accepted",
                 )
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
@@ -129,31 +165,80 @@ def _data_url(url: str, policy: MediaPolicy, param: str) -> bytes:
         raise InvalidRequest(f"{param}: invalid base64 image data: {exc}", param=param) from exc
 
 
-def _fetch(url: str, policy: MediaPolicy, param: str) -> bytes:
-    import httpx
+class _Refused(Exception):
+    """A remote image the policy does not allow (its host, an address, a redirect)."""
 
+
+def _fetch(url: str, policy: MediaPolicy, param: str) -> bytes:
+    """A remote image, every redirect hop checked against the policy, within one deadline
+    for the whole fetch. Errors say what went wrong in general terms only: the daemon must
+    not tell a caller what answers where on its network."""
     if not policy.allow_remote:
         raise InvalidRequest(
             f"{param}: remote images are disabled (server.allow_remote_media)", param=param
         )
-    deadline = time.monotonic() + policy.timeout
-    chunks, size = [], 0
+    # Blocking callers (the worker's prepare thread), so a loop of its own: asyncio gives a
+    # deadline that holds whatever the server does (one byte every few seconds included).
     try:
-        with (
-            httpx.Client(timeout=policy.timeout, follow_redirects=True) as client,
-            client.stream("GET", url) as response,
-        ):
-            response.raise_for_status()
-            for chunk in response.iter_bytes(FETCH_CHUNK):
-                size += len(chunk)
-                if size > policy.max_bytes:
-                    raise _too_large(param, policy)
-                if time.monotonic() > deadline:
-                    raise httpx.TimeoutException("total time exceeded")
-                chunks.append(chunk)
-    except httpx.HTTPError as exc:
-        raise InvalidRequest(f"{param}: cannot fetch {url}: {exc}", param=param) from exc
-    return b"".join(chunks)
+        return asyncio.run(asyncio.wait_for(_fetch_hops(url, policy, param), policy.timeout))
+    except _Refused:
+        reason = "its address is not allowed (server.allowed_media_domains)"
+    except TimeoutError:
+        reason = f"it took longer than {policy.timeout:g} s (server.media_fetch_timeout)"
+    except (httpx.HTTPError, OSError, ValueError):
+        reason = "it could not be fetched"
+    raise InvalidRequest(f"{param}: remote image refused: {reason}", param=param)
+
+
+async def _fetch_hops(url: str, policy: MediaPolicy, param: str) -> bytes:
+    async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            target = httpx.URL(url)
+            await _check_host(target, policy)
+            async with client.stream("GET", target) as response:
+                # Again on the address actually connected to: DNS may answer differently twice.
+                stream = response.extensions.get("network_stream")
+                peer = stream.get_extra_info("server_addr") if stream is not None else None
+                if peer is None or not _address_ok(peer[0], target.host, policy):
+                    raise _Refused()
+                if response.is_redirect:
+                    url = str(target.join(response.headers.get("location", "")))
+                    continue
+                response.raise_for_status()
+                chunks, size = [], 0
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+                    if size > policy.max_bytes:
+                        raise _too_large(param, policy)
+                    chunks.append(chunk)
+                return b"".join(chunks)
+    raise httpx.TooManyRedirects("too many redirects")
+
+
+async def _check_host(target: httpx.URL, policy: MediaPolicy) -> None:
+    """Before connecting: an http(s) URL to a listed host, or (none listed) to a host every
+    address of which is public."""
+    host = target.host.lower()
+    if target.scheme not in ("http", "https") or not host:
+        raise _Refused()
+    if policy.domains and not policy.listed(host):
+        raise _Refused()
+    if policy.listed(host):
+        return
+    port = target.port or (443 if target.scheme == "https" else 80)
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos or not all(_address_ok(str(info[4][0]), host, policy) for info in infos):
+        raise _Refused()
+
+
+def _address_ok(address: str, host: str, policy: MediaPolicy) -> bool:
+    """A public address, or any address of a host the owner listed."""
+    if policy.listed(host.lower()):
+        return True
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_global
+    except ValueError:
+        return False
 
 
 def _local_file(url: str, policy: MediaPolicy, param: str) -> bytes:

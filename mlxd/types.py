@@ -6,12 +6,45 @@ Below every layer: the API dialects translate to `GenerationRequest` at the edge
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from mlxd.errors import InvalidRequest
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+# Caps every request meets whatever its dialect: each is work done for every sequence at every
+# token (stops), memory taken before the model sees it (images) or a grammar to compile.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1_000
+MAX_IMAGES = 16
+MAX_TOOLS = 256
+MAX_TOOLS_BYTES = 512 * 1024  # as JSON; a large MCP tool set is a few tens of KiB
+MAX_SCHEMA_BYTES = 128 * 1024
+MAX_SEQUENCES = 64  # per HTTP request: OpenAI's `n` times its prompts
+# Image parts as they reach the engine (Anthropic's image blocks are translated to these).
+IMAGE_TYPES = ("image_url", "image")
+
+
+class OverLimit(InvalidRequest):
+    """A request beyond one of the caps above. `field` is the internal field's name; the
+    dialect the request came in names it its own way (`named`)."""
+
+    def __init__(self, field: str, problem: str, shown: str | None = None):
+        shown = shown or field
+        super().__init__(f"{shown}: {problem}", param=shown)
+        self.field, self.problem, self.shown = field, problem, shown
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses the worker wire as a pickle
+        return OverLimit, (self.field, self.problem, self.shown)
+
+    def named(self, names: dict[str, str]) -> OverLimit:
+        """The same refusal naming the field as the caller's dialect does."""
+        return OverLimit(self.field, self.problem, names.get(self.field, self.shown))
 
 
 @dataclass(frozen=True)
@@ -57,6 +90,48 @@ class GenerationRequest:
     # The LoRA adapter to run with, for a model that shares its base's engine (set by its
     # view, runtime/shared_pool.py; the engine's key for the attached adapter). None: the base.
     adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        # Here, not in each dialect: every way of building a request meets the same caps.
+        _check_stops(self.stop)
+        _check_images(self.messages or [])
+        _check_tools(self.tools or [])
+        schema = (self.response_format or {}).get("schema")
+        if schema is not None and _json_size(schema) > MAX_SCHEMA_BYTES:
+            raise OverLimit("response_format", f"the schema is over {MAX_SCHEMA_BYTES} bytes")
+
+
+def _check_stops(stops: list[str]) -> None:
+    if len(stops) > MAX_STOPS:
+        raise OverLimit("stop", f"at most {MAX_STOPS} stop sequences (got {len(stops)})")
+    if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise OverLimit("stop", f"each stop sequence is at most {MAX_STOP_CHARS} characters")
+
+
+def image_parts(messages: Iterable[dict[str, Any]]) -> Iterable[tuple[int, int, dict[str, Any]]]:
+    """(message index, part index, part) of each image in `messages`, in prompt order."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") in IMAGE_TYPES:
+                yield i, j, part
+
+
+def _check_images(messages: list[dict[str, Any]]) -> None:
+    count = sum(1 for _ in image_parts(messages))
+    if count > MAX_IMAGES:
+        raise OverLimit("images", f"at most {MAX_IMAGES} images per request (got {count})")
+
+
+def _check_tools(tools: list[dict[str, Any]]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise OverLimit("tools", f"at most {MAX_TOOLS} tools (got {len(tools)})")
+    if tools and _json_size(tools) > MAX_TOOLS_BYTES:
+        raise OverLimit("tools", f"the tool definitions are over {MAX_TOOLS_BYTES} bytes")
+
+
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), default=str))
 
 
 # Arguments of `apply_chat_template` itself: chat_template_kwargs may not set them (they

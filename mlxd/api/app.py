@@ -13,17 +13,11 @@ from quart import request
 from quart.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
-from mlxd.api.anthropic import batches
-from mlxd.api.anthropic import messages as anthropic
+from mlxd.api.common import dialect
 from mlxd.api.common.context import App
-from mlxd.api.common.error_shapes import anthropic_error, anthropic_status, openai_error
-from mlxd.api.middleware import auth, observe, ratelimit
+from mlxd.api.middleware import auth, browser, observe, ratelimit
 from mlxd.api.middleware import drain as shutdown
-from mlxd.api.ollama import routes as ollama
-from mlxd.api.openai import chat as openai
-from mlxd.api.openai import embeddings, rerank
-from mlxd.api.openai.responses import routes as responses
-from mlxd.api.ops import admin, dashboard, openapi
+from mlxd.api.ops import dashboard
 from mlxd.api.ops.metrics import Metrics
 from mlxd.control.watcher import reload_on_sighup, watch_config
 from mlxd.daemon import Daemon, DaemonFootprint
@@ -45,17 +39,12 @@ def create_app(daemon: Daemon) -> App:
         MAX_CONTENT_LENGTH=server.max_request_bytes,
     )
     app.inflight = shutdown.install(app)
+    browser.install(app)  # before auth: a refused page learns nothing about keys
     auth.install(app)
-    app.register_blueprint(openai.blueprint)
-    app.register_blueprint(responses.blueprint)
-    app.register_blueprint(anthropic.blueprint)
-    app.register_blueprint(batches.blueprint)
-    app.register_blueprint(embeddings.blueprint)
-    app.register_blueprint(ollama.blueprint)
-    app.register_blueprint(rerank.blueprint)
-    app.register_blueprint(admin.blueprint)
-    app.register_blueprint(openapi.blueprint)
-    app.register_blueprint(dashboard.blueprint)
+    app.dialects = dialect.Dialects(dialect.discover())
+    for each in app.dialects.all:
+        for blueprint in each.blueprints:
+            app.register_blueprint(blueprint)
     app.extensions["mlxd_metrics"] = metrics = Metrics(daemon)
     observe.install(app, metrics)
     dashboard.install(app, metrics)
@@ -108,14 +97,9 @@ def create_app(daemon: Daemon) -> App:
 
 
 def _render(error: MlxdError) -> ResponseReturnValue:
-    # Each SDK parses only its own error shape; Anthropic's API lives under /v1/messages.
+    # Each SDK parses only its own error shape: the dialect that served the request renders it.
     observe.failed(error.message)
-    if request.path.startswith("/v1/messages"):
-        status = anthropic_status(error)
-        return anthropic_error(error, observe.request_id()), status, error.headers
-    if request.path.startswith("/api/"):
-        return {"error": error.message}, error.status, error.headers  # Ollama's shape
-    return openai_error(error), error.status, error.headers
+    return dialect.render_error(error)
 
 
 async def serve(app: App, host: str, port: int) -> None:

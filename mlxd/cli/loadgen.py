@@ -17,7 +17,7 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -37,6 +37,13 @@ _PLACES = [
 ]  # fmt: skip
 
 WARMUP_MAX_TOKENS = 4
+# Request sampling settings by label. "t0.7/p0.9" is how chat clients sample; top_k 0 and min_p
+# 0 keep a peer's own defaults (llama.cpp: top_k 40, min_p 0.05) from narrowing its choice.
+GREEDY: Mapping[str, float] = {"temperature": 0.0}
+SAMPLING: dict[str, Mapping[str, float]] = {
+    "greedy": GREEDY,
+    "t0.7/p0.9": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
+}
 
 
 def story_prompts() -> Iterator[str]:
@@ -108,14 +115,19 @@ def describe_error(exc: BaseException) -> str:
 
 
 async def stream_chat(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    sampling: Mapping[str, float] = GREEDY,
 ) -> RequestResult:
     """One streaming chat completion; never raises (a failure is returned as a value)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
-        "temperature": 0,
+        **sampling,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -164,6 +176,7 @@ async def run_level(
     max_tokens: int,
     requests: int,
     prompts: Iterator[str],
+    sampling: Mapping[str, float] = GREEDY,
 ) -> LevelResult:
     errors = ErrorLog(f"C={concurrency}")
     # Warm-up outside the timed window: the first request after idle can pay for lazy loading
@@ -179,7 +192,7 @@ async def run_level(
     async def worker() -> None:
         # Workers share one iterator: the event loop is single-threaded, so next() never races.
         for prompt in pending:
-            result = await stream_chat(client, url, model, prompt, max_tokens)
+            result = await stream_chat(client, url, model, prompt, max_tokens, sampling)
             if result.error is not None:
                 errors.add(result.error)
             results.append(result)
@@ -214,6 +227,7 @@ async def run_sweep(
     max_tokens: int,
     requests_per_level: int | None = None,
     api_key: str | None = None,
+    sampling: Mapping[str, float] = GREEDY,
 ) -> list[LevelResult]:
     """Run each concurrency level in turn against one server; prompts never repeat in a sweep."""
     url = url.rstrip("/")
@@ -230,7 +244,9 @@ async def run_sweep(
         for concurrency in levels:
             requests = requests_per_level or default_requests(concurrency)
             results.append(
-                await run_level(client, url, model, concurrency, max_tokens, requests, prompts)
+                await run_level(
+                    client, url, model, concurrency, max_tokens, requests, prompts, sampling
+                )
             )
     return results
 

@@ -163,12 +163,14 @@ def _ps(args: argparse.Namespace) -> int:
         print(exc.message, file=sys.stderr)
         return 1
     header: tuple[str, ...] = ("NAME", "KIND", "STATE", "ALIASES", "PID", "RSS", "ESTIMATE", "MLX")
-    header += ("QUEUE", "RUNNING", "TOK/S")
+    header += ("PATH", "QUEUE", "RUNNING", "TOK/S")
     rows = [header] + [_ps_row(name, row) for name, row in status["models"].items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
     for name, row in status["models"].items():
+        if cpu_path := row.get("cpu_path"):  # the weights' CPU path and the timings behind it
+            print(f"{name}: {cpu_path['summary']}")
         for rank in (row.get("distributed") or {}).get("ranks", []):
             print(
                 f"{name} rank {rank['rank']}: pid {rank['pid']} on {rank['host']} ({rank['state']})"
@@ -188,6 +190,7 @@ def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
         _mib(row.get("rss_bytes")),
         _mib(estimate),
         _mib(row.get("mlx_active_bytes")),  # what MLX's allocator holds (weights, KV)
+        (row.get("cpu_path") or {}).get("plan", "-"),  # packed / float32 / mixed (CPU)
         str(row.get("queue_depth", 0)) if loaded else "-",
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",

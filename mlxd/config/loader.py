@@ -249,7 +249,9 @@ def _from_pydantic(error: ErrorDetails, lines: dict[Loc, int]) -> _Problem:
     ctx = dict(error.get("ctx", {}))
     if "expected" in ctx:  # pydantic says "'a', 'b' or 'c'"
         ctx["expected"] = ctx["expected"].replace(" or ", ", ")
-    return _Problem(line, path, f"{template.format(**ctx)} (got {_show(error['input'])})")
+    # A key is a secret even when misplaced: the message goes to logs and /v1/status.
+    shown = "a secret, not shown" if "api_keys" in error["loc"] else _show(error["input"])
+    return _Problem(line, path, f"{template.format(**ctx)} (got {shown})")
 
 
 def _suggestion(path: Loc) -> str:

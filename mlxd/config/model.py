@@ -59,8 +59,11 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = Field(
         "auto",
         description="Compute dtype. auto picks per backend: on the CPU a quantized model runs "
-        "packed on mlxd's kernels (stored bits), anything else as float32; on Metal/CUDA as "
-        "stored. keep leaves the weights as stored (e.g. quantized, on MLX's own kernels).",
+        "packed on mlxd's kernels (stored bits), as float32 on BLAS, or both (e.g. packed "
+        "decode, float32 prefill), whichever its load measured faster on this CPU and fits "
+        "the memory budget (`cpu_path` in /v1/status); anything else as float32; on "
+        "Metal/CUDA as stored. keep leaves the weights as stored (e.g. quantized, on MLX's own "
+        "kernels).",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Reject prompts longer than this; null means the context length."

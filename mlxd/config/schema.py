@@ -88,6 +88,22 @@ class Config(Section):
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
 
+    @model_validator(mode="after")
+    def _any_origin_needs_keys(self) -> Config:
+        keyed = self.server.api_keys or any(model.api_keys for model in self.models.values())
+        if "*" in self.server.cors_origins and not keyed:
+            index = self.server.cors_origins.index("*")
+            error = InitErrorDetails(
+                type=PydanticCustomError(
+                    "cors_any_origin",
+                    "'*' lets every web page call the daemon: it needs api_keys to be set",
+                ),
+                loc=("server", "cors_origins", index),
+                input="*",
+            )
+            raise ValidationError.from_exception_data(type(self).__name__, [error])
+        return self
+
     def routes(self) -> dict[str, str]:
         """Every id clients may use (model names and aliases) mapped to its model's name."""
         return dict(self._routes)

@@ -57,6 +57,18 @@ class ServerConfig(Section):
         description="Keys accepted for every model (Bearer or x-api-key). Empty means open; "
         "entries that interpolate to an empty string are dropped.",
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names (the `Host` header, port aside) the daemon answers besides "
+        "localhost, IP addresses and `host`, e.g. `mlxd.home.arpa`; `*` answers any. Applies "
+        "only while no API key is set: it stops DNS-rebinding pages from reading an open daemon.",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins (`scheme://host[:port]`) that may call the API from their "
+        "pages (CORS, preflight included), e.g. Open WebUI's. Other cross-origin browser "
+        "requests are refused. `*` (any origin) needs API keys to be set.",
+    )
     cache_dir: Path = Field(
         Path("~/.cache/mlxd"),
         validate_default=True,
@@ -105,11 +117,20 @@ class ServerConfig(Section):
         description="Let vlm requests name images by http(s) URL, which the daemon then fetches "
         "(within max_image_bytes and media_fetch_timeout).",
     )
+    allowed_media_domains: list[str] = Field(
+        default_factory=list,
+        description="With allow_remote_media: the hosts (and their subdomains) images may be "
+        "fetched from, e.g. `upload.wikimedia.org`; empty means any public host. Private, "
+        "loopback and link-local addresses are refused unless their host is listed here. "
+        "Every redirect is checked again.",
+    )
     max_image_bytes: ByteSize = Field(
         20 * 1024**2, description="Largest accepted encoded image, inline or fetched."
     )
     media_fetch_timeout: Duration = Field(
-        10.0, description="Longest the daemon spends fetching one remote image."
+        10.0,
+        description="Longest the daemon spends fetching one remote image, redirects and a "
+        "slow sender included.",
     )
     dashboard: bool = Field(
         True,

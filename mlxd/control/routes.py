@@ -17,6 +17,22 @@ ModelState = Literal["loading", "loaded", "unloaded", "failed", "restarting"]
 
 
 @dataclass(frozen=True)
+class Caller:
+    """Who sent a request: `admin` holds a server key (or the daemon is open); `models` are
+    the model names the key may use (None: every model)."""
+
+    admin: bool
+    models: frozenset[str] | None = None
+
+    def may_use(self, name: str) -> bool:
+        return self.models is None or name in self.models
+
+
+OPEN = Caller(admin=True)
+"""A server key, an open daemon, or the daemon itself."""
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     name: str
     config: ModelConfig
@@ -37,12 +53,23 @@ class RouteTable:
             ids.update({alias: entry.name for alias in entry.config.aliases})
         return ids
 
-    def entry(self, model_id: str) -> ModelEntry:
-        name = self.ids.get(model_id)
-        if name is None:
-            available = ", ".join(sorted(self.ids)) or "none"
+    def name_of(self, model_id: str) -> str | None:
+        """The model `model_id` names, as every dialect's clients may write it: a name, an
+        alias, either with Ollama's tag `:latest`. Says nothing of who may use it."""
+        ids = self.ids
+        return ids.get(model_id) or ids.get(model_id.removesuffix(":latest"))
+
+    def entry(self, model_id: str, caller: Caller) -> ModelEntry:
+        """The model `model_id` names, if `caller` may use it. Ollama's tag `:latest` on a
+        known id is the id (every dialect's clients may send it). A model the caller may not
+        use does not exist for it: the same 404 as an unknown id, listing only its own."""
+        ids = self.ids
+        name = self.name_of(model_id)
+        if name is None or not caller.may_use(name):
+            mine = sorted(i for i, n in ids.items() if caller.may_use(n))
             raise NotFound(
-                f"model '{model_id}' does not exist; available models: {available}",
+                f"model {model_id!r} does not exist; available models: "
+                + (", ".join(mine) or "none"),
                 param="model",
             )
         return self.models[name]

@@ -140,21 +140,18 @@ def read_geometry(model: ModelConfig, cache_dir: Path) -> ModelGeometry | None:
 
 
 def gguf_geometry(path: Path) -> ModelGeometry:
-    import mlx.core as mx
+    from mlxd.models.gguf import gguf_metadata, gguf_model_type
 
-    # mx.load maps the tensors lazily enough: ~0.6 s for a 135M file, no conversion.
-    loaded = mx.load(str(path), return_metadata=True)
-    # mx.load's return type covers every format; with metadata it is (arrays, metadata).
-    assert isinstance(loaded, tuple)
-    _, metadata = loaded
+    # The header only: no tensor data is read or converted.
+    metadata = gguf_metadata(path)
+    arch = metadata["general.architecture"]
 
     def meta(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{metadata['general.architecture']}.{key}", default)
-        return value.item() if isinstance(value, mx.array) else value
+        return metadata.get(f"{arch}.{key}", default)
 
     heads = meta("attention.head_count")
     return ModelGeometry(
-        model_type="llama",  # what mlxd's GGUF import produces (models/gguf.py)
+        model_type=gguf_model_type(metadata),  # what mlxd's GGUF import produces (models/gguf.py)
         attention_heads=heads,
         kv_heads=meta("attention.head_count_kv", heads),
         layers=meta("block_count"),

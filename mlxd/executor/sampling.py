@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from mlxd.executor.nucleus import NucleusSampler
 from mlxd.types import SamplingParams, TokenLogprob
 
 
@@ -78,11 +79,15 @@ def _sample_group(logits: mx.array, sampler, rows: int) -> tuple[mx.array, list]
 def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
     # Sequences holding the *same* sampler object are sampled in one batched call by
     # mlx-lm's GenerationBatch, so unseeded samplers are shared per parameter set.
+    if _nucleus_only(top_p, min_p, top_k):
+        return NucleusSampler(temperature, top_p)
     return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
 
 def _seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, seed: int):
     key = mx.random.key(seed % 2**64)  # mlx takes uint64 only; negative seeds wrap
+    if _nucleus_only(top_p, min_p, top_k):
+        return NucleusSampler(temperature, top_p, key)
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
@@ -96,6 +101,12 @@ def _seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, 
         return mx.random.categorical(logprobs * (1.0 / temperature), key=step_key)
 
     return sample
+
+
+def _nucleus_only(top_p: float, min_p: float, top_k: int) -> bool:
+    """Top-p without min-p or top-k: the common non-greedy request, sampled from a partial
+    selection of the vocabulary (executor/nucleus.py) instead of a full sort."""
+    return 0 < top_p < 1.0 and min_p == 0.0 and top_k == 0
 
 
 def make_sequence_sampler(params: SamplingParams, vocab_size: int) -> Sampler:

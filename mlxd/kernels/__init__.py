@@ -5,6 +5,10 @@ at the speed the CPU's vector units allow, which MLX 0.32's CPU backend does not
 matmul is 2-4x slower than float32 BLAS. `pack` rearranges MLX's quantized layout (uint32 words,
 groups of 32/64/128) once into the kernel's (bytes in tiles of 16 output rows, scales and
 biases per block of 32 inputs).
+
+The module holds the kernels once per ISA variant (generic, avx2, avx512 on x86-64; generic,
+neon on aarch64) and runs the best one the CPU supports; `MLXD_KERNELS_ISA` (or `use_isa`)
+forces one, `isa()` says which runs.
 """
 
 from __future__ import annotations
@@ -21,14 +25,27 @@ BLOCK = 32  # inputs per scale and bias in the kernel
 LANES = 16  # output rows per tile
 
 
+ISA_ENV = "MLXD_KERNELS_ISA"
+
+
 def _load() -> ModuleType | None:
     """The built module once it multiplies a small matrix right, else None.
 
     A module built against another MLX (its nanobind ABI decides whether arrays cross at all)
-    fails here instead of at a model's first step.
+    fails here instead of at a model's first step. An ISA forced by MLXD_KERNELS_ISA that the
+    module or the CPU lacks is an error, not a quiet fallback.
     """
     try:
         module = importlib.import_module("mlxd.kernels._cpu")
+    except ImportError:
+        return None
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        try:
+            module.use_isa(forced)
+        except ValueError as error:
+            raise RuntimeError(f"{ISA_ENV}={forced}: {error}") from None
+    try:
         w = mx.arange(64 * 32, dtype=mx.float32).reshape(64, 32) % 7 - 3
         x = mx.ones((1, 32))
         weight, scales, biases = mx.quantize(w, group_size=32, bits=8)
@@ -45,6 +62,26 @@ def _load() -> ModuleType | None:
 def available() -> bool:
     """Whether the kernels were built for this machine and load."""
     return _cpu is not None
+
+
+def isa() -> str | None:
+    """The ISA variant the kernels run (avx512, avx2, neon, generic), None when not built."""
+    return None if _cpu is None else str(_cpu.isa())
+
+
+def isas() -> list[str]:
+    """The ISA variants this machine can run, best first (none when the kernels are not built)."""
+    return [] if _cpu is None else list(_cpu.runnable_isas())
+
+
+def built_isas() -> list[str]:
+    """Every ISA variant the built module holds, best first (what this CPU runs or not)."""
+    return [] if _cpu is None else list(_cpu.built_isas())
+
+
+def use_isa(name: str) -> None:
+    """Runs every later kernel on ISA variant `name`; ValueError if the CPU or module lacks it."""
+    _module().use_isa(name)
 
 
 @dataclass(frozen=True)
@@ -147,6 +184,11 @@ def share_cores(packed: bool) -> None:
         _cpu.set_threads(1 if _blas_in_process else len(os.sched_getaffinity(0)))
 
 
+def set_threads(threads: int) -> None:
+    """The kernels run on `threads` threads until the next `share_cores` (tests, benchmarks)."""
+    _module().set_threads(threads)
+
+
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x for float32 gate and x of one shape, with models.activations' rational
     SiLU: one graph node where the compiled form is five."""
@@ -174,3 +216,10 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """mx.fast.rms_norm for float32 x [..., D] and weight [D]."""
     result: mx.array = _module().rms_norm(x, weight, eps)
     return result
+
+
+def use_threads(threads: int) -> None:
+    """Run the kernels on `threads` threads until the next `share_cores` (the load times
+    them on every core and on one: models/cpu_path_timing.py)."""
+    if _cpu is not None:
+        _cpu.set_threads(threads)

@@ -1,7 +1,9 @@
 """Build mlxd's CPU kernels (csrc/) against the installed MLX: `python -m mlxd.kernels.build`.
 
 `make` runs this after installing the package. The module lands next to this file as
-`_cpu.<abi>.so`, compiled for this machine's CPU (-march=native). It needs a C++ compiler,
+`_cpu.<abi>.so`, with the kernels compiled once per ISA variant of the architecture (explicit
+target flags, no -march=native) and the best variant chosen at run time, so it runs on any CPU
+of its architecture it is copied to. It needs a C++ compiler,
 CMake and nanobind at the ABI MLX was built with; without them mlxd still runs (float32
 weights on the CPU, as before), which `mlxd.kernels.available()` reports.
 """

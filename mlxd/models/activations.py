@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from mlxd import kernels
 
@@ -70,7 +71,12 @@ def use_rational_gelu(model: nn.Module) -> int:
 
 
 def _is_exact_gelu(module: object) -> bool:
-    return type(module) is nn.GELU and module._approx == "none"
+    # nn.GELU keeps its `approx` choice private: told apart by what it computes, where the
+    # tanh and sigmoid approximations differ from the exact GELU by 1e-4 and more.
+    if type(module) is not nn.GELU:
+        return False
+    probe = mx.linspace(-3, 3, 13)
+    return bool(mx.allclose(module(probe), nn.gelu(probe)).item())
 
 
 # Eigen's generic_fast_tanh_float: tanh(x) = x · P(x²) / Q(x²) on [-7.9053, 7.9053] (±1 beyond).
@@ -124,32 +130,29 @@ def swiglu_cpu(gate: mx.array, x: mx.array) -> mx.array:
     return swiglu_rational(gate, x)
 
 
+class RationalSwiGLU(nn.Module):
+    """An mlx-lm SwiGLU MLP (the same three projections, so the same parameter names) whose
+    forward uses the rational SiLU."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu_cpu(self.gate_proj(x), self.up_proj(x)))
+
+
 def use_rational_swiglu(model: nn.Module) -> int:
-    """Make every `down(swiglu(gate(x), up(x)))` MLP of an mlx-lm `model` use the rational SiLU.
+    """Replace every `down(swiglu(gate(x), up(x)))` MLP of an mlx-lm `model` by a
+    `RationalSwiGLU` holding the same projections; how many were replaced.
 
-    Only MLP classes whose forward is exactly mlx-lm's SwiGLU pattern are touched (llama,
-    qwen2/3, mistral …); each gets a subclass whose forward is the same with the rational SiLU,
-    so its parameters and the rest of the model stay as loaded. Returns how many were swapped.
+    Only MLP classes whose forward is exactly mlx-lm's SwiGLU pattern are taken (llama,
+    qwen2/3, mistral …); a variant (bias, clipping, another activation) keeps its own forward.
     """
-    swapped = 0
-    for _, module in model.named_modules():
-        if _is_swiglu_mlp(module):
-            module.__class__ = _rational_subclass(type(module))
-            swapped += 1
-    return swapped
-
-
-_RATIONAL_CLASSES: dict[type, type] = {}
-
-
-def _rational_subclass(cls: type) -> type:
-    if cls not in _RATIONAL_CLASSES:
-
-        def __call__(self, x: mx.array) -> mx.array:
-            return self.down_proj(swiglu_cpu(self.gate_proj(x), self.up_proj(x)))
-
-        _RATIONAL_CLASSES[cls] = type(f"Rational{cls.__name__}", (cls,), {"__call__": __call__})
-    return _RATIONAL_CLASSES[cls]
+    swaps = [(name, RationalSwiGLU(m)) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
 
 
 def _is_swiglu_mlp(module: object) -> bool:
@@ -158,7 +161,7 @@ def _is_swiglu_mlp(module: object) -> bool:
     # The class's forward method itself, not a callability test.
     forward = getattr(type(module), "__call__", None)  # noqa: B004
     code = getattr(forward, "__code__", None)
-    if forward is None or code is None or type(module) in _RATIONAL_CLASSES.values():
+    if forward is None or code is None:
         return False
     # The forward must read exactly these names: a variant (bias, clipping, another
     # activation) references others and keeps its own forward.

@@ -120,6 +120,30 @@ def _packed_bytes(
     return total
 
 
+def _tensors(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor entry of the model dir's weight files; ModelLoadError without any."""
+    # The same files mlx-lm's load_model reads.
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no model*.safetensors weight files in {model_dir}")
+    tensors: dict[str, dict[str, Any]] = {}
+    for file in files:
+        tensors.update(_read_header(file))
+    return tensors
+
+
+def quantized_shapes(model_dir: Path) -> dict[str, tuple[int, int, int, int]]:
+    """Each quantized module's (out, in, group size, bits), read from the headers alone."""
+    return _quantized_modules(_tensors(Path(model_dir)), _quantization(Path(model_dir)))
+
+
+def packed_weight_bytes(model_dir: Path) -> int | None:
+    """Bytes of the weights packed for the CPU kernels, None when they would not be packed."""
+    model_dir = Path(model_dir)
+    tensors = _tensors(model_dir)
+    return _packed_bytes(tensors, _quantized_modules(tensors, _quantization(model_dir)))
+
+
 def estimate_weight_bytes(model_dir: Path, dtype: str, *, packs: bool = True) -> int:
     """Bytes of the model's parameters once loaded with `dtype` (see loader.load_llm).
 
@@ -134,14 +158,7 @@ def estimate_weight_bytes(model_dir: Path, dtype: str, *, packs: bool = True) ->
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
-    # The same files mlx-lm's load_model reads.
-    files = sorted(model_dir.glob("model*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no model*.safetensors weight files in {model_dir}")
-    tensors: dict[str, dict[str, Any]] = {}
-    for file in files:
-        tensors.update(_read_header(file))
-
+    tensors = _tensors(model_dir)
     target = _target_dtype(dtype)
     if target is None:
         return sum(end - begin for begin, end in (t["data_offsets"] for t in tensors.values()))

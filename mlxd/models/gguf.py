@@ -1,296 +1,294 @@
-"""Import a llama-family GGUF file as an MLX-lm model directory.
+"""Import a GGUF file as an mlx-lm model directory, tensor by tensor.
 
-`mx.load` reads GGUF natively and hands Q4_0/Q4_1/Q8_0 tensors over already in MLX's affine
-quantized layout (uint32-packed weight + scales + biases, group size 32). So importing is renaming
-tensors, describing the model in config.json and rebuilding the tokenizer from the metadata.
+The file is memory-mapped (models/gguf_header.py reads its header); each tensor is converted
+straight into MLX's layout (models/gguf_quants.py), renamed by its architecture's table
+(models/gguf_arch.py) and written into safetensors shards of about 1 GiB, so the peak memory is one
+shard, never the whole model as floats. config.json describes the mlx-lm model of that family and
+the tokenizer is rebuilt with the `tokenizers` library (models/gguf_tokenizer.py).
 (transformers' own GGUF import needs torch, which mlxd does not install.)
+
+`inspect_gguf` reads only the header, metadata and tensor infos: what `mlxd check` asks.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
+
+from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta, architecture_of
+from mlxd.models.gguf_errors import (
+    GGUFError,
+    UnsupportedArchitecture,
+    UnsupportedGGUF,
+    UnsupportedQuantType,
+    UnsupportedTokenizer,
+)
+from mlxd.models.gguf_header import GGUFFile, TensorInfo
+from mlxd.models.gguf_quants import GROUP_SIZE, Converted, convert, is_supported
+from mlxd.models.gguf_tokenizer import (
+    build_tokenizer,
+    generation_config,
+    token_id,
+    tokenizer_config,
+    tokenizer_problem,
+)
 
 log = logging.getLogger(__name__)
 
-# Every GGUF quantization type that mx.load understands uses blocks of 32 values.
-GGUF_GROUP_SIZE = 32
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
-# Metadata without a sensible default ("{arch}" is general.architecture).
-_REQUIRED_METADATA = (
-    "{arch}.embedding_length",
-    "{arch}.feed_forward_length",
-    "{arch}.block_count",
-    "{arch}.attention.head_count",
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.token_type",
-    "tokenizer.ggml.merges",
-)
-
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL_TOKEN = 3
-_USER_DEFINED_TOKEN = 4
-
-_GLOBAL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases|bias)")
-_GLOBAL_RE = re.compile(r"(\w+)\.(weight|scales|biases)")
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# Part of the conversion cache key: bump it whenever the directory this writes changes.
+FORMAT_VERSION = 2
+_REQUIRED_METADATA = ("embedding_length", "feed_forward_length", "block_count")
+_SHARD_BYTES = 1 << 30
 
 
-class GGUFError(ValueError):
-    """A GGUF file that is unreadable or describes a model this importer does not support."""
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """The metadata of the GGUF file at `path` (no tensor data is read)."""
+    return GGUFFile(path).metadata
 
 
-def gguf_tensor_name(name: str) -> str:
-    """Map a GGUF tensor name (blk.3.attn_q.weight) to its MLX-lm llama name."""
-    if m := _BLOCK_RE.fullmatch(name):
-        layer, part, suffix = m.groups()
-        if part in _BLOCK_TENSORS:
-            return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{suffix}"
-    elif (m := _GLOBAL_RE.fullmatch(name)) and m[1] in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[m[1]]}.{m[2]}"
-    raise GGUFError(f"unsupported GGUF tensor {name!r}")
+def gguf_model_type(metadata: dict[str, Any]) -> str:
+    """The mlx-lm model type a GGUF imports as (its `general.architecture` if unsupported)."""
+    arch = architecture_of(metadata)
+    return str(metadata.get("general.architecture")) if arch is None else arch.model_type
 
 
-def quantized_bits(packed_columns: int, groups: int, group_size: int = GGUF_GROUP_SIZE) -> int:
-    """Bits per weight of a row packed in `packed_columns` uint32 words holding `groups` groups."""
-    bits, rest = divmod(32 * packed_columns, groups * group_size)
-    if rest or bits not in (2, 3, 4, 5, 6, 8):
-        raise GGUFError(
-            f"cannot infer bits from {packed_columns} packed columns and {groups} groups "
-            f"of {group_size}"
+def _problems(reader: GGUFFile) -> list[UnsupportedGGUF]:
+    """Everything about the file this importer cannot handle, as typed errors."""
+    metadata = reader.metadata
+    arch_name = str(metadata.get("general.architecture"))
+    if (arch := architecture_of(metadata)) is None:
+        return [
+            UnsupportedArchitecture(
+                f"GGUF architecture {arch_name!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        ]
+    problems: list[UnsupportedGGUF] = []
+    if missing := [
+        f"{arch_name}.{k}" for k in _REQUIRED_METADATA if f"{arch_name}.{k}" not in metadata
+    ]:
+        problems.append(UnsupportedGGUF(f"GGUF file lacks metadata {', '.join(missing)}"))
+    if problem := tokenizer_problem(metadata):
+        problems.append(UnsupportedTokenizer(problem))
+    bad_types = sorted(
+        {t.tensor_type.name for t in reader.tensors if not is_supported(t.tensor_type)}
+    )
+    if bad_types:
+        problems.append(
+            UnsupportedQuantType(f"GGML tensor types not supported: {', '.join(bad_types)}")
         )
-    return bits
+    unknown = [
+        t.name
+        for t in reader.tensors
+        if arch.mlx_name(t.name) is None and not arch.is_rope_tensor(t.name)
+    ]
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        problems.append(
+            UnsupportedArchitecture(
+                f"unsupported GGUF tensors for {arch_name}: {', '.join(unknown[:5])}{more}"
+            )
+        )
+    return problems
 
 
-def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
-    """The config.json `quantization` section: the commonest bit width plus per-module overrides.
+def inspect_gguf(path: Path) -> list[str]:
+    """What keeps the GGUF file at `path` from importing (empty when nothing does).
 
-    GGUF files mix widths (Q4_1 keeps the token embedding at 8 bits), and mlx-lm rejects weights
-    whose packed width disagrees with the bits it was told, so every other width is spelled out
-    under the module's path.
+    Reads the header, metadata and tensor infos only (the tensor data stays on disk): an
+    unreadable file, an unsupported architecture, tensor, quantization type or tokenizer, missing
+    metadata. Each problem is one line naming what is unsupported.
     """
-    bits = {
-        name.removesuffix(".scales"): quantized_bits(
-            weights[name.replace(".scales", ".weight")].shape[-1], scales.shape[-1]
-        )
-        for name, scales in weights.items()
-        if name.endswith(".scales")
-    }
+    try:
+        reader = GGUFFile(path)
+    except GGUFError as exc:
+        return [str(exc)]
+    return [str(problem) for problem in _problems(reader)]
+
+
+def quantization_config(bits: dict[str, int]) -> dict[str, Any] | None:
+    """config.json's `quantization`: the commonest width, other widths under their module path.
+
+    GGUF files mix widths (Q4_K_M keeps some matrices in Q6_K), and mlx-lm rejects weights whose
+    packed width disagrees with the bits it was told.
+    """
     if not bits:
         return None
     default = Counter(bits.values()).most_common(1)[0][0]
-    config: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": default, "mode": "affine"}
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default, "mode": "affine"}
     for module, width in sorted(bits.items()):
         if width != default:
-            config[module] = {"group_size": GGUF_GROUP_SIZE, "bits": width, "mode": "affine"}
+            config[module] = {"group_size": GROUP_SIZE, "bits": width, "mode": "affine"}
     return config
 
 
-def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
-    value = metadata.get(key, default)
-    if not isinstance(value, mx.array):
-        return value
-    item = value.item()
-    if value.dtype == mx.float32:
-        assert isinstance(item, float)  # item() is typed as any scalar
-        # The shortest decimal of the float32 (1e-05, not 9.999999747378752e-06) reads better.
-        return float(str(np.float32(item)))
-    return item
+def _unpermute(array: mx.array, heads: int) -> mx.array:
+    """Undo llama.cpp's q/k row permutation (interleaved → half-split rotary pairs)."""
+    rows = array.shape[0]
+    rest = array.shape[1:]
+    grouped = array.reshape(heads, rows // heads // 2, 2, *rest)
+    return grouped.swapaxes(1, 2).reshape(rows, *rest)
 
 
-def _token_id(metadata: dict[str, Any], role: str) -> int | None:
-    return _scalar(metadata, f"tokenizer.ggml.{role}_token_id")
+class _ShardWriter:
+    """Writes converted tensors into ~1 GiB safetensors shards as they come."""
 
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.pending: dict[str, mx.array] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
 
-def model_config(metadata: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
-    """config.json for mlx-lm's llama model (weights already renamed)."""
-    arch = metadata["general.architecture"]
+    def add(self, name: str, array: mx.array) -> None:
+        self.pending[name] = array
+        self.pending_bytes += array.nbytes
+        if self.pending_bytes >= _SHARD_BYTES:
+            self.flush()
 
-    def meta(key: str, default: Any = None) -> Any:
-        return _scalar(metadata, f"{arch}.{key}", default)
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.out_dir / f"shard-{len(self.files):05d}.safetensors"
+        mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
 
-    heads = meta("attention.head_count")
-    hidden = meta("embedding_length")
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "head_dim": meta("attention.key_length", hidden // heads),
-        "max_position_embeddings": meta("context_length"),
-        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta("rope.freq_base", 10000.0),
-        # llama.cpp stores q/k permuted for interleaved ("traditional") RoPE.
-        "rope_traditional": True,
-        "vocab_size": weights["model.embed_tokens.weight"].shape[0],
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
-        "bos_token_id": _token_id(metadata, "bos"),
-        "eos_token_id": _token_id(metadata, "eos"),
-    }
-    if meta("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": meta("rope.scaling.factor")}
-    if quantization := quantization_config(weights):
-        config["quantization"] = quantization
-    return config
-
-
-def _pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
-    """The Hugging Face equivalent of llama.cpp's `tokenizer.ggml.pre` regex set."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if name in ("smollm", "starcoder", "refact", "codeshell"):
-        # llama.cpp splits every digit off before the GPT-2 regex.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if name == "llama-bpe":
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    if name not in (None, "default", "gpt-2"):
-        log.warning("GGUF pre-tokenizer %r is unknown; using the GPT-2 split", name)
-    return byte_level
-
-
-def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary and merges."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    types = metadata["tokenizer.ggml.token_type"].tolist()
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-
-    tokenizer = Tokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-    )
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
-    tokenizer.decoder = decoders.ByteLevel()
-    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
-    bos = _token_id(metadata, "bos")
-    if _scalar(metadata, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        post.append(
-            processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A",
-                pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-                special_tokens=[(tokens[bos], bos)],
-            )
-        )
-    tokenizer.post_processor = processors.Sequence(post)
-
-    def added(kind: int, special: bool) -> list[AddedToken]:
-        return [
-            AddedToken(tokens[i], special=special, normalized=False)
-            for i, t in enumerate(types)
-            if t == kind
-        ]
-
-    tokenizer.add_special_tokens(added(_CONTROL_TOKEN, special=True))
-    tokenizer.add_tokens(added(_USER_DEFINED_TOKEN, special=False))
-    return tokenizer
-
-
-def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
-    """tokenizer_config.json: special token strings and the chat template."""
-    tokens = metadata["tokenizer.ggml.tokens"]
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(_scalar(metadata, "tokenizer.ggml.add_bos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": _scalar(
-            metadata, f"{metadata['general.architecture']}.context_length", 2048
-        ),
-    }
-    for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        if (token := _token_id(metadata, key)) is not None:
-            config[f"{role}_token"] = tokens[token]
-    if template := metadata.get("tokenizer.chat_template"):
-        config["chat_template"] = template
-    return config
-
-
-def generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
-    """generation_config.json: mlx-lm reads its eos ids as the stop tokens."""
-    eos = [
-        token
-        for token in (_token_id(metadata, "eos"), _token_id(metadata, "eot"))
-        if token is not None
-    ]
-    config = {
-        "bos_token_id": _token_id(metadata, "bos"),
-        "eos_token_id": list(dict.fromkeys(eos)),
-        "pad_token_id": _token_id(metadata, "padding"),
-    }
-    return {key: value for key, value in config.items() if value not in (None, [])}
+    def finish(self) -> None:
+        """Name the shards as mlx-lm and Hugging Face expect, with an index if there are many."""
+        self.flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.out_dir / "model.safetensors")
+            return
+        index: dict[str, str] = {}
+        for number, (path, names) in enumerate(self.files, 1):
+            final = f"model-{number:05d}-of-{len(self.files):05d}.safetensors"
+            path.rename(self.out_dir / final)
+            index.update(dict.fromkeys(names, final))
+        _write_json(self.out_dir / "model.safetensors.index.json", {"weight_map": index})
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
+def _converted(
+    reader: GGUFFile, tensor: TensorInfo, arch: Architecture, config: dict[str, Any]
+) -> Converted:
+    """One tensor in MLX form, with llama.cpp's conversion-time changes undone."""
+    converted = convert(reader.data(tensor), tensor.tensor_type, tensor.shape)
+    parts = tensor.name.split(".")
+    if arch.permute_qk and parts[-2] in ("attn_q", "attn_k"):
+        heads = config["num_attention_heads" if parts[-2] == "attn_q" else "num_key_value_heads"]
+        converted.weight = _unpermute(converted.weight, heads)
+        if converted.scales is not None and converted.biases is not None:
+            converted.scales = _unpermute(converted.scales, heads)
+            converted.biases = _unpermute(converted.biases, heads)
+    if arch.norm_offset and parts[-2].endswith("norm") and converted.scales is None:
+        converted.weight = converted.weight.astype(mx.float32) - arch.norm_offset
+    return converted
+
+
+def _write_weights(
+    reader: GGUFFile, arch: Architecture, config: dict[str, Any], out_dir: Path, bar: tqdm
+) -> dict[str, int]:
+    """Convert and write every tensor; returns the bit width of each quantized module."""
+    bits: dict[str, int] = {}
+    requantized: dict[tuple[str, int | None], list[float]] = defaultdict(list)
+    writer = _ShardWriter(out_dir)
+    for tensor in reader.tensors:
+        bar.update(tensor.n_bytes)
+        if arch.is_rope_tensor(tensor.name):
+            continue
+        name = arch.mlx_name(tensor.name)
+        assert name is not None  # _problems() rejected unknown tensors
+        converted = _converted(reader, tensor, arch, config)
+        mx.eval(converted.weight, converted.scales, converted.biases)
+        reader.release(tensor)
+        writer.add(name, converted.weight)
+        if converted.scales is not None and converted.biases is not None:
+            module = name.removesuffix(".weight")
+            writer.add(f"{module}.scales", converted.scales)
+            writer.add(f"{module}.biases", converted.biases)
+            assert converted.bits is not None
+            bits[module] = converted.bits
+        if not converted.exact:
+            requantized[tensor.tensor_type.name, converted.bits].append(converted.rel_error)
+            log.debug("%s requantized: relative RMS error %.2e", tensor.name, converted.rel_error)
+    writer.finish()
+    for (qtype, width), errors in requantized.items():
+        log.warning(
+            "%d %s tensors requantized to %d-bit groups of %d (MLX has no exact equivalent): "
+            "relative RMS error mean %.2e, max %.2e (measured on up to 32 MiB of each)",
+            len(errors),
+            qtype,
+            width,
+            GROUP_SIZE,
+            float(np.mean(errors)),
+            max(errors),
+        )
+    return bits
+
+
+def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
+    """config.json for the mlx-lm model of the file's architecture (quantization added later)."""
+    metadata = reader.metadata
+    meta = Meta(metadata, metadata["general.architecture"])
+    shapes = {t.name: t.shape for t in reader.tensors}
+    rope = {
+        t.name.removesuffix(".weight"): np.array(
+            convert(reader.data(t), t.tensor_type, t.shape).weight.astype(mx.float32)
+        )
+        for t in reader.tensors
+        if arch.is_rope_tensor(t.name)
+    }
+    config: dict[str, Any] = {"model_type": arch.model_type, **arch.config(meta, shapes, rope)}
+    config["bos_token_id"] = token_id(metadata, "bos")
+    config["eos_token_id"] = token_id(metadata, "eos")
+    config["pad_token_id"] = token_id(metadata, "padding")  # else transformers' family default
+    return config
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and tokenizer files for `gguf_path` into `out_dir`.
+    """Write config.json, safetensors weights and tokenizer files for `gguf_path` into `out_dir`.
 
-    Raises GGUFError for unreadable files and unsupported models.
+    Raises GGUFError for unreadable files, its subclass UnsupportedGGUF (as UnsupportedArchitecture,
+    UnsupportedQuantType or UnsupportedTokenizer) for files it cannot import.
     """
-    with tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step", disable=None) as bar:
+    reader = GGUFFile(gguf_path)
+    metadata = reader.metadata
+    if problems := _problems(reader):
+        # The first problem's type, every problem's message.
+        raise type(problems[0])(f"{gguf_path}: " + "; ".join(str(p) for p in problems))
+    arch = architecture_of(metadata)
+    assert arch is not None  # _problems() rejected unsupported architectures
+    try:
+        config = model_config(reader, arch)
         try:
-            loaded = mx.load(str(gguf_path), return_metadata=True)
-        except (RuntimeError, ValueError) as exc:
-            raise GGUFError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
-        # mx.load's return type covers every format; with metadata it is (arrays, metadata).
-        assert isinstance(loaded, tuple)
-        raw, metadata = loaded
-        arch = metadata.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFError(
-                f"GGUF architecture {arch!r} is not supported "
-                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-            )
-        required = (key.format(arch=arch) for key in _REQUIRED_METADATA)
-        if missing := [key for key in required if key not in metadata]:
-            raise GGUFError(f"GGUF file {gguf_path} lacks metadata {', '.join(missing)}")
-        weights = {gguf_tensor_name(name): array for name, array in raw.items()}
-        _write_json(out_dir / "config.json", model_config(metadata, weights))
-        bar.update()
-
-        build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
-        _write_json(out_dir / "tokenizer_config.json", tokenizer_config(metadata))
-        _write_json(out_dir / "generation_config.json", generation_config(metadata))
-        bar.update()
-
-        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-        bar.update()
+            tokenizer = build_tokenizer(metadata)
+        except UnsupportedGGUF:
+            raise
+        except Exception as exc:  # `tokenizers` raises a bare Exception for a bad vocabulary
+            raise GGUFError(f"invalid tokenizer: {exc}") from exc
+    except GGUFError as exc:
+        raise type(exc)(f"{gguf_path}: {exc}") from exc
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(
+        out_dir / "tokenizer_config.json",
+        tokenizer_config(metadata, config.get("max_position_embeddings")),
+    )
+    _write_json(out_dir / "generation_config.json", generation_config(metadata))
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    with tqdm(
+        total=total, desc=f"converting {gguf_path.name}", unit="B", unit_scale=True, disable=None
+    ) as bar:
+        bits = _write_weights(reader, arch, config, out_dir, bar)
+    if quantization := quantization_config(bits):
+        config["quantization"] = quantization
+    _write_json(out_dir / "config.json", config)

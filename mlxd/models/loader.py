@@ -2,8 +2,10 @@
 
 Metal and CUDA have fast quantized kernels, so there the stored weights are kept. The MLX CPU
 backend's own quantized matmul is slower than float32 BLAS; on the CPU a quantized model runs on
-mlxd's packed kernel (models/packed.py: stored bits, faster than float32 at every batch size)
-when it is built and takes every layer, and is dequantized to float32 otherwise.
+mlxd's packed kernel (models/packed.py: stored bits) when it is built and takes every layer,
+and is dequantized to float32 otherwise. Which of the two is faster depends on the CPU and
+the batch: given a `models.cpu_path.Choice` (timed at load), the loader packs, dequantizes,
+or keeps both weight sets with each matmul on the faster for its row count.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
+from mlxd.models.cpu_path import Choice
 from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
 from mlxd.models.layer_eval import evaluate_per_layer
 from mlxd.models.packed import can_pack, pack_model
@@ -43,6 +46,7 @@ class LoadedModel:
     dtype: str  # "float32" etc. after a cast; for kept weights e.g. "q4/q8" or "bfloat16"
     nbytes: int  # bytes of all parameters as loaded
     config: dict[str, Any]
+    cpu_path: Choice | None = None  # the CPU path taken and the timings behind it
 
 
 def _target_dtype(dtype: str) -> str | None:
@@ -112,6 +116,7 @@ def load_llm(
     model_name: str,
     adapter: Path | None = None,
     before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
+    cpu_path: Choice | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
@@ -120,7 +125,9 @@ def load_llm(
     first). `adapter`: a LoRA adapter directory in mlx-lm's
     format, applied on top in the same dtype. `before_eval(model, config)` may replace the
     model while its weights are still lazy (a distributed rank keeps only its shard, so only
-    that part is ever read). Raises ModelLoadError naming `model_name`.
+    that part is ever read). `cpu_path`: for dtype auto on the CPU, packed, float32 or both
+    (models/cpu_path.py; without one a packable model runs packed). Raises ModelLoadError
+    naming `model_name`.
     """
     path = check_model_dir(path, dtype, model_name)
     if adapter is not None and (problem := adapter_problem(adapter)):
@@ -136,6 +143,10 @@ def load_llm(
         # which knows only its own layer types.
         packed = target == "float32" and dtype == "auto" and before_eval is None
         packed = packed and can_pack(model)
+        plan = (cpu_path.plan if cpu_path else "packed") if packed else None
+        if plan is not None and cpu_path is not None:
+            log.info("model '%s': %s", model_name, cpu_path.summary())
+        packed = plan in ("packed", "mixed")
         if not packed and target == "float32" and not kernels.available():
             log.warning(
                 "model '%s': mlxd's CPU kernels are not built (python -m mlxd.kernels.build); "
@@ -156,7 +167,7 @@ def load_llm(
             # mlx-lm's LoRA layers wrap the quantized layers, whose insides are packed next.
             model = _with_adapter(model, adapter, "float32" if packed else target, model_name)
         if packed:
-            pack_model(model)
+            pack_model(model, cpu_path.path_for if cpu_path and plan == "mixed" else None)
         if before_eval is not None:
             model = before_eval(model, config)
         mx.eval(model.parameters())
@@ -164,7 +175,9 @@ def load_llm(
             # The CPU backend evaluates exp element by element: the exact SiLU was ≈12% of a
             # batch-32 decode step on SmolLM2; the rational one is ≈10x cheaper (test_fast_silu).
             use_rational_swiglu(model)
-            kernels.share_cores(packed)
+            # One thread beside BLAS, or where one measured faster than all (a busy CPU).
+            one_thread = cpu_path is not None and cpu_path.one_thread
+            kernels.share_cores(plan == "packed" and not one_thread)
             # MLX composes rope, norms and attention from element-wise ops on the CPU.
             use_kernel_layers(model)
             use_kernel_attention(model)
@@ -180,7 +193,8 @@ def load_llm(
         model=model,
         tokenizer=tokenizer,
         path=path,
-        dtype=target or _stored_dtype(model),
+        dtype=(target or _stored_dtype(model)) + ("+float32" if plan == "mixed" else ""),
         nbytes=sum(array.nbytes for _, array in flat_parameters(model)),
         config=config,
+        cpu_path=cpu_path if plan is not None else None,
     )

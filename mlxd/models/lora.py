@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxd.models.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_problem
-from mlxd.models.packed import PackedLinear
+from mlxd.models.packed import PackedLinear, SplitLinear
 
 
 class Rows:
@@ -164,6 +164,8 @@ def _linear_shape(layer: Any) -> tuple[int, int]:
     """(out, in) of a linear layer, quantized or not (or already carrying adapters)."""
     if isinstance(layer, MultiLoRALinear):
         layer = layer.linear
+    if isinstance(layer, SplitLinear):
+        layer = layer.packed_linear
     if isinstance(layer, PackedLinear):
         return layer.output_dims, layer.input_dims
     if isinstance(layer, nn.QuantizedLinear):

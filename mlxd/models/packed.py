@@ -10,6 +10,8 @@ and gains a packed copy for the tied output projection (`as_linear`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -39,15 +41,36 @@ class PackedLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
 
+class SplitLinear(nn.Module):
+    """Both weight sets of one matmul (models/cpu_path.py's "mixed" plan): the packed layer
+    for the row counts `path_for` gives to "packed", float32 BLAS for the others."""
+
+    def __init__(
+        self, packed: PackedLinear, dense: mx.array, path_for: Callable[[int], str]
+    ) -> None:
+        super().__init__()
+        self.packed_linear = packed
+        self.dense = dense
+        self._path_for = path_for
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._path_for(x.size // x.shape[-1]) == "packed":
+            return self.packed_linear(x)
+        y = x @ self.dense.T
+        return y + self.packed_linear["bias"] if "bias" in self.packed_linear else y
+
+
 class PackedEmbedding(nn.QuantizedEmbedding):
     """A quantized embedding whose `as_linear` (tied output projection) runs packed."""
 
-    def __init__(self, embedding: nn.QuantizedEmbedding) -> None:
+    def __init__(
+        self, embedding: nn.QuantizedEmbedding, path_for: Callable[[int], str] | None = None
+    ) -> None:
         nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = embedding.group_size, embedding.bits, "affine"
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
         self.weight, self.scales, self.biases = embedding.weight, embedding.scales, embedding.biases
-        self.output = PackedLinear(_pack(embedding), None)
+        self.output = _packed_linear(embedding, None, path_for)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.output(x)
@@ -76,13 +99,29 @@ def can_pack(model: nn.Module) -> bool:
     return kernels.available() and bool(quantized) and all(map(_packable, quantized))
 
 
-def pack_model(model: nn.Module) -> None:
-    """Swap `model`'s quantized layers for packed ones in place (see `can_pack`)."""
+def _packed_linear(
+    module: nn.QuantizedLinear | nn.QuantizedEmbedding,
+    bias: mx.array | None,
+    path_for: Callable[[int], str] | None,
+) -> nn.Module:
+    packed = PackedLinear(_pack(module), bias)
+    if path_for is None:
+        return packed
+    assert module.biases is not None  # affine (see _packable)
+    dense = mx.dequantize(
+        module.weight, module.scales, module.biases, module.group_size, module.bits
+    ).astype(mx.float32)
+    return SplitLinear(packed, dense, path_for)
+
+
+def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -> None:
+    """Swap `model`'s quantized layers for packed ones in place (see `can_pack`); with
+    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32"."""
     replacements: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
             bias = module.get("bias")
-            replacements.append((name, PackedLinear(_pack(module), bias)))
+            replacements.append((name, _packed_linear(module, bias, path_for)))
         elif isinstance(module, nn.QuantizedEmbedding):
-            replacements.append((name, PackedEmbedding(module)))
+            replacements.append((name, PackedEmbedding(module, path_for)))
     model.update_modules(tree_unflatten(replacements))

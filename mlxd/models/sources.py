@@ -23,7 +23,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from tqdm import tqdm
 
 from mlxd.errors import ModelLoadError
-from mlxd.models.gguf import GGUFError, convert_gguf
+from mlxd.models.gguf import FORMAT_VERSION, GGUFError, convert_gguf
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +169,13 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _converted_gguf(path: Path, model_name: str, cache_dir: Path) -> Path:
-    """Import `path` once into cache_dir/gguf/<sha256[:16]>/ and reuse it afterwards.
+    """Import `path` once into cache_dir/gguf/<sha256[:16]>-v<FORMAT_VERSION>/ and reuse it.
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    digest = _sha256(path)[:16]
+    # The importer's version is part of the key: a new importer never reuses an old output.
+    digest = f"{_sha256(path)[:16]}-v{FORMAT_VERSION}"
     root = cache_dir / "gguf"
     final = root / digest
     if final.is_dir():

@@ -38,3 +38,13 @@ class WorkerSpec:
     name: str
     config: ModelConfig
     server: ServerConfig
+
+    @classmethod
+    def without_keys(cls, name: str, config: ModelConfig, server: ServerConfig) -> WorkerSpec:
+        """The spec with every `api_keys` emptied: workers never check a key (the daemon does),
+        and a distributed model's rank 0 hands its config on to the other ranks' machines."""
+        return cls(
+            name,
+            config.model_copy(update={"api_keys": []}),
+            server.model_copy(update={"api_keys": []}),
+        )

@@ -108,7 +108,7 @@ class WorkerEngine:
         else:
             process, reader, writer = await _spawn()
         try:
-            write_message(writer, WorkerSpec(name, config, server()))
+            write_message(writer, WorkerSpec.without_keys(name, config, server()))
             kind, *args = await read_message(reader)
             if kind == "need":
                 await make_room(args[0])

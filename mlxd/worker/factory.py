@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
 from mlxd.models.adapters import adapter_bytes
+from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.estimate import estimate_model_bytes
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
@@ -19,16 +20,25 @@ if TYPE_CHECKING:
     from mlxd.worker.llm import LLMEngine
 
 
-async def locate(name: str, config: ModelConfig, cache_dir: Path) -> tuple[Path, int]:
+async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, int]:
     """The model's resolved directory (converting a GGUF on first use) and the bytes it will
-    hold once loaded, weights plus its KV budget."""
+    hold once loaded, weights plus its KV budget. A quantized LLM on the CPU has its weights'
+    path chosen here (models/cpu_path.py: timed once per CPU and shapes, then cached), as
+    the bytes depend on it."""
+    cache_dir = server.cache_dir
     path: Path = await asyncio.to_thread(
         resolve_source, config.source, model_name=name, cache_dir=cache_dir
     )
     kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
-    need = await asyncio.to_thread(estimate_model_bytes, path, config.dtype, kv_budget, packs=packs)
+    choice = await asyncio.to_thread(choose_cpu_path, path, config, server)
+    if choice is not None:
+        need = choice.weight_bytes + kv_budget
+    else:
+        need = await asyncio.to_thread(
+            estimate_model_bytes, path, config.dtype, kv_budget, packs=packs
+        )
     draft = config.speculative.draft if config.speculative else None
     if draft is not None:  # loaded into this model's worker too
         draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
@@ -68,6 +78,6 @@ async def start_inline(
     make_room: Callable[[int], Awaitable[None]],
 ) -> Engine:
     """An `EngineStarter` that loads the model into the calling process (`workers: inline`)."""
-    path, need = await locate(name, config, server().cache_dir)
+    path, need = await locate(name, config, server())
     await make_room(need)
     return await load_engine(name, config, path, server)

@@ -212,7 +212,7 @@ async def _start(
     memory.apply_limits(spec.name, spec.server.metal)  # before the weights are allocated
     nice = _lower_priority()
     try:
-        path, need = await locate(spec.name, spec.config, spec.server.cache_dir)
+        path, need = await locate(spec.name, spec.config, spec.server)
         write_message(writer, ("need", need))
         reply = await read_message(reader)  # the daemon made room for `need`, or could not
         if reply[0] != "go":

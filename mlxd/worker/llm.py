@@ -20,6 +20,7 @@ from mlxd.config import CacheConfig, ModelConfig, ServerConfig, SpeculativeConfi
 from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
 from mlxd.errors import InvalidRequest, ModelLoadError, Unavailable
 from mlxd.models.adapters import adapter_bytes
+from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, load_llm
 from mlxd.models.lora import MultiLoRA
 from mlxd.parsers.reasoning import prompt_opens_reasoning
@@ -105,8 +106,15 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load weights from a resolved model directory (see models.sources.resolve_source);
         the SSD KV tier lives under the server's cache_dir."""
+        # Decided when the worker located the model: the timings are cached by now.
+        cpu_path = await asyncio.to_thread(choose_cpu_path, path, config, server())
         loaded = await asyncio.to_thread(
-            load_llm, path, dtype=config.dtype, model_name=name, adapter=config.adapter
+            load_llm,
+            path,
+            dtype=config.dtype,
+            model_name=name,
+            adapter=config.adapter,
+            cpu_path=cpu_path,
         )
         identity = _identity(config, loaded)
         cache_dir = server().cache_dir
@@ -317,6 +325,7 @@ class LLMEngine:
         return {
             "kind": self.kind,
             "dtype": self.loaded.dtype,
+            "cpu_path": self.loaded.cpu_path.as_dict() if self.loaded.cpu_path else None,
             "weights_bytes": self.loaded.nbytes,
             "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,

@@ -53,6 +53,7 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
         "RSS",
         "ESTIMATE",
         "MLX",
+        "PATH",
         "QUEUE",
         "RUNNING",
         "TOK/S",
@@ -64,7 +65,9 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
     assert table["smol"][5].endswith("MiB") and int(table["smol"][5][:-3]) > 0
     assert table["smol"][6].endswith("MiB") and int(table["smol"][6][:-3]) > 0
     assert table["smol"][7].endswith("MiB") and int(table["smol"][7][:-3]) > 0
-    assert table["spare"][1:8] == ["llm", "unloaded", "-", "-", "-", "-", "-"]
+    # The CPU path its load chose (models/cpu_path.py), one line of figures under the table.
+    assert table["smol"][8] == daemon.status()["models"]["smol"]["cpu_path"]["plan"]
+    assert table["spare"][1:9] == ["llm", "unloaded", "-", "-", "-", "-", "-", "-"]
 
 
 def test_ps_reports_an_unreachable_daemon(daemon: Daemon):

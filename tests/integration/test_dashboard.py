@@ -108,7 +108,7 @@ def docs_image(driver, section: str, name: str, width: int) -> None:
         driver.set_window_size(size["width"], size["height"])
 
 
-def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
+def test_models_table_lists_both_models_as_loaded(page, daemon: Daemon, tmp_path: Path) -> None:
     eventually(
         lambda: row_state(page, "smol") == "loaded" and row_state(page, "minilm") == "loaded"
     )
@@ -117,8 +117,14 @@ def test_models_table_lists_both_models_as_loaded(page, tmp_path: Path) -> None:
     )
     assert "/nonexistent/model-dir" in missing  # the reason, under the state
     smol_row = page.find_element("css selector", 'tr[data-model="smol"]').text
-    # The GGUF's 4/8-bit weights, packed for mlxd's CPU kernels.
-    assert "default" in smol_row and "llm" in smol_row and "q4/q8" in smol_row
+    # The weights as they run and the CPU path the load chose (figures in the cell's title).
+    smol = daemon.status()["models"]["smol"]
+    assert "default" in smol_row and "llm" in smol_row and smol["dtype"] in smol_row
+    assert smol["cpu_path"]["plan"] in smol_row
+    dtype_cell = page.find_element(
+        "css selector", 'tr[data-model="smol"] td[data-field="dtype"] span'
+    )
+    assert dtype_cell.get_attribute("title") == smol["cpu_path"]["summary"]
     assert by_name(page, "button", "Unload smol") is not None
     meter = page.find_element("css selector", 'tr[data-model="smol"] meter')
     assert meter.accessible_name == "smol memory of budget"

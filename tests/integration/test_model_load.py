@@ -66,7 +66,7 @@ def test_conversion_is_reused(smol: Smol) -> None:
 
 def test_auto_dtype_packs_quantized_weights_on_cpu(smol: Smol) -> None:
     if backend_name() != "cpu":
-        pytest.skip("auto keeps quantized weights on GPU backends")
+        pytest.skip("not applicable here: auto keeps quantized weights on GPU backends")
     loaded = smol.loaded
     modules = [m for _, m in loaded.model.named_modules()]
     assert loaded.dtype == "q4/q8"  # the GGUF's bits, on mlxd's CPU kernels

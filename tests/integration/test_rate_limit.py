@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.daemon import Daemon, start_daemon
+from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +83,63 @@ def test_tokens_per_minute_per_model(daemon: Daemon):
 def test_health_is_never_limited(daemon: Daemon):
     for _ in range(5):
         assert httpx.get(f"{daemon.url}/health", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def generating(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    config = {
+        "server": {
+            "cache_dir": str(mlxd_cache_dir),
+            "api_keys": ["key-0", "key-1", "key-2", "key-3", "key-t"],
+        },
+        "models": {
+            "smol": {
+                "source": SMOL_GGUF,
+                "context_length": 512,
+                "defaults": {"max_tokens": 2, "temperature": 0.0},
+                "rate_limit": {"requests_per_minute": 3, "tokens_per_minute": 100_000},
+            },
+        },
+    }
+    running = start_daemon(tmp_path_factory.mktemp("rate-limit-n"), config)
+    yield running
+    running.stop()
+
+
+def test_every_sequence_and_batch_item_counts(generating: Daemon):
+    """One HTTP request that runs four sequences is four requests to the limit, in every form
+    that fans out; a refused one runs nothing."""
+    hi = [{"role": "user", "content": "hi"}]
+    attempts = {
+        "/v1/chat/completions": {"model": "smol", "messages": hi, "n": 4},
+        "/v1/completions": {"model": "smol", "prompt": ["a", "b", "c", "d"]},
+        "/v1/messages/batches": {
+            "requests": [
+                {"custom_id": f"r{i}", "params": {"model": "smol", "max_tokens": 2, "messages": hi}}
+                for i in range(4)
+            ]
+        },
+    }
+    for index, (path, body) in enumerate(attempts.items()):  # each with a fresh key
+        headers = {"x-api-key": f"key-{index}"}
+        reply = httpx.post(f"{generating.url}{path}", json=body, headers=headers, timeout=120)
+        assert reply.status_code in (429, 529), (path, reply.text)  # 529: Anthropic's name
+        assert "3 requests per minute" in reply.text
+    batch = [{"model": "smol", "max_tokens": 2, "messages": hi}] * 4
+    headers = {"x-api-key": "key-3"}
+    reply = httpx.post(
+        f"{generating.url}/v1/messages/batch", json=batch, headers=headers, timeout=120
+    )
+    assert reply.status_code == 529
+
+
+def test_tokens_of_every_sequence_are_charged(generating: Daemon):
+    c = client(generating, "key-t")
+    first = c.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "hi"}], n=2
+    )
+    raw = c.chat.completions.with_raw_response.create(
+        model="smol", messages=[{"role": "user", "content": "hi"}]
+    )
+    remaining = int(raw.headers["x-ratelimit-remaining-tokens"])
+    assert remaining <= 100_000 - first.usage.total_tokens

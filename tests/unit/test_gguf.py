@@ -1,23 +1,28 @@
-"""GGUF import: tensor names, bit widths, config and tokenizer, on a tiny GGUF written here."""
+"""GGUF import: config, tokenizer and weights of tiny GGUFs written here; header inspection."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
+import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
 from mlxd.models.gguf import (
     GGUFError,
-    build_tokenizer,
+    UnsupportedArchitecture,
+    UnsupportedQuantType,
+    UnsupportedTokenizer,
     convert_gguf,
-    gguf_tensor_name,
+    inspect_gguf,
     quantization_config,
-    quantized_bits,
 )
+from mlxd.models.gguf_tokenizer import build_tokenizer
 from mlxd.models.loader import load_llm
+from tests.tiny_gguf import random_blocks, tiny_config, tiny_weights, write_gguf
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -26,122 +31,56 @@ CHATML = (
 )
 
 
-def tiny_metadata(architecture: str = "llama") -> dict:
-    """GGUF metadata of a byte-level BPE llama: specials, the 256 byte symbols, 'hello' merges."""
+def tiny_metadata() -> dict:
+    """GGUF metadata of a byte-level BPE vocabulary: specials, the 256 byte symbols, 'hello'."""
     tokens = [*SPECIAL, *sorted(pre_tokenizers.ByteLevel.alphabet()), "he", "hel", "hell", "hello"]
-    u32 = mx.uint32
     return {
-        "general.architecture": architecture,
-        f"{architecture}.embedding_length": mx.array(64, dtype=u32),
-        f"{architecture}.feed_forward_length": mx.array(128, dtype=u32),
-        f"{architecture}.block_count": mx.array(1, dtype=u32),
-        f"{architecture}.attention.head_count": mx.array(2, dtype=u32),
-        f"{architecture}.attention.head_count_kv": mx.array(1, dtype=u32),
-        f"{architecture}.context_length": mx.array(256, dtype=u32),
-        f"{architecture}.attention.layer_norm_rms_epsilon": mx.array(1e-5, dtype=mx.float32),
-        f"{architecture}.rope.freq_base": mx.array(10000.0, dtype=mx.float32),
+        "general.architecture": "llama",
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": mx.array([3] * len(SPECIAL) + [1] * (len(tokens) - 3)),
+        "tokenizer.ggml.token_type": [3] * len(SPECIAL) + [1] * (len(tokens) - 3),
         "tokenizer.ggml.merges": ["h e", "he l", "hel l", "hell o"],
-        "tokenizer.ggml.bos_token_id": mx.array(1, dtype=u32),
-        "tokenizer.ggml.eos_token_id": mx.array(2, dtype=u32),
-        "tokenizer.ggml.padding_token_id": mx.array(2, dtype=u32),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 2,
         "tokenizer.chat_template": CHATML,
     }
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama") -> Path:
-    """A 1-layer float32 llama GGUF (random weights, tied embeddings) of about 150 KB."""
-    metadata = tiny_metadata(architecture)
-    vocab, hidden, ffn = len(metadata["tokenizer.ggml.tokens"]), 64, 128
-    shapes = {
-        "token_embd.weight": (vocab, hidden),
-        "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,),
-        "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden),
-        "blk.0.attn_k.weight": (hidden // 2, hidden),
-        "blk.0.attn_v.weight": (hidden // 2, hidden),
-        "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (ffn, hidden),
-        "blk.0.ffn_up.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
+def _vocab() -> dict:
+    metadata = tiny_metadata()
+    return {
+        "model": "gpt2",
+        "pre": "smollm",
+        "tokens": metadata["tokenizer.ggml.tokens"],
+        "types": metadata["tokenizer.ggml.token_type"],
+        "merges": metadata["tokenizer.ggml.merges"],
+        "extra": {"chat_template": CHATML, "pad_token_id": 2},
     }
-    weights = {name: mx.random.normal(shape) * 0.02 for name, shape in shapes.items()}
-    mx.save_gguf(str(path), weights, metadata)
+
+
+def write_tiny_gguf(path: Path, architecture: str = "llama") -> Path:
+    """A 1-layer float32 llama GGUF with tied embeddings, as llama.cpp writes it (≈150 KB);
+    another `architecture` name makes it a file of that (unsupported) architecture."""
+    vocab = _vocab()
+    config = tiny_config(
+        "llama", num_hidden_layers=1, vocab_size=len(vocab["tokens"]), tie_word_embeddings=True
+    )
+    config.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    write_gguf(path, config, tiny_weights(config), vocab=vocab, arch_name=architecture)
     return path
 
 
-@pytest.mark.parametrize(
-    ("gguf", "mlx"),
-    [
-        ("token_embd.weight", "model.embed_tokens.weight"),
-        ("token_embd.scales", "model.embed_tokens.scales"),
-        ("output_norm.weight", "model.norm.weight"),
-        ("output.weight", "lm_head.weight"),
-        ("output.biases", "lm_head.biases"),
-        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
-        ("blk.1.attn_k.scales", "model.layers.1.self_attn.k_proj.scales"),
-        ("blk.2.attn_v.biases", "model.layers.2.self_attn.v_proj.biases"),
-        ("blk.29.attn_output.weight", "model.layers.29.self_attn.o_proj.weight"),
-        ("blk.3.attn_q.bias", "model.layers.3.self_attn.q_proj.bias"),
-        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
-        ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight"),
-        ("blk.4.ffn_gate.weight", "model.layers.4.mlp.gate_proj.weight"),
-        ("blk.4.ffn_up.scales", "model.layers.4.mlp.up_proj.scales"),
-        ("blk.4.ffn_down.biases", "model.layers.4.mlp.down_proj.biases"),
-    ],
-)
-def test_gguf_tensor_name(gguf: str, mlx: str) -> None:
-    assert gguf_tensor_name(gguf) == mlx
-
-
-@pytest.mark.parametrize(
-    "name", ["rope_freqs.weight", "blk.0.attn_qkv.weight", "blk.x.attn_q.weight", "output"]
-)
-def test_gguf_tensor_name_rejects_unknown(name: str) -> None:
-    with pytest.raises(GGUFError, match="unsupported GGUF tensor"):
-        gguf_tensor_name(name)
-
-
-@pytest.mark.parametrize(
-    ("packed", "groups", "bits"),
-    [(72, 18, 4), (144, 18, 8), (192, 48, 4), (36, 18, 2), (36, 6, 6)],
-)
-def test_quantized_bits(packed: int, groups: int, bits: int) -> None:
-    assert quantized_bits(packed, groups) == bits
-
-
-@pytest.mark.parametrize(("packed", "groups"), [(7, 18), (18, 18), (288, 18), (0, 18)])
-def test_quantized_bits_rejects_odd_widths(packed: int, groups: int) -> None:
-    with pytest.raises(GGUFError):
-        quantized_bits(packed, groups)
-
-
 def test_quantization_config_overrides_minority_widths() -> None:
-    def quantized(rows: int, packed: int, groups: int) -> dict[str, mx.array]:
-        return {"weight": mx.zeros((rows, packed), mx.uint32), "scales": mx.zeros((rows, groups))}
-
-    weights = {
-        f"{module}.{kind}": array
-        for module, parts in {
-            "model.embed_tokens": quantized(100, 144, 18),
-            "model.layers.0.self_attn.q_proj": quantized(576, 72, 18),
-            "model.layers.0.mlp.down_proj": quantized(576, 192, 48),
-        }.items()
-        for kind, array in parts.items()
-    }
-    weights["model.norm.weight"] = mx.ones((576,))
-
-    assert quantization_config(weights) == {
+    bits = {"model.embed_tokens": 8, "model.layers.0.self_attn.q_proj": 4, "lm_head": 4}
+    assert quantization_config(bits) == {
         "group_size": 32,
         "bits": 4,
         "mode": "affine",
         "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
     }
-    assert quantization_config({"model.norm.weight": mx.ones((4,))}) is None
+    assert quantization_config({}) is None
 
 
 def test_build_tokenizer_byte_level_bpe() -> None:
@@ -158,9 +97,16 @@ def test_build_tokenizer_byte_level_bpe() -> None:
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-def test_build_tokenizer_rejects_sentencepiece() -> None:
-    with pytest.raises(GGUFError, match="tokenizer model 'llama'"):
-        build_tokenizer({**tiny_metadata(), "tokenizer.ggml.model": "llama"})
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert' is not supported"),
+        ({"tokenizer.ggml.pre": "chatglm-bpe"}, "pre-tokenizer 'chatglm-bpe' is not supported"),
+    ],
+)
+def test_build_tokenizer_rejects_unknown_kinds(change: dict, message: str) -> None:
+    with pytest.raises(UnsupportedTokenizer, match=message):
+        build_tokenizer({**tiny_metadata(), **change})
 
 
 def test_convert_tiny_gguf(tmp_path: Path) -> None:
@@ -170,7 +116,8 @@ def test_convert_tiny_gguf(tmp_path: Path) -> None:
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama"
-    assert config["rope_traditional"] is True
+    # q/k rows are un-permuted at import: mlx-lm's default (half-split) rope applies.
+    assert config.get("rope_traditional", False) is False
     assert config["tie_word_embeddings"] is True
     assert config["rms_norm_eps"] == 1e-5
     assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (64, 1, 32)
@@ -184,17 +131,97 @@ def test_convert_tiny_gguf(tmp_path: Path) -> None:
     assert "lm_head.weight" not in weights
 
 
-def test_convert_rejects_other_architectures(tmp_path: Path) -> None:
-    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
-        convert_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", architecture="gpt2"), tmp_path)
-
-
 def test_tiny_conversion_loads(tmp_path: Path) -> None:
     convert_gguf(write_tiny_gguf(tmp_path / "tiny.gguf"), tmp_path)
     loaded = load_llm(tmp_path, dtype="bfloat16", model_name="tiny")
 
     assert loaded.dtype == "bfloat16"
-    assert loaded.config["rope_traditional"] is True
     logits = loaded.model(mx.array([loaded.tokenizer.encode("hello")]))
     assert logits.shape[-1] == loaded.config["vocab_size"]
     assert loaded.tokenizer.eos_token_ids == {2}
+
+
+def test_convert_rejects_other_architectures(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", architecture="gpt2")
+    with pytest.raises(UnsupportedArchitecture, match="architecture 'gpt2' is not supported"):
+        convert_gguf(path, tmp_path)
+    assert inspect_gguf(path) == [
+        "GGUF architecture 'gpt2' is not supported "
+        "(supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe)"
+    ]
+
+
+def _with_tensor_type(path: Path, name: str, qtype: gguf.GGMLQuantizationType) -> Path:
+    """Relabel one tensor's type in place (its data is not read by an inspection)."""
+    reader = gguf.GGUFReader(path, "r+")
+    field = next(t.field for t in reader.tensors if t.name == name)
+    field.parts[-2][0] = int(qtype)  # the tensor info's type, before its offset
+    del reader
+    return path
+
+
+def test_inspect_reports_every_problem_without_reading_data(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert inspect_gguf(path) == []
+    _with_tensor_type(path, "blk.0.ffn_up.weight", gguf.GGMLQuantizationType.Q8_1)
+    problems = inspect_gguf(path)
+    assert problems == ["GGML tensor types not supported: Q8_1"]
+    with pytest.raises(UnsupportedQuantType, match="Q8_1"):
+        convert_gguf(path, tmp_path)
+
+
+def test_inspect_names_unknown_tensors_and_tokenizers(tmp_path: Path) -> None:
+    vocab = {**_vocab(), "pre": "chatglm-bpe"}
+    config = tiny_config("llama", num_hidden_layers=1, vocab_size=len(vocab["tokens"]))
+    path = tmp_path / "odd.gguf"
+    write_gguf(path, config, tiny_weights(config), vocab=vocab)
+    reader = gguf.GGUFReader(path, "r+")
+    # Rename a tensor in place (same length): blk.0.ffn_up → blk.0.ffn_xx.
+    field = next(t.field for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    field.parts[1][:] = np.frombuffer(b"blk.0.ffn_xx.weight", np.uint8)
+    del reader
+    tokenizer, tensors = inspect_gguf(path)
+    assert tokenizer.startswith("pre-tokenizer 'chatglm-bpe' is not supported (supported: ")
+    assert tensors == "unsupported GGUF tensors for llama: blk.0.ffn_xx.weight"
+    with pytest.raises(UnsupportedTokenizer, match=r"chatglm-bpe.*; unsupported GGUF tensors"):
+        convert_gguf(path, tmp_path)
+
+
+def test_inspect_unreadable_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 10)
+    [problem] = inspect_gguf(path)
+    assert problem.startswith(f"cannot read GGUF file {path}")
+    with pytest.raises(GGUFError, match="cannot read GGUF file"):
+        convert_gguf(path, tmp_path)
+
+
+def test_inconsistent_vocabulary_is_a_gguf_error(tmp_path: Path) -> None:
+    vocab = {**_vocab(), "merges": ["h e", "x y"]}  # "xy" is not in the vocabulary
+    config = tiny_config("llama", num_hidden_layers=1, vocab_size=len(vocab["tokens"]))
+    write_gguf(tmp_path / "m.gguf", config, tiny_weights(config), vocab=vocab)
+    with pytest.raises(GGUFError, match=r"invalid tokenizer: .*out of vocabulary"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path)
+
+
+def test_sharded_output_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlxd.models.gguf as importer
+
+    monkeypatch.setattr(importer, "_SHARD_BYTES", 20_000)
+    config = tiny_config("llama", num_hidden_layers=1)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, tiny_weights(config), gguf.GGMLQuantizationType.Q8_0)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(path, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1
+    assert not list(out.glob("shard-*"))
+    loaded = load_llm(out, dtype="float32", model_name="tiny")
+    assert loaded.model(mx.array([[1, 2, 3]])).shape == (1, 3, config["vocab_size"])
+
+
+def test_random_blocks_are_well_formed() -> None:
+    blocks = random_blocks(gguf.GGMLQuantizationType.Q4_K, 4, 512)
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
+    assert values.shape == (4, 512) and np.isfinite(values).all()

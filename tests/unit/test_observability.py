@@ -74,9 +74,10 @@ def test_ps_row_for_loaded_and_unloaded_models():
         "running": 2,
         "queue_depth": 5,
         "tokens_per_s": 12.345,
+        "cpu_path": {"plan": "mixed", "summary": "packed decode (…), float32 prefill (…)"},
     }
     assert _ps_row("m", loaded) == (
-        ("m", "llm", "loaded", "a,b", "4242", "7MiB", "3MiB", "6MiB", "5", "2", "12.3")
+        ("m", "llm", "loaded", "a,b", "4242", "7MiB", "3MiB", "6MiB", "mixed", "5", "2", "12.3")
     )
     unloaded = {"kind": "llm", "state": "unloaded", "aliases": []}
-    assert _ps_row("n", unloaded) == ("n", "llm", "unloaded", *["-"] * 8)
+    assert _ps_row("n", unloaded) == ("n", "llm", "unloaded", *["-"] * 9)

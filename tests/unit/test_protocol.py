@@ -92,3 +92,33 @@ def test_request_values_override_model_defaults():
     assert merged.temperature == 0.0  # an explicit 0 is not "unset"
     assert merged.top_p == 0.9 and merged.top_k == 40 and merged.presence_penalty == 0.5
     assert merged.seed == 3 and merged.top_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"stop": ["x"] * 1_000_000}, "stop"),
+        ({"stop": ["x" * 1_001]}, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}] * 257}, "tools"),
+        (
+            {"response_format": {"type": "json_schema", "schema": {"d": "x" * 200_000}}},
+            "response_format",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}] * 17}]},
+            "images",
+        ),
+    ],
+)
+def test_every_generation_request_meets_the_caps(fields: dict, field: str):
+    import pickle
+
+    from mlxd.types import GenerationRequest, OverLimit
+
+    with pytest.raises(OverLimit) as caught:
+        GenerationRequest("r", "m", 4, **fields)
+    assert caught.value.status == 400 and caught.value.param == field
+    # Named in the caller's dialect, and whole after crossing the worker wire.
+    renamed = pickle.loads(pickle.dumps(caught.value.named({"stop": "stop_sequences"})))
+    assert renamed.param == ("stop_sequences" if field == "stop" else field)
+    assert renamed.message.startswith(renamed.param)

@@ -16,10 +16,11 @@ import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
+from mlxd.api.middleware.auth import owner_of
 from mlxd.api.openai.responses.input import input_items, messages
 from mlxd.api.openai.responses.protocol import ResponseCreateRequest
 from mlxd.api.openai.responses.routes import initial_response, response_events
-from mlxd.api.openai.responses.store import ResponseStore, owner_of
+from mlxd.api.openai.responses.store import ResponseStore
 from mlxd.errors import InvalidRequest, NotFound
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.types import Finished, GenerationRequest
@@ -176,6 +177,9 @@ def test_the_store_keeps_responses_per_owner(tmp_path: Path):
     store.save(alice, {"id": "resp_ab12", "output": []}, [{"role": "user", "content": "hi"}])
     assert store.load(alice, "resp_ab12")["input"] == [{"role": "user", "content": "hi"}]
     assert "key-a" not in (tmp_path / "responses" / "resp_ab12.json").read_text()
+    # Conversations: readable by the daemon's user only.
+    assert (tmp_path / "responses").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "responses" / "resp_ab12.json").stat().st_mode & 0o777 == 0o600
     for owner, response_id in [(bob, "resp_ab12"), (alice, "resp_ffff"), (alice, "../x")]:
         with pytest.raises(NotFound):
             store.load(owner, response_id)

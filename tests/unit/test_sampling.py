@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.sample_utils import apply_top_p
 
-from mlxd.executor.sampling import make_sequence_processors
+from mlxd.executor.nucleus import NucleusSampler, nucleus_candidates
+from mlxd.executor.sampling import make_sequence_processors, make_sequence_sampler
 from mlxd.types import SamplingParams
 
 
@@ -21,3 +24,90 @@ def penalised(params: SamplingParams, history: list[int]) -> list[int]:
 def test_repetition_context_size_bounds_the_penalised_history(context, expected):
     params = SamplingParams(repetition_penalty=2.0, repetition_context_size=context)
     assert penalised(params, [5, 3, 7]) == expected
+
+
+def _peaked_logprobs(rows: int, vocab: int, seed: int) -> mx.array:
+    """Log-probabilities shaped like a trained model's: a heavy head over a long flat tail."""
+    logits = mx.random.normal((rows, vocab), key=mx.random.key(seed)) * 5.0
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _support(logprobs: mx.array) -> list[set[int]]:
+    kept = np.asarray(logprobs) > -np.inf
+    return [set(np.flatnonzero(row).tolist()) for row in kept]
+
+
+def _exact_nucleus(logprobs: mx.array, top_p: float) -> list[set[int]]:
+    """mlx-lm's top-p rule in float64: a token stays unless the tokens more likely than it
+    hold top_p of the mass, 1 for log-probabilities (mlx-lm's float32 sums over the whole
+    vocabulary can flip a token whose mass sits within rounding of the threshold)."""
+    nuclei = []
+    for row in np.asarray(logprobs).astype(np.float64):
+        probs = np.exp(row)
+        order = np.argsort(-row, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        threshold = row[order][(before < top_p).sum() - 1]
+        nuclei.append(set(np.flatnonzero(row >= threshold).tolist()))
+    return nuclei
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95])
+@pytest.mark.parametrize("vocab", [500, 49_152, 128_256])
+def test_nucleus_from_candidates_keeps_what_the_full_sort_keeps(top_p, vocab):
+    logprobs = _peaked_logprobs(4, vocab, seed=vocab)
+    nucleus = nucleus_candidates(logprobs, top_p)
+    assert nucleus is not None
+    ids, values = nucleus
+    kept = [
+        {i for i, v in zip(row_ids, row_values, strict=True) if v > -np.inf}
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+    assert kept == _exact_nucleus(logprobs, top_p)
+    full_sort = _support(apply_top_p(logprobs, top_p))
+    # mlx-lm's full sort agrees but for a token within float32 rounding of the threshold.
+    assert all(len(ours ^ theirs) <= 1 for ours, theirs in zip(kept, full_sort, strict=True))
+
+
+def test_nucleus_keeps_ties_at_the_threshold():
+    logprobs = mx.log(mx.array([[0.3, 0.2, 0.2, 0.2, 0.1]]))
+    ids, values = nucleus_candidates(logprobs, 0.6)
+    kept = {i for i, v in zip(ids[0].tolist(), values[0].tolist(), strict=True) if v > -np.inf}
+    assert kept == _support(apply_top_p(logprobs, 0.6))[0] == {0, 1, 2, 3}
+
+
+def test_a_nucleus_beyond_the_candidates_falls_back_to_the_full_sort():
+    flat = mx.full((2, 4096), -np.log(4096.0))
+    assert nucleus_candidates(flat, 0.9, candidates=1024) is None
+    tokens = NucleusSampler(0.7, 0.9)(flat)
+    assert tokens.shape == (2,)
+    assert all(0 <= t < 4096 for t in tokens.tolist())
+
+
+def test_nucleus_sampler_draws_exactly_the_nucleus():
+    # Four tokens hold 0.9 of the mass; the rest of a 49k vocabulary shares the remainder.
+    head = [0.4, 0.25, 0.15, 0.1]
+    tail = (1 - sum(head)) / (49_152 - len(head))
+    probs = mx.array([head + [tail] * (49_152 - len(head))])
+    logprobs = mx.log(probs)
+    support = _support(apply_top_p(logprobs, 0.9))[0]
+    sampler = NucleusSampler(0.7, 0.9, key=mx.random.key(7))
+    drawn = {int(sampler(logprobs)[0].item()) for _ in range(300)}
+    assert drawn == support == {0, 1, 2, 3}
+
+
+def test_seeded_nucleus_sampling_repeats():
+    logprobs = _peaked_logprobs(3, 49_152, seed=1)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=42)
+    first = make_sequence_sampler(params, 49_152)
+    second = make_sequence_sampler(params, 49_152)
+    assert isinstance(first, NucleusSampler)
+    runs = [
+        [first(logprobs).tolist() for _ in range(5)],
+        [second(logprobs).tolist() for _ in range(5)],
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_top_p_with_min_p_keeps_mlx_lms_chain():
+    params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)
+    assert not isinstance(make_sequence_sampler(params, 49_152), NucleusSampler)

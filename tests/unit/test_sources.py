@@ -74,7 +74,7 @@ def test_gguf_converted_once(tmp_path: Path, cache: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     converted = resolve(gguf, cache)
     assert converted.parent == cache / "gguf"
-    assert len(converted.name) == 16
+    assert len(converted.name) == 16 + len("-v2")
     assert (converted / "config.json").is_file()
     assert (converted / "tokenizer.json").is_file()
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
@@ -128,7 +128,9 @@ def test_truncated_real_gguf(tmp_path: Path, cache: Path) -> None:
 
 def test_unsupported_gguf_architecture(tmp_path: Path, cache: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "gpt2.gguf", architecture="gpt2")
-    with pytest.raises(ModelLoadError, match="model 'smol': GGUF architecture 'gpt2'"):
+    with pytest.raises(
+        ModelLoadError, match=r"model 'smol': .*gpt2\.gguf: GGUF architecture 'gpt2'"
+    ):
         resolve(gguf, cache)
 
 
@@ -137,7 +139,9 @@ def test_gguf_without_llama_metadata(tmp_path: Path, cache: Path) -> None:
     mx.save_gguf(
         str(gguf), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "llama"}
     )
-    with pytest.raises(ModelLoadError, match=r"model 'smol': .*bare\.gguf lacks metadata llama\."):
+    with pytest.raises(
+        ModelLoadError, match=r"model 'smol': .*bare\.gguf: .*lacks metadata llama\."
+    ):
         resolve(gguf, cache)
     assert entries(cache / "gguf") == []
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
+
+from mlxd.api.common.private_files import append_line, private_dir, read_lines, write_atomic
 
 log = logging.getLogger("mlxd.batches")
 
@@ -78,19 +79,14 @@ class BatchStore:
 
     def save(self, batch: StoredBatch) -> None:
         """Write the batch's description; a crash mid-write leaves the previous one whole."""
-        folder = self._dir(batch.id)
-        folder.mkdir(parents=True, exist_ok=True)
-        temp = folder / "batch.json.tmp"
-        temp.write_text(json.dumps(batch.meta()))
-        os.replace(temp, folder / "batch.json")
+        private_dir(self.root)
+        folder = private_dir(self._dir(batch.id))
+        write_atomic(folder / "batch.json", json.dumps(batch.meta(), ensure_ascii=False))
 
     def add_result(self, batch: StoredBatch, custom_id: str, result: dict[str, Any]) -> None:
         batch.results[custom_id] = result
         line = json.dumps({"custom_id": custom_id, "result": result}, ensure_ascii=False)
-        with (self._dir(batch.id) / "results.jsonl").open("a") as out:
-            out.write(line + "\n")
-            out.flush()
-            os.fsync(out.fileno())
+        append_line(self._dir(batch.id) / "results.jsonl", line)
 
     def delete(self, batch_id: str) -> None:
         shutil.rmtree(self._dir(batch_id), ignore_errors=True)
@@ -100,7 +96,7 @@ class BatchStore:
         batches = []
         for folder in sorted(self.root.glob("msgbatch_*")):
             try:
-                meta = json.loads((folder / "batch.json").read_text())
+                meta = json.loads((folder / "batch.json").read_text(encoding="utf-8"))
                 batches.append(StoredBatch.from_meta(meta, _results(folder / "results.jsonl")))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("skipping unreadable message batch %s: %s", folder, exc)
@@ -108,11 +104,12 @@ class BatchStore:
 
 
 def _results(path: Path) -> dict[str, dict[str, Any]]:
-    """The results file's lines; a torn last line (a crash mid-append) is not a result."""
+    """The results file's lines; a torn last line (a crash mid-append) is not a result, and
+    spoils no other."""
     results: dict[str, dict[str, Any]] = {}
     if not path.exists():
         return results
-    for line in path.read_text().splitlines():
+    for line in read_lines(path):
         try:
             entry = json.loads(line)
         except ValueError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,13 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from quart import Blueprint, Response, request
 
 from mlxd.api.anthropic.batch_store import BatchStore, StoredBatch
+from mlxd.api.anthropic.errors import anthropic_error
 from mlxd.api.anthropic.messages import create_message
 from mlxd.api.anthropic.protocol import MessagesRequest
 from mlxd.api.common.context import current_app
-from mlxd.api.common.error_shapes import anthropic_error, from_validation_error
+from mlxd.api.common.error_shapes import from_validation_error
 from mlxd.api.common.generation import new_id, parse_body
-from mlxd.api.middleware.auth import presented_key
-from mlxd.api.openai.responses.store import owner_of
+from mlxd.api.middleware import auth, ratelimit
+from mlxd.api.middleware.auth import owner_of, presented_key
 from mlxd.errors import InvalidRequest, MlxdError, NotFound
 
 log = logging.getLogger("mlxd.batches")
@@ -48,6 +50,11 @@ class CreateBatch(BaseModel):
 
 
 READY_POLL_S = 0.2
+TokenCharge = Callable[[int], None]
+
+
+def _uncharged(tokens: int) -> None:
+    pass
 
 
 class Batches:
@@ -59,8 +66,10 @@ class Batches:
         self.all: dict[str, StoredBatch] = {b.id: b for b in store.load()}
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def run(self, batch: StoredBatch, app: Any) -> None:
-        self.tasks[batch.id] = asyncio.create_task(_run(batch, app, self))
+    def run(self, batch: StoredBatch, app: Any, charge: TokenCharge = _uncharged) -> None:
+        """Run `batch`'s unfinished requests; `charge` bills their tokens to the rate limits of
+        the key that created it (a batch resumed at start is not billed again)."""
+        self.tasks[batch.id] = asyncio.create_task(_run(batch, app, self, charge))
 
 
 def to_json(batch: StoredBatch) -> dict[str, Any]:
@@ -146,12 +155,16 @@ async def create() -> Any:
         params = _validated(item.params, index)
         if params.stream:
             raise InvalidRequest(f"requests.{index}.params: stream is not allowed in a batch")
+        # Runs later, out of this request: the key's access to the model is checked now.
+        current_app.daemon.routes.entry(params.model, auth.caller())
         requests.append((item.custom_id, item.params))
+    # Every item is a request to the rate limits (this HTTP request counted one).
+    charge = ratelimit.admit_more(len(requests) - 1)
     batch = StoredBatch(new_id("msgbatch_"), _caller(), requests)
     batches = _batches()
     batches.store.save(batch)
     batches.all[batch.id] = batch
-    batches.run(batch, current_app._get_current_object())  # type: ignore[attr-defined]
+    batches.run(batch, current_app._get_current_object(), charge)  # type: ignore[attr-defined]
     return to_json(batch)
 
 
@@ -163,13 +176,14 @@ def _validated(params: dict[str, Any], index: int) -> MessagesRequest:
         raise InvalidRequest(f"requests.{index}.params: {error.message}") from exc
 
 
-async def _run(batch: StoredBatch, app: Any, batches: Batches) -> None:
+async def _run(batch: StoredBatch, app: Any, batches: Batches, charge: TokenCharge) -> None:
     slots = asyncio.Semaphore(PER_BATCH_CONCURRENCY)
 
     async def one(custom_id: str, params: dict[str, Any]) -> None:
         async with slots:
             try:
                 message = await create_message(_validated(params, 0), priority=BATCH_PRIORITY)
+                charge(message["usage"]["input_tokens"] + message["usage"]["output_tokens"])
                 result = {"type": "succeeded", "message": message}
             except MlxdError as exc:
                 result = {"type": "errored", "error": anthropic_error(exc)}

@@ -18,12 +18,13 @@ from typing import Any
 from pydantic import ValidationError
 from quart import Blueprint, request
 
+from mlxd.api.anthropic.errors import anthropic_error
 from mlxd.api.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     prompt_fields,
 )
-from mlxd.api.common.error_shapes import anthropic_error, from_validation_error
+from mlxd.api.common.error_shapes import from_validation_error
 from mlxd.api.common.generation import (
     event_stream,
     generation_engine,
@@ -34,6 +35,7 @@ from mlxd.api.common.generation import (
     template_kwargs,
 )
 from mlxd.api.common.parts import Part
+from mlxd.api.middleware import ratelimit
 from mlxd.control.routes import ModelEntry
 from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
@@ -134,6 +136,7 @@ async def message_batch() -> Any:
     `{"results": [...]}` out in the same order, run concurrently through the batcher. A
     request that fails has an Anthropic error object in its place; the others still run."""
     items = await _json_list()
+    ratelimit.admit_more(len(items) - 1)  # each item is a request (this one counted one)
     slots = asyncio.Semaphore(BATCH_CONCURRENCY)
 
     async def one(index: int, item: Any) -> dict[str, Any]:

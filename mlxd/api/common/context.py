@@ -9,15 +9,17 @@ from typing import TYPE_CHECKING, cast
 import quart
 
 if TYPE_CHECKING:
+    from mlxd.api.common.dialect import Dialects
     from mlxd.api.middleware.drain import InFlight
     from mlxd.daemon import Daemon
 
 
 class App(quart.Quart):
-    """What `create_app` keeps on the app: the daemon, the in-flight counter (shutdown.py) and
-    the tasks running while it serves."""
+    """What `create_app` keeps on the app: the daemon, the API dialects it serves, the
+    in-flight counter (shutdown.py) and the tasks running while it serves."""
 
     daemon: Daemon
+    dialects: Dialects
     inflight: InFlight
     background: list[asyncio.Task[None]]
 

@@ -11,9 +11,10 @@ from typing import Any
 
 from mlxd.api.common.generation import new_id, start
 from mlxd.api.common.parts import Completion, Part, Parts, collect
+from mlxd.api.middleware import ratelimit
 from mlxd.control.routes import ModelEntry
 from mlxd.runtime.engine import Engine
-from mlxd.types import Finished, GenerationRequest
+from mlxd.types import MAX_SEQUENCES, Finished, GenerationRequest, OverLimit
 
 _END = object()
 HANDOFF = 16  # parts between the sequences' tasks and the reader
@@ -114,6 +115,11 @@ async def start_many(
     together would each miss). Without a prefix cache they all go in together. If any
     submission is refused, those already submitted are cancelled before the error
     propagates."""
+    if len(requests) > MAX_SEQUENCES:  # every dialect's fan-out (n, prompt lists) meets it here
+        raise OverLimit(
+            "n", f"n × prompts makes {len(requests)} sequences; at most {MAX_SEQUENCES}"
+        )
+    ratelimit.admit_more(len(requests) - 1)  # the HTTP request itself counted one
     streams = Interleaved()
     share = per_prompt > 1 and entry.config.cache.ram > 0
     leaders = range(0, len(requests), per_prompt) if share else range(len(requests))

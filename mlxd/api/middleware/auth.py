@@ -1,26 +1,27 @@
 """API keys: who may call, and which models they may use.
 
 `server.api_keys` may use every model and the admin endpoints; `models.<name>.api_keys` may use
-only that model. Keys are read from the live config on every request, so a reload that adds or
-removes one applies to the next request. No key configured anywhere means the daemon is open.
+only that model (the route table enforces that where a model id is resolved). Keys are read
+from the live config on every request, so a reload that adds or removes one applies to the
+next request. No key configured anywhere means the daemon is open.
 Keys are never logged or echoed back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
-import json
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from quart import Quart, g, request
 from werkzeug.datastructures import Headers
 
 from mlxd.api.common.context import current_app
 from mlxd.config import Config, ModelConfig
-from mlxd.errors import Forbidden, NotFound, Unauthorized
+from mlxd.control.routes import OPEN, Caller
+from mlxd.errors import Forbidden, Unauthorized
 
 log = logging.getLogger("mlxd.auth")
 
@@ -31,19 +32,9 @@ OPEN_PREFIXES = ("/dashboard/static/",)
 ADMIN_PREFIXES = ("/admin/", "/v1/status", "/metrics", "/dashboard/api/")
 
 
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: `admin` holds a server key (or the daemon is open); `models` are
-    the model names the key may use (None: every model)."""
-
-    admin: bool
-    models: frozenset[str] | None = None
-
-    def may_use(self, name: str) -> bool:
-        return self.models is None or name in self.models
-
-
-OPEN = Caller(admin=True)
+def keys_required(config: Config) -> bool:
+    """Whether any API key is configured (server-wide or for a model)."""
+    return bool(config.server.api_keys) or any(m.api_keys for m in config.models.values())
 
 
 def presented_key(headers: Headers | Mapping[str, str]) -> str | None:
@@ -98,51 +89,13 @@ def install(app: Quart) -> None:
         g.caller = who
         if request.path.startswith(ADMIN_PREFIXES) and not who.admin:
             raise Forbidden("this endpoint needs a server key (server.api_keys)")
-        if who.models is not None:
-            for model_id in await _requested_models():
-                _check_model(who, model_id)
+        # Which models `who` may use is decided where a route resolves its model
+        # (`RouteTable.entry(model_id, caller)`), however the request names it.
 
 
-async def _requested_models() -> list[str]:
-    """Model ids the request names: the path's (/v1/models/<id>), the body's `model`, each
-    message batch request's `params.model`, and each `model` of a /v1/messages/batch list.
-    A body that is not JSON is the route's 400."""
-    path_args = request.view_args or {}
-    ids = [path_args["model_id"]] if "model_id" in path_args else []
-    if request.method != "POST":
-        return ids
-    try:
-        body = json.loads(await request.get_data())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return ids
-    if isinstance(body, list):  # /v1/messages/batch: a list of Messages requests
-        ids.extend(item.get("model") for item in body if isinstance(item, dict))
-        return [model_id for model_id in ids if isinstance(model_id, str)]
-    if not isinstance(body, dict):
-        return ids
-    ids.append(body.get("model"))
-    if request.path == "/api/show":
-        ids.append(body.get("name"))  # older Ollama clients name the model so
-    batch = body.get("requests")
-    for item in batch if isinstance(batch, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("params"), dict):
-            ids.append(item["params"].get("model"))
-    return [model_id for model_id in ids if isinstance(model_id, str)]
-
-
-def _check_model(who: Caller, model_id: str) -> None:
-    ids = current_app.daemon.routes.ids
-    # Ollama clients tag names (`smol:latest`); the Ollama routes accept that for a known id.
-    name = ids.get(model_id) or ids.get(model_id.removesuffix(":latest"))
-    if name is None:
-        # The route's own 404 would list every model; this key sees only its own.
-        routes = current_app.daemon.routes.ids
-        mine = ", ".join(sorted(i for i, n in routes.items() if who.may_use(n))) or "none"
-        raise NotFound(
-            f"model '{model_id}' does not exist; available models: {mine}", param="model"
-        )
-    if not who.may_use(name):
-        raise Forbidden(f"this API key may not use model '{model_id}'", param="model")
+def owner_of(key: str | None) -> str:
+    """Who owns what a key stores (batches, responses); keys themselves are never written."""
+    return hashlib.sha256(key.encode()).hexdigest() if key else ""
 
 
 def log_access(config: Config, host: str) -> None:

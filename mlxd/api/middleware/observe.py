@@ -87,6 +87,16 @@ def requested(model: str, name: str | None) -> None:
         record.requested_model, record.model = model[:200], name
 
 
+_PLAIN = re.compile(r"[\w.:/@+-]+")
+
+
+def _token(value: Any) -> str:
+    """A log field as is when it is one plain word, else quoted: a client-chosen model id
+    must not forge a log line or a field."""
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
+
+
 def failed(message: str) -> None:
     """Note why the current request failed; its log line says so."""
     record = _current()
@@ -158,8 +168,9 @@ async def _observe(
                 if record.metrics is not None and record.model:
                     record.metrics.tokens(record.model, len(event.token_ids))
             elif isinstance(event, Finished):
-                record.prompt_tokens = event.prompt_tokens
-                record.completion_tokens = event.completion_tokens
+                # Summed: one request may run several sequences (n, prompt lists, batches).
+                record.prompt_tokens += event.prompt_tokens
+                record.completion_tokens += event.completion_tokens
                 if first_token is not None:
                     record.decode_s = time.perf_counter() - first_token
                 if event.reason == "error":
@@ -194,7 +205,7 @@ def close(record: RequestRecord) -> None:
         "duration_ms": round(duration * 1000, 1),
         "error": record.error,
     }
-    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k != "error")
+    text = " ".join(f"{k}={_token(v)}" for k, v in fields.items() if v is not None and k != "error")
     if record.error:
         text += f" error={json.dumps(record.error)}"  # quoted: messages have spaces
     level = logging.DEBUG if record.endpoint in QUIET_ENDPOINTS else logging.INFO

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from quart import Quart, Response, g, request
 
 from mlxd.api.common.context import current_app
-from mlxd.api.middleware.auth import OPEN_PATHS, _requested_models, presented_key
+from mlxd.api.common.dialect import requested_models
+from mlxd.api.middleware.auth import OPEN_PATHS, presented_key
 from mlxd.config.server import RateLimitConfig
 from mlxd.errors import Overloaded
 
@@ -73,17 +74,19 @@ class RateLimiter:
         self.clock = clock
         self._budgets: dict[tuple[str, str], Budget] = {}
 
-    def admit(self, client: str, limits: dict[str, RateLimitConfig]) -> Callable[[int], None]:
-        """Count one request against each of `limits` ({scope: limit}) or raise Overloaded.
-        Returns the function that charges the request's tokens when it is done."""
+    def admit(
+        self, client: str, limits: dict[str, RateLimitConfig], count: int = 1
+    ) -> Callable[[int], None]:
+        """Count `count` requests against each of `limits` ({scope: limit}) or raise
+        Overloaded. Returns the function that charges their tokens when they are done."""
         now = self.clock()
         budgets = [self._budget(scope, client, limit) for scope, limit in limits.items()]
         for budget in budgets:
             budget.requests.prune(now)
             budget.tokens.prune(now)
-            self._refuse_if_over(budget, now)
+            self._refuse_if_over(budget, now, count)
         for budget in budgets:
-            budget.requests.add(now, 1)
+            budget.requests.add(now, count)
 
         def charge(tokens: int) -> None:
             for budget in budgets:
@@ -112,9 +115,9 @@ class RateLimiter:
             budget = self._budgets[scope, client] = Budget(limit)
         return budget
 
-    def _refuse_if_over(self, budget: Budget, now: float) -> None:
+    def _refuse_if_over(self, budget: Budget, now: float, count: int) -> None:
         rpm, tpm = budget.limit.requests_per_minute, budget.limit.tokens_per_minute
-        if rpm is not None and budget.requests.total >= rpm:
+        if rpm is not None and budget.requests.total + count > rpm:
             wait, what = budget.requests.free_in(now, rpm), f"{rpm} requests"
         elif tpm is not None and budget.tokens.total >= tpm:
             wait, what = budget.tokens.free_in(now, tpm), f"{tpm} tokens"
@@ -130,7 +133,7 @@ class RateLimiter:
 def install(app: Quart) -> None:
     """After auth (which identifies the caller) and the request record (which learns the
     token counts): admit or refuse, charge tokens when the record closes, add headers."""
-    limiter = RateLimiter()
+    limiter = app.extensions["mlxd_rate_limiter"] = RateLimiter()
 
     @app.before_request
     async def limit_rate() -> None:
@@ -157,10 +160,26 @@ def install(app: Quart) -> None:
         return response
 
 
+def admit_more(count: int) -> Callable[[int], None]:
+    """Count `count` more requests for the current HTTP request, which runs several (OpenAI's
+    `n` and prompt lists, batch items), to the same client and limits, or raise 429. Returns
+    what charges their tokens, for work that finishes after this request's record closes."""
+    limited = g.get("rate_limits")
+    if limited is None or count <= 0:
+        return lambda tokens: None
+    limiter: RateLimiter = current_app.extensions["mlxd_rate_limiter"]
+    client, limits = limited
+    try:
+        return limiter.admit(client, limits, count)
+    except Overloaded as exc:
+        exc.headers = {**exc.headers, **_headers(limiter.remaining(client, limits))}
+        raise
+
+
 async def _limits() -> dict[str, RateLimitConfig]:
     """{scope: limit} for this request: the server's, and each named model's own."""
     daemon = current_app.daemon
-    found = [daemon.routes.ids.get(model_id) for model_id in await _requested_models()]
+    found = [daemon.routes.name_of(model_id) for model_id in await requested_models()]
     names = [name for name in found if name is not None]
     if not names:
         return {}

@@ -27,17 +27,6 @@ class NotImplementedHere(MlxdError):
     kind = "not_implemented"
 
 
-def model_id(requested: str) -> str:
-    """The mlxd id an Ollama client means: Ollama names carry a tag (`smol:latest`); a
-    `:latest` on a known id is dropped. Unknown ids stay as sent (the route's 404)."""
-    ids = current_app.daemon.routes.ids
-    if requested not in ids and requested.endswith(":latest"):
-        bare = requested.removesuffix(":latest")
-        if bare in ids:
-            return bare
-    return requested
-
-
 @blueprint.get("/api/tags")
 async def tags() -> Any:
     """Every declared model the caller may use, named as Ollama names them (`name:latest`)."""
@@ -91,8 +80,8 @@ async def show() -> Any:
     requested = body.model or body.name
     if not requested:
         raise InvalidRequest("model is required", param="model")
-    model = model_id(requested)
-    entry = current_app.daemon.routes.entry(model)
+    # Ollama names carry a tag (`smol:latest`): the route table reads them (RouteTable.name_of).
+    entry = current_app.daemon.routes.entry(requested, auth.caller())
     config, engine = entry.config, entry.engine
     stats = engine.stats() if engine is not None else {}
     capabilities = {

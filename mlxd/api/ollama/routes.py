@@ -5,7 +5,7 @@ in ollama_translate.py.
 Requests become the same `GenerationRequest` as every other dialect's and go through
 `generation.start`; answers are rendered from the one parsed part stream. A streamed answer
 is NDJSON (Ollama's default); `stream: false` folds the very same chunks into one object, so
-both agree by construction. Errors are Ollama's `{"error": "message"}` (see app._render).
+both agree by construction. Errors are Ollama's `{"error": "message"}` (see dialect.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any, cast
 from quart import Blueprint, Response, make_response
 
 from mlxd.api.common.context import current_app
+from mlxd.api.common.embedding import embed_texts
 from mlxd.api.common.generation import generation_engine, parse_body, start
+from mlxd.api.middleware import auth
 from mlxd.api.ollama import models as ollama_models
-from mlxd.api.ollama.models import model_id
 from mlxd.api.ollama.protocol import (
     ChatRequest,
     EmbeddingsRequest,
@@ -32,7 +33,6 @@ from mlxd.api.ollama.protocol import (
 )
 from mlxd.api.ollama.render import fold, iso_time
 from mlxd.api.ollama.translate import Timing, internal_message, message_chunks, sampling_request
-from mlxd.api.openai import embeddings
 from mlxd.errors import InvalidRequest, MlxdError
 
 blueprint = Blueprint("ollama", __name__)
@@ -49,13 +49,14 @@ def _keep_alive(model: str, value: Any) -> float | None:
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="keep_alive") from None
     if seconds:  # 0 is applied after the request: unload
-        current_app.daemon.set_keep_alive(model, seconds)
+        current_app.daemon.set_keep_alive(model, auth.caller(), seconds)
     return seconds
 
 
 async def _unload_if_asked(model: str, seconds: float | None) -> None:
-    if seconds == 0:
-        await current_app.daemon.unload_model(model)
+    """keep_alive 0 after an answer: unload, when the caller may unload it for everyone."""
+    if seconds == 0 and auth.caller().admin:
+        await current_app.daemon.unload_model(model, auth.caller())
 
 
 async def _respond(
@@ -98,10 +99,10 @@ def _line(payload: dict[str, Any]) -> bytes:
 async def _load_or_unload(body: ChatRequest | GenerateRequest, model: str, keep: float | None):
     """Ollama's empty request: load the model (or with keep_alive 0 unload it); no text."""
     if keep == 0:
-        await current_app.daemon.unload_model(model)
+        await current_app.daemon.unload_model(model, auth.caller())
         reason = "unload"
     else:
-        await current_app.daemon.load_model(model)
+        await current_app.daemon.load_model(model, auth.caller())
         reason = "load"
     return {"model": body.model, "created_at": iso_time(), "done": True, "done_reason": reason}
 
@@ -109,7 +110,7 @@ async def _load_or_unload(body: ChatRequest | GenerateRequest, model: str, keep:
 @blueprint.post("/api/chat")
 async def chat() -> Any:
     body = await parse_body(ChatRequest)
-    model, timing = model_id(body.model), Timing()
+    model, timing = body.model, Timing()
     keep = _keep_alive(model, body.keep_alive)
     if not body.messages:
         empty = await _load_or_unload(body, model, keep)
@@ -151,7 +152,7 @@ async def generate() -> Any:
         raise InvalidRequest(
             "'context' is not supported: keep the conversation with /api/chat", param="context"
         )
-    model, timing = model_id(body.model), Timing()
+    model, timing = body.model, Timing()
     keep = _keep_alive(model, body.keep_alive)
     if not body.prompt and not body.images:
         return {**await _load_or_unload(body, model, keep), "response": ""}
@@ -182,10 +183,10 @@ async def generate() -> Any:
 @blueprint.post("/api/embed")
 async def embed() -> Any:
     body = await parse_body(EmbedRequest)
-    model, started = model_id(body.model), time.monotonic_ns()
+    model, started = body.model, time.monotonic_ns()
     keep = _keep_alive(model, body.keep_alive)
     inputs = [body.input] if isinstance(body.input, str) else body.input
-    result, loaded = await embeddings.embed_texts(
+    result, loaded = await embed_texts(
         model, inputs, dimensions=body.dimensions, truncate=body.truncate, param="input"
     )
     await _unload_if_asked(model, keep)
@@ -201,8 +202,8 @@ async def embed() -> Any:
 @blueprint.post("/api/embeddings")
 async def embeddings_legacy() -> Any:
     body = await parse_body(EmbeddingsRequest)
-    model = model_id(body.model)
+    model = body.model
     keep = _keep_alive(model, body.keep_alive)
-    result, _ = await embeddings.embed_texts(model, [body.prompt], param="prompt")
+    result, _ = await embed_texts(model, [body.prompt], param="prompt")
     await _unload_if_asked(model, keep)
     return {"embedding": result.vectors[0].tolist()}

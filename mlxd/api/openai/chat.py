@@ -39,7 +39,7 @@ def _generation_request(
 ) -> tuple[str, GenerationRequest]:
     """Route `body.model` and build the internal request; returns (model id, request)."""
     refuse_unhonoured(body)
-    entry = current_app.daemon.routes.entry(body.model)
+    entry = current_app.daemon.routes.entry(body.model, auth.caller())
     defaults = entry.config.defaults
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     requested_kwargs = getattr(body, "chat_template_kwargs", None)
@@ -330,7 +330,7 @@ async def list_models() -> Any:
 
 @blueprint.get("/v1/models/<path:model_id>")
 async def get_model(model_id: str) -> Any:
-    return _model_card(model_id, current_app.daemon.routes.entry(model_id))
+    return _model_card(model_id, current_app.daemon.routes.entry(model_id, auth.caller()))
 
 
 def _model_card(model_id: str, entry: ModelEntry) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from quart import Blueprint
 
 from mlxd.api.common.context import current_app
 from mlxd.api.common.generation import new_id, parse_body
-from mlxd.api.middleware import observe
+from mlxd.api.middleware import auth, observe
 from mlxd.api.openai.rerank_protocol import RerankRequest
 from mlxd.errors import InvalidRequest
 
@@ -26,7 +26,7 @@ blueprint = Blueprint("rerank", __name__)
 @blueprint.post("/rerank")
 async def rerank() -> Any:
     body = await parse_body(RerankRequest)
-    entry = current_app.daemon.routes.entry(body.model)
+    entry = current_app.daemon.routes.entry(body.model, auth.caller())
     if entry.config.kind != "embedding":
         raise InvalidRequest(
             f"model '{body.model}' is of kind '{entry.config.kind}'; /v1/rerank needs a model "
@@ -40,7 +40,7 @@ async def rerank() -> Any:
             f"{entry.config.max_inputs} inputs per request (max_inputs), the query included",
             param="documents",
         )
-    engine = await current_app.daemon.engine(body.model)
+    engine = await current_app.daemon.engine(entry.name, auth.caller())
     result = await engine.embed([body.query, *documents], truncate=entry.config.truncate)
     observe.count_prompt_tokens(result.prompt_tokens)
     scores = cosine(result.vectors[0], result.vectors[1:])

@@ -10,8 +10,10 @@ from quart import Blueprint, Response
 
 from mlxd import accel
 from mlxd.api.common.context import current_app
+from mlxd.api.middleware.auth import keys_required
 from mlxd.api.ops.metrics import CONTENT_TYPE
 from mlxd.control.plan import describe
+from mlxd.control.routes import OPEN  # /admin/ needs a server key (middleware/auth.py)
 
 blueprint = Blueprint("admin", __name__)
 
@@ -42,6 +44,8 @@ async def health() -> Any:
         status, code = "degraded", 200
     else:
         status, code = "ok", 200
+    if keys_required(daemon.config):  # open to probes: with keys set, it tells only that
+        return {"status": status}, code
     return {"status": status, "models": states, "config": _config_status()}, code
 
 
@@ -82,20 +86,20 @@ async def metrics() -> Any:
 @blueprint.post("/admin/models/<path:model>/load")
 async def load_model(model: str) -> Any:
     """Load a declared model now (name or alias), through the reconciler."""
-    await current_app.daemon.load_model(model)
+    await current_app.daemon.load_model(model, OPEN)
     return _model_state(model)
 
 
 @blueprint.post("/admin/models/<path:model>/unload")
 async def unload_model(model: str) -> Any:
     """Unload a model now; it stays declared and its next request loads it again."""
-    await current_app.daemon.unload_model(model)
+    await current_app.daemon.unload_model(model, OPEN)
     return _model_state(model)
 
 
 def _model_state(model_id: str) -> dict[str, str]:
     daemon = current_app.daemon
-    name = daemon.routes.entry(model_id).name
+    name = daemon.routes.entry(model_id, OPEN).name
     return {"model": name, "state": daemon.reconciler.models[name].state}
 
 

@@ -31,11 +31,11 @@ from mlxd.api.common.generation import (
     tool_choice,
 )
 from mlxd.api.common.parts import Part
-from mlxd.api.middleware.auth import presented_key
+from mlxd.api.middleware.auth import owner_of, presented_key
 from mlxd.api.openai.responses.input import input_items, messages
 from mlxd.api.openai.responses.output import OutputItems, outcome, usage
 from mlxd.api.openai.responses.protocol import ResponseCreateRequest
-from mlxd.api.openai.responses.store import ResponseStore, owner_of
+from mlxd.api.openai.responses.store import ResponseStore
 from mlxd.control.routes import ModelEntry
 from mlxd.errors import InvalidRequest, MlxdError, NotFound
 from mlxd.types import Finished, GenerationRequest

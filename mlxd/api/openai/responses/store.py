@@ -10,24 +10,18 @@ at most once per PRUNE_INTERVAL_S, so nothing runs in the background.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
+from mlxd.api.common.private_files import private_dir, write_atomic
 from mlxd.errors import NotFound
 
 PRUNE_INTERVAL_S = 3600.0
 # Ids are ours (`resp_` + hex): anything else cannot name a stored file, nor escape the folder.
 _ID = re.compile(r"resp_[0-9a-f]{1,64}")
-
-
-def owner_of(key: str | None) -> str:
-    """Who owns what this key stores; keys themselves are never written to disk."""
-    return hashlib.sha256(key.encode()).hexdigest() if key else ""
 
 
 class ResponseStore:
@@ -39,12 +33,9 @@ class ResponseStore:
     def save(self, owner: str, response: dict[str, Any], input_items: list[dict]) -> None:
         """Store `response` with the whole input it answered (earlier turns included), which a
         later `previous_response_id` continues from."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_dir(self.folder)
         record = {"owner": owner, "response": response, "input": input_items}
-        path = self._path(response["id"])
-        partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps(record, ensure_ascii=False))
-        os.replace(partial, path)  # readers never see half a file
+        write_atomic(self._path(response["id"]), json.dumps(record, ensure_ascii=False))
         self._prune()
 
     def load(self, owner: str, response_id: str) -> dict[str, Any]:
@@ -54,7 +45,7 @@ class ResponseStore:
         try:
             if path is None or self._expired(path.stat().st_mtime):
                 raise FileNotFoundError
-            record = json.loads(path.read_text())
+            record = json.loads(path.read_text(encoding="utf-8"))
         except (FileNotFoundError, json.JSONDecodeError):
             record = None
         if record is None or record.get("owner") != owner:

@@ -131,6 +131,19 @@ function actionsCell(name, model) {
   return span;
 }
 
+function dtypeCell(model) {
+  // On the CPU, the weights' path chosen at load (packed / float32 / mixed) and its timings.
+  const span = document.createElement("span");
+  span.append(model.dtype ?? "–");
+  if (model.cpu_path) {
+    const path = Object.assign(document.createElement("small"), { className: "muted cpu-path" });
+    path.textContent = ` ${model.cpu_path.plan}`;
+    span.title = model.cpu_path.summary;
+    span.append(document.createElement("br"), path);
+  }
+  return span;
+}
+
 function renderModels(status) {
   const body = $("models").tBodies[0];
   const names = Object.keys(status.models);
@@ -147,7 +160,7 @@ function renderModels(status) {
     update(td.kind, ...text(model.kind));
     update(td.aliases, ...text((model.aliases || []).join(", ") || "–"));
     update(td.source, model.source, () => breakable(model.source));
-    update(td.dtype, ...text(model.dtype));
+    update(td.dtype, `${model.dtype}|${model.cpu_path?.summary}`, () => dtypeCell(model));
     const used = model.rss_bytes ?? model.memory_bytes;
     update(td.memory, `${used}|${model.pid}|${status.memory_budget}`, () => memory({ ...model, name }, status.memory_budget));
     update(td.queue, ...text(model.queue_depth));

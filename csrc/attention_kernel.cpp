@@ -1,0 +1,313 @@
+// Scaled dot-product attention on the CPU without materialising the score matrix, per ISA
+// variant (the MLX op around it: attention.cpp).
+//
+// Decode attention is small (one query row against the cached keys), so each (batch, head) row
+// computes its scores, a vectorised softmax and the weighted sum of values directly; prefill
+// rows go in tiles of 8 over transposed keys (attend_tile). Rows or tiles are spread over the
+// threads.
+#include <omp.h>
+
+#include <limits>
+
+#include "simd.h"
+#include "variant.h"
+
+namespace mlxd {
+namespace MLXD_ISA {
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: relative error < 2e-7.
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;  // e^-87 is below float32's normal range: 0 to the sums
+  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int MAX_HEAD_DIM = 256;  // q of one row (or a tile's rows) kept in registers/stack
+constexpr int MAX_CHUNKS = MAX_HEAD_DIM / W;
+
+// scale * q · k_j for the first `visible` keys.
+inline void dot_scores(
+    const float* q, const float* k, int64_t k_stride, int D, int visible, float scale, float* out) {
+  if (D % W == 0 && D / W <= MAX_CHUNKS) {
+    const int chunks = D / W;
+    vf qv[MAX_CHUNKS];
+    for (int c = 0; c < chunks; ++c) {
+      qv[c] = load(q + c * W) * scale;
+    }
+    for (int j = 0; j < visible; ++j) {
+      const float* kj = k + j * k_stride;
+      vf acc = qv[0] * load(kj);
+      for (int c = 1; c < chunks; ++c) {
+        acc += qv[c] * load(kj + c * W);
+      }
+      out[j] = hsum(acc);
+    }
+    return;
+  }
+  for (int j = 0; j < visible; ++j) {
+    const float* kj = k + j * k_stride;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int d = 0; d < D; ++d) {
+      dot += q[d] * kj[d];
+    }
+    out[j] = dot * scale;
+  }
+}
+
+struct Args : AttentionArgs {
+  int group() const {
+    return Hq / Hkv;
+  }
+  int padded() const {  // keys rounded up to whole vectors
+    return (Lk + W - 1) / W * W;
+  }
+  int visible(int i) const {  // keys query row i may see
+    return causal ? imin(Lk, Lk - Lq + i + 1) : Lk;
+  }
+  const float* q_row(int b, int h, int i) const {
+    return q + b * qs[0] + h * qs[1] + i * qs[2];
+  }
+  const float* keys(int b, int hk) const {
+    return k + b * ks[0] + hk * ks[1];
+  }
+  const float* values(int b, int hk) const {
+    return v + b * vs[0] + hk * vs[1];
+  }
+  float* out_row(int b, int h, int i) const {
+    return y + ((size_t(b) * Hq + h) * Lq + i) * Dv;
+  }
+};
+
+inline void fill(float* begin, float* end, float value) {
+  for (; begin < end; ++begin) {
+    *begin = value;
+  }
+}
+
+// Scores sc[0, visible) of row (b, h, i) in, padded to whole vectors: applies the mask, turns
+// them into unnormalised probabilities in place and returns their sum (0: none visible).
+float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
+  const int visible = a.visible(i), padded = a.padded();
+  fill(sc + visible, sc + padded, NEG_INF);
+  if (a.mask != nullptr) {
+    const int64_t row = b * a.ms[0] + h * a.ms[1] + i * a.ms[2];
+    for (int j = 0; j < visible; ++j) {
+      const int64_t at = row + j * a.ms[3];
+      if (a.bool_mask) {
+        sc[j] = static_cast<const bool*>(a.mask)[at] ? sc[j] : NEG_INF;
+      } else {
+        sc[j] += static_cast<const float*>(a.mask)[at];
+      }
+    }
+  }
+  vf tops = vf{} + NEG_INF;
+  for (int j = 0; j < padded; j += W) {
+    const vf s = load(sc + j);
+    tops = s > tops ? s : tops;
+  }
+  const float top = hmax(tops);
+  if (top == NEG_INF) {
+    return 0.0f;
+  }
+  vf total = {};
+  for (int j = 0; j < padded; j += W) {
+    const vf p = exp_nonpositive(load(sc + j) - top);
+    store(sc + j, p);
+    total += p;
+  }
+  return hsum(total);
+}
+
+// One query row against its keys (decode: a row per head, no reuse of the keys to exploit).
+void attend_row(const Args& a, int b, int h, int i, float* sc, float* acc) {
+  const int hk = h / a.group();
+  dot_scores(a.q_row(b, h, i), a.keys(b, hk), a.ks[2], a.D, a.visible(i), a.scale, sc);
+  const float sum = softmax_in_place(a, b, h, i, sc);
+  float* out = a.out_row(b, h, i);
+  if (sum == 0.0f) {  // nothing visible: zeros, not NaN
+    fill(out, out + a.Dv, 0.0f);
+    return;
+  }
+  fill(acc, acc + a.Dv, 0.0f);
+  const float* vb = a.values(b, hk);
+  for (int j = 0; j < a.Lk; ++j) {
+    const float p = sc[j];
+    if (p == 0.0f) {
+      continue;
+    }
+    const float* vj = vb + j * a.vs[2];
+#pragma omp simd
+    for (int d = 0; d < a.Dv; ++d) {
+      acc[d] += p * vj[d];
+    }
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int d = 0; d < a.Dv; ++d) {
+    out[d] = acc[d] * inv;
+  }
+}
+
+constexpr int TILE_ROWS = 8;  // query rows sharing each pass over a kv head's keys and values
+
+// Keys of every (b, kv head) W at a time, head dimension outermost: [B, Hkv, blocks, D, W].
+void transpose_keys(const Args& a, float* kt, int b, int hk) {
+  const float* kb = a.keys(b, hk);
+  const int padded = a.padded();
+  float* dst = kt + (size_t(b) * a.Hkv + hk) * padded * a.D;
+  for (int j = 0; j < padded; ++j) {
+    float* block = dst + size_t(j / W) * a.D * W + j % W;
+    for (int d = 0; d < a.D; ++d) {
+      block[d * W] = j < a.Lk ? kb[j * a.ks[2] + d] : 0.0f;
+    }
+  }
+}
+
+// acc[r] += p[r][j] * v[j][0, width) over the first `visible` values. FULL (width W) loads
+// each chunk as one vector; a partial chunk is copied lane by lane. Apart so that neither path
+// takes the accumulators' address: they stay in registers instead of a store per key.
+template <int ROWS, bool FULL>
+inline void weigh_values(
+    const Args& a, const float* v, const float* sc, int visible, int width, vf (&acc)[ROWS]) {
+  const int padded = a.padded();
+  for (int j = 0; j < visible; ++j) {
+    const float* vj = v + j * a.vs[2];
+    vf chunk = {};
+    if constexpr (FULL) {
+      chunk = load(vj);
+    } else {
+      for (int lane = 0; lane < width; ++lane) {
+        chunk[lane] = vj[lane];
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] += sc[size_t(r) * padded + j] * chunk;
+    }
+  }
+}
+
+// Up to 8 query rows of one kv head (rows r of its group: head hk * group + r / Lq, position
+// r % Lq) in one pass over its keys and one over its values: each key block and value row read
+// from cache feeds every row, where a row at a time re-read them all per row.
+// ROWS is a compile-time count so that the tile's accumulators stay in registers.
+template <int ROWS>
+void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* sc) {
+  const int padded = a.padded(), D = a.D;
+  int hs[ROWS], is[ROWS], most = 0;
+  float qscaled[ROWS][MAX_HEAD_DIM];
+  for (int r = 0; r < ROWS; ++r) {
+    hs[r] = hk * a.group() + (r0 + r) / a.Lq;
+    is[r] = (r0 + r) % a.Lq;
+    most = imax(most, a.visible(is[r]));
+    const float* qi = a.q_row(b, hs[r], is[r]);
+    for (int d = 0; d < D; ++d) {
+      qscaled[r][d] = qi[d] * a.scale;
+    }
+  }
+  const float* kth = kt + (size_t(b) * a.Hkv + hk) * padded * D;
+  for (int blk = 0; blk < (most + W - 1) / W; ++blk) {
+    const float* kblock = kth + size_t(blk) * D * W;
+    vf s[ROWS] = {};
+    for (int d = 0; d < D; ++d) {
+      const vf kd = load(kblock + d * W);
+      for (int r = 0; r < ROWS; ++r) {
+        s[r] += qscaled[r][d] * kd;
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      store(sc + size_t(r) * padded + blk * W, s[r]);
+    }
+  }
+  float inv[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    const float sum = softmax_in_place(a, b, hs[r], is[r], sc + size_t(r) * padded);
+    inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // nothing visible: zeros, not NaN
+  }
+  const float* vb = a.values(b, hk);
+  for (int d0 = 0; d0 < a.Dv; d0 += W) {
+    const int width = imin(W, a.Dv - d0);
+    vf acc[ROWS] = {};
+    if (width == W) {
+      weigh_values<ROWS, true>(a, vb + d0, sc, most, width, acc);
+    } else {
+      weigh_values<ROWS, false>(a, vb + d0, sc, most, width, acc);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const vf out = acc[r] * inv[r];
+      std::memcpy(a.out_row(b, hs[r], is[r]) + d0, &out, width * sizeof(float));
+    }
+  }
+}
+
+void attend_rows(const Args& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
+  switch (rows) {
+    case 1: return attend_tile<1>(a, kt, b, hk, r0, sc);
+    case 2: return attend_tile<2>(a, kt, b, hk, r0, sc);
+    case 3: return attend_tile<3>(a, kt, b, hk, r0, sc);
+    case 4: return attend_tile<4>(a, kt, b, hk, r0, sc);
+    case 5: return attend_tile<5>(a, kt, b, hk, r0, sc);
+    case 6: return attend_tile<6>(a, kt, b, hk, r0, sc);
+    case 7: return attend_tile<7>(a, kt, b, hk, r0, sc);
+    default: return attend_tile<TILE_ROWS>(a, kt, b, hk, r0, sc);
+  }
+}
+
+}  // namespace
+
+void attention(const AttentionArgs& args, int threads) {
+  const Args a{args};
+  const int padded = a.padded(), group_rows = a.group() * a.Lq;
+  // Tiles when each key serves several query rows (prefill, verification); decode rows go
+  // one at a time, where transposing the keys would cost more than it saves.
+  if (group_rows >= TILE_ROWS && a.D <= MAX_HEAD_DIM) {
+    Scratch kt(size_t(a.B) * a.Hkv * padded * a.D);
+    const int tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      Scratch scores(size_t(TILE_ROWS) * padded);
+#pragma omp for collapse(2) schedule(static)
+      for (int b = 0; b < a.B; ++b) {
+        for (int hk = 0; hk < a.Hkv; ++hk) {
+          transpose_keys(a, kt.data(), b, hk);
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < int64_t(a.B) * a.Hkv * tiles; ++item) {
+        const int b = item / (a.Hkv * tiles), hk = item / tiles % a.Hkv, t = item % tiles;
+        const int r0 = t * TILE_ROWS;
+        attend_rows(a, kt.data(), b, hk, r0, imin(TILE_ROWS, group_rows - r0), scores.data());
+      }
+    }
+    return;
+  }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    Scratch scores(padded), acc(a.Dv);
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < int64_t(a.B) * a.Hq * a.Lq; ++row) {
+      attend_row(
+          a, row / (a.Hq * a.Lq), row / a.Lq % a.Hq, row % a.Lq, scores.data(), acc.data());
+    }
+  }
+}
+
+}  // namespace MLXD_ISA
+}  // namespace mlxd

@@ -1,0 +1,51 @@
+// The kernels each ISA variant provides, as a table of plain functions (no MLX types: the
+// variants' sources include no MLX header, see simd.h), and the dispatch that picks a variant.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mlxd {
+
+// Attention over float32 q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] given by
+// their strides (batch, head, row; the last dimension is contiguous) into a contiguous y.
+struct AttentionArgs {
+  const float *q, *k, *v;
+  float* y;
+  int64_t qs[3], ks[3], vs[3];
+  const void* mask;  // nullptr, or bool / float32 [B, Hq, Lq, Lk] with strides ms
+  int64_t ms[4];
+  bool bool_mask, causal;
+  int B, Hq, Lq, D, Hkv, Lk, Dv;
+  float scale;
+};
+
+struct Kernels {
+  const char* isa;
+  // y[M, N] = x[M, K] @ dequantize(w)^T (see qmatmul.cpp), scales and biases float32 or
+  // float16 bits.
+  void (*qmatmul_f32)(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
+                      int N, int K, int bits, int threads);
+  void (*qmatmul_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
+                      int M, int N, int K, int bits, int threads);
+  void (*attention)(const AttentionArgs& args, int threads);
+  void (*rms_norm)(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
+  void (*swiglu)(const float* gate, const float* x, float* y, size_t n);
+};
+
+// The variant in use: MLXD_KERNELS_ISA's if set (see dispatch.cpp), else the best this CPU runs.
+const Kernels& kernels();
+
+// Switches every later kernel to `isa`; std::invalid_argument if it is not built or this CPU
+// lacks it.
+void use_isa(const std::string& isa);
+
+// The variants this module holds and this CPU runs, best first.
+std::vector<std::string> runnable_isas();
+
+// Every variant built into this module, best first.
+std::vector<std::string> built_isas();
+
+}  // namespace mlxd

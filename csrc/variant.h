@@ -1,0 +1,23 @@
+// The kernels of the ISA variant being compiled (namespace mlxd::MLXD_ISA; see simd.h),
+// gathered into its Kernels table by variant.cpp.
+#pragma once
+
+#include "kernels.h"
+
+#ifndef MLXD_ISA
+#error "kernel sources are compiled once per ISA variant with -DMLXD_ISA=<name>"
+#endif
+
+namespace mlxd {
+namespace MLXD_ISA {
+
+void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
+                 int K, int bits, int threads);
+void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                 int N, int K, int bits, int threads);
+void attention(const AttentionArgs& args, int threads);
+void rms_norm(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
+void swiglu(const float* gate, const float* x, float* y, size_t n);
+
+}  // namespace MLXD_ISA
+}  // namespace mlxd

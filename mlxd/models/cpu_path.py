@@ -1,0 +1,266 @@
+"""Which weights a quantized model computes with on the CPU: packed (mlxd's kernels), float32
+(BLAS), or both, decided by timing the two on the model's own shapes. Pure: no MLX here.
+
+The packed kernels beat float32 BLAS on some CPUs and lose to it on others (on a 2-core AVX2
+EPYC a SmolLM2 decode step ran 0.79x / 0.31x / 0.11x as fast packed at batch 1 / 8 / 32), and
+which wins can differ by batch size: small batches are bound by reading the weights (4 bits
+beat 32), large ones by arithmetic (BLAS's). So at load one layer's matmuls and the output
+head are timed both ways (models/cpu_path_timing.py) for decode at batch 1, 8 and 32 and for a
+prefill chunk, and `decide` picks the plan that is fastest over those phases:
+
+- "packed": every phase on the kernels, on every core, or on one thread where that measured
+  faster (on a busy machine OpenMP's teams stall waiting for a descheduled thread);
+- "float32": every phase on BLAS (the weights dequantized: ~8x the bytes of 4-bit);
+- "mixed": both weight sets held, each matmul on the faster for its row count (e.g. packed
+  decode, float32 prefill). The kernels then run on one thread beside BLAS's (see
+  kernels.share_cores), so mixed is judged with the kernels timed on one thread.
+
+A plan is a candidate only when its weights (and the model's KV budget) fit the memory budget:
+when float32 does not fit, packed is the only choice and nothing is timed. The timings are
+cached per CPU, kernel build, BLAS and shape set (`TimingCache`), so only a first load pays
+for them; the decision itself is recomputed from them at each load (the budget may change).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+WeightPath = Literal["packed", "float32"]
+PLANS = ("packed", "float32", "mixed")
+DECODE_BATCHES = (1, 8, 32)
+MORE_BYTES_MARGIN = 1.05
+
+
+@dataclass(frozen=True)
+class Phases:
+    """The phases timed: decode at each batch size, then one prefill chunk of `prefill` rows."""
+
+    prefill: int
+    decode: tuple[int, ...] = DECODE_BATCHES
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return (*self.decode, self.prefill)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Whole-model step estimates in ms per phase (in `Phases.rows` order): `packed` with the
+    kernels on every core, `packed_shared` on one thread (beside BLAS), `float32` on BLAS."""
+
+    packed: tuple[float, ...]
+    packed_shared: tuple[float, ...]
+    float32: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan, each phase's path under it, and what it was decided from."""
+
+    plan: str  # one of PLANS
+    paths: tuple[WeightPath, ...]  # per phase, in Phases.rows order
+    phases: Phases
+    timings: Timings | None  # None: not timed (float32 did not fit)
+    weight_bytes: int
+    reason: str = ""  # why a plan was out of the running
+    cached: bool = False  # the timings came from the cache
+    one_thread: bool = False  # the kernels measured faster on one thread (a busy machine)
+
+    @property
+    def packed_ms(self) -> tuple[float, ...]:
+        """The packed figures that apply: on one thread under mixed or `one_thread`."""
+        assert self.timings is not None
+        one = self.plan == "mixed" or self.one_thread
+        return self.timings.packed_shared if one else self.timings.packed
+
+    def path_for(self, rows: int) -> WeightPath:
+        """The path of a matmul over `rows` rows: the first phase with at least as many."""
+        for phase_rows, path in zip(self.phases.rows, self.paths, strict=True):
+            if rows <= phase_rows:
+                return path
+        return self.paths[-1]
+
+    def summary(self) -> str:
+        """One line: which path runs which phase and the timings behind it."""
+        if self.timings is None:
+            return f"packed ({self.reason})"
+        by_path = {"packed": self.packed_ms, "float32": self.timings.float32}
+        parts = []
+        for label, indices in (("decode", range(len(self.phases.decode))), ("prefill", [-1])):
+            chosen = {self.paths[i] for i in indices}
+            path: WeightPath = "packed" if chosen == {"packed"} else "float32"
+            if len(chosen) > 1:  # decode split by batch size
+                parts.append(_split_decode(self, by_path))
+                continue
+            other: WeightPath = "float32" if path == "packed" else "packed"
+            rows = "/".join(str(self.phases.rows[i]) for i in indices)
+            ours = "/".join(_ms(by_path[path][i]) for i in indices)
+            theirs = "/".join(_ms(by_path[other][i]) for i in indices)
+            parts.append(f"{path} {label} ({rows}: {ours} ms vs {other} {theirs})")
+        note = "; kernels on one thread" if self.one_thread else ""
+        note += f"; {self.reason}" if self.reason else ""
+        return ", ".join(parts) + note + (" [cached timings]" if self.cached else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        """For /v1/status: the plan, the summary, per phase the path and both timings."""
+        phases = []
+        for i, rows in enumerate(self.phases.rows):
+            name = f"prefill {rows}" if i == len(self.phases.rows) - 1 else f"decode {rows}"
+            phase: dict[str, Any] = {"phase": name, "path": self.paths[i]}
+            if self.timings is not None:
+                packed = self.packed_ms
+                phase |= {
+                    "packed_ms": round(packed[i], 2),
+                    "float32_ms": round(self.timings.float32[i], 2),
+                }
+            phases.append(phase)
+        return {
+            "plan": self.plan,
+            "summary": self.summary(),
+            "phases": phases,
+            "weight_bytes": self.weight_bytes,
+            "cached": self.cached,
+            "reason": self.reason or None,
+        }
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _split_decode(choice: Choice, by_path: dict[str, tuple[float, ...]]) -> str:
+    cells = []
+    for i, rows in enumerate(choice.phases.decode):
+        path = choice.paths[i]
+        other = "float32" if path == "packed" else "packed"
+        cells.append(f"{rows}: {path} {_ms(by_path[path][i])} vs {_ms(by_path[other][i])} ms")
+    return "decode (" + "; ".join(cells) + ")"
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def _every(phases: Phases, path: WeightPath) -> tuple[WeightPath, ...]:
+    return (path,) * len(phases.rows)
+
+
+def decide(
+    phases: Phases,
+    timings: Timings | None,
+    *,
+    packed_bytes: int,
+    float32_bytes: int,
+    kv_bytes: int,
+    budget: int,
+    cached: bool = False,
+) -> Choice:
+    """The fastest plan whose weights plus `kv_bytes` fit `budget`.
+
+    Fastest: the lowest geometric mean over the phases of the plan's time over the best time
+    any candidate plan reaches in that phase. A plan holding more bytes wins only by
+    `MORE_BYTES_MARGIN` (float32 over packed, mixed over either).
+    `timings` may be None only when float32 does not fit (then nothing needs timing).
+    """
+    all_packed, all_float32 = _every(phases, "packed"), _every(phases, "float32")
+    if float32_bytes + kv_bytes > budget:
+        reason = (
+            f"float32 weights ({_gib(float32_bytes)}) do not fit the memory budget ({_gib(budget)})"
+        )
+        return Choice("packed", all_packed, phases, None, packed_bytes, reason, cached)
+    if timings is None:
+        raise ValueError("float32 fits the budget: the paths must be timed")
+    # All packed, the kernels on every core or on one, whichever ran faster over the phases
+    # (OpenMP teams stall when other work holds the cores).
+    one_thread = _geomean(timings.packed_shared, timings.packed) < 1 / MORE_BYTES_MARGIN
+    candidates: dict[str, tuple[tuple[WeightPath, ...], int, tuple[float, ...]]] = {
+        "packed": (
+            all_packed,
+            packed_bytes,
+            timings.packed_shared if one_thread else timings.packed,
+        ),
+        "float32": (all_float32, float32_bytes, timings.float32),
+    }
+    mixed_paths: tuple[WeightPath, ...] = tuple(
+        "packed" if p < f else "float32"
+        for p, f in zip(timings.packed_shared, timings.float32, strict=True)
+    )
+    reason = ""
+    if len(set(mixed_paths)) > 1:
+        mixed_bytes = packed_bytes + float32_bytes
+        if mixed_bytes + kv_bytes <= budget:
+            mixed_ms = tuple(
+                min(p, f) for p, f in zip(timings.packed_shared, timings.float32, strict=True)
+            )
+            candidates["mixed"] = (mixed_paths, mixed_bytes, mixed_ms)
+        else:
+            reason = (
+                f"both weight sets ({_gib(mixed_bytes)}) do not fit the memory budget "
+                f"({_gib(budget)})"
+            )
+    best = [min(c[2][i] for c in candidates.values()) for i in range(len(phases.rows))]
+
+    def score(item: tuple[str, tuple[tuple[WeightPath, ...], int, tuple[float, ...]]]) -> float:
+        return _geomean(item[1][2], tuple(best))
+
+    # Fewest bytes first; a plan holding more must be clearly faster (timings are noisy).
+    ranked = sorted(candidates.items(), key=lambda item: item[1][1])
+    plan, (paths, nbytes, _) = ranked[0]
+    best_score = score(ranked[0])
+    for item in ranked[1:]:
+        if score(item) * MORE_BYTES_MARGIN < best_score:
+            plan, (paths, nbytes, _) = item
+            best_score = score(item)
+    one_thread = one_thread and plan == "packed"
+    return Choice(plan, paths, phases, timings, nbytes, reason, cached, one_thread)
+
+
+def _geomean(times: tuple[float, ...], reference: tuple[float, ...]) -> float:
+    """The geometric mean of times[i] / reference[i]."""
+    ratios = [t / r for t, r in zip(times, reference, strict=True)]
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+
+def budget_bytes(memory_budget: int | None) -> int:
+    """The budget a model's weights must fit: server.memory_budget, else the machine's memory."""
+    if memory_budget is not None:
+        return memory_budget
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class TimingCache:
+    """Timings by key under `cache_dir/cpu-paths/` (one small JSON file per key)."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.root = Path(cache_dir).expanduser() / "cpu-paths"
+
+    @staticmethod
+    def key(identity: dict[str, Any]) -> str:
+        """A stable key for what the timings depend on: the CPU model, the kernel build and
+        the ISA it runs, the BLAS, the thread count and the shapes."""
+        text = json.dumps(identity, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> Timings | None:
+        try:
+            raw = json.loads((self.root / f"{key}.json").read_text())
+            return Timings(**{k: tuple(map(float, v)) for k, v in raw["timings"].items()})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # missing or unreadable: time again
+
+    def put(self, key: str, identity: dict[str, Any], timings: Timings) -> None:
+        """Best effort: a read-only cache dir costs the next load a timing, nothing else."""
+        record = {"identity": identity, "timings": asdict(timings)}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            partial = self.root / f"{key}.json.partial"
+            partial.write_text(json.dumps(record, indent=1))
+            partial.replace(self.root / f"{key}.json")  # readers never see half a file
+        except OSError:
+            pass

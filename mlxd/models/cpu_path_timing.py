@@ -1,0 +1,223 @@
+"""Time a quantized model's matmuls packed (mlxd's kernels) and float32 (BLAS) at its own
+shapes, for models/cpu_path.py to decide between them.
+
+The shapes come from the safetensors headers alone: one decoder layer's quantized matmuls and
+the output head. Weights and inputs are random (speed does not depend on the values). A phase's
+figure is a whole-model step estimate: layers × one layer's matmuls, plus the head for decode
+(a prefill chunk projects only its last positions). The head is timed over at most
+`HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
+float32 head need not be materialised. Everything else a step does (attention, norms, RoPE)
+runs the same kernels on both paths and is left out. A decode figure is the median of
+`REPEATS` runs after a warm-up; the prefill chunk, which costs the most and runs on weights and
+threads the decode phases warmed, the median of `PREFILL_REPEATS` without one, timed over at
+most `PREFILL_ROWS` rows and scaled to the chunk: from 64 rows both paths are compute-bound
+(the kernels dequantize a tile once per pass over all rows), so time grows with the rows.
+Measured here: ≈ 7 s for SmolLM2 and ≈ 30 s for a Llama-3.2-1B shape set on 2 cores at load
+average 18 (both before the prefill cap); a quiet machine takes a fraction of that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxd import kernels
+from mlxd.accel import backend_name
+from mlxd.config import ModelConfig, ServerConfig
+from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, budget_bytes, decide
+from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
+
+Shape = tuple[int, int, int, int]  # out, in, group size, bits
+HEAD_ROWS = 8192
+REPEATS = 3
+PREFILL_REPEATS = 2
+PREFILL_ROWS = 128
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    layer: tuple[Shape, ...]  # one decoder layer's quantized matmuls
+    head: Shape | None  # the output projection (lm_head, or the tied embedding), if quantized
+    layers: int
+
+
+def model_shapes(model_dir: Path) -> ModelShapes | None:
+    """The model's matmul shapes, or None when its headers show no quantized decoder layer."""
+    modules = quantized_shapes(model_dir)
+    layer_of = {name: m.group(1) for name in modules if (m := _LAYER.search(name))}
+    if not layer_of:
+        return None
+    first = min(layer_of.values(), key=int)
+    layer = tuple(modules[name] for name in sorted(layer_of) if layer_of[name] == first)
+    heads = [name for name in modules if name.endswith("lm_head")]
+    if not heads:  # tied: the embedding table is the head (when no float lm_head exists)
+        heads = [name for name in modules if name.endswith("embed_tokens")]
+    head = modules[heads[0]] if heads else None
+    return ModelShapes(layer, head, len(set(layer_of.values())))
+
+
+def identity(shapes: ModelShapes, phases: Phases) -> dict[str, Any]:
+    """What the timings depend on (the cache key's ingredients)."""
+    spec = importlib.util.find_spec("mlxd.kernels._cpu")
+    origin = spec.origin if spec is not None else None
+    build = hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
+    running_isa = getattr(kernels, "isa", None)  # the ISA the kernels dispatched to, if told
+    return {
+        "cpu": cpu_model(),
+        "kernels": build,
+        "isa": running_isa() if callable(running_isa) else os.environ.get("MLXD_KERNELS_ISA"),
+        "blas": [os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_CORETYPE")],
+        "threads": len(os.sched_getaffinity(0)),
+        "mlx": importlib.metadata.version("mlx"),
+        "shapes": [list(shapes.layer), shapes.head, shapes.layers],
+        "phases": list(phases.rows),
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("model name", "Model", "CPU part"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass
+class _Matrix:
+    packed: kernels.Packed
+    dense: mx.array  # float32 [out, in]
+    scale: float  # time multiplier (a head timed over a slice of its rows)
+
+
+def _matrix(shape: Shape) -> _Matrix:
+    out, in_dims, group, bits = shape
+    rows = min(out, HEAD_ROWS)
+    w = mx.random.normal((rows, in_dims)) * 0.02
+    weight, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    dense = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
+    mx.eval(dense)
+    return _Matrix(kernels.pack(weight, scales, biases, group, bits), dense, out / rows)
+
+
+def _median_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:
+    if warm_up:
+        mx.eval(run())  # first-call allocations, thread pools
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        mx.eval(run())
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def _time(matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = False) -> float:
+    """ms for one pass of `matrices` over `rows` input rows (each scaled)."""
+    total = 0.0
+    for scale, group in _by_scale(matrices).items():
+        inputs = {m.dense.shape[1]: mx.random.normal((rows, m.dense.shape[1])) for m in group}
+        mx.eval(list(inputs.values()))
+
+        def run(group: list[_Matrix] = group, inputs: dict[int, mx.array] = inputs) -> list:
+            x = inputs
+            if packed:
+                return [kernels.qmatmul(x[m.dense.shape[1]], m.packed) for m in group]
+            return [x[m.dense.shape[1]] @ m.dense.T for m in group]
+
+        repeats = PREFILL_REPEATS if prefill else REPEATS
+        total += scale * _median_ms(run, repeats, warm_up=not prefill)
+    return total
+
+
+def _by_scale(matrices: list[_Matrix]) -> dict[float, list[_Matrix]]:
+    groups: dict[float, list[_Matrix]] = {}
+    for m in matrices:
+        groups.setdefault(m.scale, []).append(m)
+    return groups
+
+
+def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
+    """Each phase's step estimate packed on every core, packed on one thread, and float32."""
+    layer = [_matrix(s) for s in shapes.layer]
+    head = [_matrix(shapes.head)] if shapes.head else []
+    cores = len(os.sched_getaffinity(0))
+
+    def step(rows: int, packed: bool, decode: bool) -> float:
+        if decode:
+            ms = shapes.layers * _time(layer, rows, packed)
+            return ms + (_time(head, rows, packed) if head else 0.0)
+        timed = min(rows, PREFILL_ROWS)
+        return shapes.layers * _time(layer, timed, packed, prefill=True) * rows / timed
+
+    def phase_times(packed: bool) -> tuple[float, ...]:
+        decode = tuple(step(rows, packed, decode=True) for rows in phases.decode)
+        return (*decode, step(phases.prefill, packed, decode=False))
+
+    kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
+    packed_all = phase_times(True)
+    kernels.use_threads(1)
+    packed_one = phase_times(True) if cores > 1 else packed_all
+    return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
+
+
+# This process's timings by key, and whether they came from the disk cache: a worker
+# decides when it locates the model, then again (the same way) when it loads it.
+_timed: dict[str, tuple[Timings, bool]] = {}
+
+
+def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
+    """The CPU path for a quantized LLM loaded with dtype auto, or None where there is no
+    choice (another backend or dtype, kernels not built, weights the kernels do not take, a
+    distributed rank). Times the paths unless this CPU, kernel build and shape set were timed
+    before (the cache under server.cache_dir)."""
+    if not (
+        backend_name() == "cpu"
+        and config.kind == "llm"
+        and config.dtype == "auto"
+        and config.distributed is None
+        and kernels.available()
+    ):
+        return None
+    packed_bytes = packed_weight_bytes(model_dir)
+    shapes = model_shapes(model_dir)
+    if packed_bytes is None or shapes is None:
+        return None
+    phases = Phases(prefill=config.batch.prefill_step_size)
+    float32_bytes = estimate_weight_bytes(model_dir, "float32")
+    budget = budget_bytes(server.memory_budget)
+
+    def decided(timings: Timings | None, cached: bool = False) -> Choice:
+        return decide(
+            phases,
+            timings,
+            packed_bytes=packed_bytes,
+            float32_bytes=float32_bytes,
+            kv_bytes=config.cache.ram,
+            budget=budget,
+            cached=cached,
+        )
+
+    if float32_bytes + config.cache.ram > budget:
+        return decided(None)  # packed is the only choice: nothing to time
+    ident = identity(shapes, phases)
+    cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
+    if key not in _timed:
+        timings = cache.get(key)
+        _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
+        if timings is None:
+            cache.put(key, ident, _timed[key][0])
+    return decided(*_timed[key])

@@ -1,0 +1,63 @@
+// The aarch64 variants of mlxd's kernels (generic, neon) against scalar float64 references,
+// built with Debian's cross compiler and run under qemu-user by tests/unit/test_kernel_neon.py:
+// no ARM machine is at hand, and the Python tests run the variants of the machine they run on.
+// The packed layout is mlxd.kernels.pack's (see csrc/qmatmul.cpp).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include "kernels.h"
+namespace mlxd { extern const Kernels kernels_generic; extern const Kernels kernels_neon; }
+using namespace mlxd;
+static uint16_t to_half(float f) {  // exact for the scales and biases used (k / 2^n)
+  __fp16 h = static_cast<__fp16>(f); uint16_t b; std::memcpy(&b, &h, 2); return b; }
+int check(const Kernels& k) {
+  int bad = 0; srand(1);
+  for (int bits : {4, 8}) for (int K : {64, 576}) for (int M : {1, 3, 7, 9, 33, 40}) {
+    const int N = 64, levels = bits == 4 ? 16 : 256;
+    std::vector<uint8_t> q(N * K); for (auto& v : q) v = rand() % levels;
+    std::vector<float> x(M * K); for (auto& v : x) v = (rand() % 2001 - 1000) / 1000.0f;
+    std::vector<float> sc(N * (K / 32)), bi(N * (K / 32));
+    for (auto& v : sc) v = (rand() % 64 + 1) / 1024.0f; for (auto& v : bi) v = -(rand() % 64) / 256.0f;
+    // pack: tiles of 16 rows; per k (8 bits) or pair (4 bits) 16 bytes; per tile, block: 16 scales, 16 biases
+    std::vector<uint8_t> w(N * K * bits / 8); size_t at = 0;
+    for (int t = 0; t < N / 16; ++t) {
+      if (bits == 8) for (int kk = 0; kk < K; ++kk) for (int j = 0; j < 16; ++j) w[at++] = q[(t*16+j)*K+kk];
+      else for (int kk = 0; kk < K; kk += 2) for (int j = 0; j < 16; ++j) w[at++] = q[(t*16+j)*K+kk] | q[(t*16+j)*K+kk+1] << 4;
+    }
+    std::vector<uint16_t> sb(N * (K / 32) * 2);
+    for (int t = 0; t < N / 16; ++t) for (int b = 0; b < K / 32; ++b) for (int j = 0; j < 16; ++j) {
+      sb[((t*(K/32)+b)*2+0)*16+j] = to_half(sc[(t*16+j)*(K/32)+b]);
+      sb[((t*(K/32)+b)*2+1)*16+j] = to_half(bi[(t*16+j)*(K/32)+b]);
+    }
+    std::vector<float> y(M * N);
+    k.qmatmul_f16(x.data(), w.data(), sb.data(), y.data(), M, N, K, bits, 2);
+    double worst = 0;
+    for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
+      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += x[m*K+kk] * (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]);
+      worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
+    }
+    if (worst > 1e-3) { printf("%s qmatmul bits %d K %d M %d: error %g\n", k.isa, bits, K, M, worst); ++bad; }
+  }
+  // attention: decode and tiled prefill, causal, D 64
+  for (int Lq : {1, 12}) {
+    const int B = 1, Hq = 4, Hkv = 2, Lk = 37, D = 64;
+    std::vector<float> q(B*Hq*Lq*D), kk(B*Hkv*Lk*D), v(B*Hkv*Lk*D), y(B*Hq*Lq*D);
+    for (auto* a : {&q, &kk, &v}) for (auto& e : *a) e = (rand() % 2001 - 1000) / 1000.0f;
+    AttentionArgs a{q.data(), kk.data(), v.data(), y.data(), {Hq*Lq*D, Lq*D, D}, {Hkv*Lk*D, Lk*D, D}, {Hkv*Lk*D, Lk*D, D},
+                    nullptr, {0,0,0,0}, false, true, B, Hq, Lq, D, Hkv, Lk, D, 0.125f};
+    k.attention(a, 2);
+    double worst = 0;
+    for (int h = 0; h < Hq; ++h) for (int i = 0; i < Lq; ++i) {
+      const int hk = h / (Hq / Hkv), vis = Lk - Lq + i + 1; std::vector<double> s(vis); double top = -1e30, sum = 0;
+      for (int j = 0; j < vis; ++j) { double d = 0; for (int e = 0; e < D; ++e) d += q[(h*Lq+i)*D+e] * kk[(hk*Lk+j)*D+e]; s[j] = d * 0.125; top = std::fmax(top, s[j]); }
+      for (auto& e : s) { e = std::exp(e - top); sum += e; }
+      for (int e = 0; e < D; ++e) { double o = 0; for (int j = 0; j < vis; ++j) o += s[j] * v[(hk*Lk+j)*D+e]; worst = std::fmax(worst, std::fabs(o / sum - y[(h*Lq+i)*D+e])); }
+    }
+    if (worst > 1e-5) { printf("%s attention Lq %d: error %g\n", k.isa, Lq, worst); ++bad; }
+  }
+  printf("%s: %s\n", k.isa, bad ? "FAILED" : "ok");
+  return bad;
+}
+int main() { return check(kernels_generic) + check(kernels_neon); }

@@ -1,0 +1,237 @@
+"""The CPU path decision (models/cpu_path.py) with faked timings, and its timing cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
+
+PHASES = Phases(prefill=512)  # rows 1, 8, 32, 512
+GiB = 2**30
+# The 2-core AVX2 EPYC of issue 25: packed wins batch 1 only (when on every core).
+EPYC = Timings(
+    packed=(8.0, 40.0, 160.0, 2000.0),
+    packed_shared=(9.0, 45.0, 170.0, 2200.0),
+    float32=(10.0, 12.0, 18.0, 300.0),
+)
+
+
+def choose(timings: Timings | None, budget: int = 64 * GiB, kv: int = 0) -> Choice:
+    return decide(
+        PHASES,
+        timings,
+        packed_bytes=1 * GiB,
+        float32_bytes=6 * GiB,
+        kv_bytes=kv,
+        budget=budget,
+    )
+
+
+def test_packed_everywhere_when_it_is_faster_everywhere():
+    fast = Timings((5.0, 6.0, 8.0, 100.0), (6.0, 8.0, 12.0, 150.0), (9.0, 15.0, 30.0, 200.0))
+    choice = choose(fast)
+    assert (choice.plan, choice.weight_bytes) == ("packed", 1 * GiB)
+    assert choice.paths == ("packed",) * 4
+
+
+def test_float32_everywhere_when_it_is_faster_everywhere():
+    slow = Timings(
+        (20.0, 60.0, 200.0, 900.0), (25.0, 70.0, 240.0, 1000.0), (9.0, 15.0, 30.0, 200.0)
+    )
+    choice = choose(slow)
+    assert (choice.plan, choice.weight_bytes) == ("float32", 6 * GiB)
+    assert choice.path_for(1) == choice.path_for(4096) == "float32"
+
+
+def test_packed_decode_and_float32_prefill_hold_both_weight_sets():
+    split = Timings((4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0))
+    choice = choose(split)
+    assert choice.plan == "mixed"
+    assert choice.paths == ("packed", "packed", "packed", "float32")
+    assert choice.weight_bytes == 7 * GiB
+    assert [choice.path_for(rows) for rows in (1, 5, 32, 33, 512, 4096)] == [
+        "packed", "packed", "packed", "float32", "float32", "float32"
+    ]  # fmt: skip
+    assert "packed decode (1/8/32: 5.0/7.0/11.0 ms vs float32 9.0/15.0/30.0)" in choice.summary()
+    assert "float32 prefill (512: 200 ms vs packed 950)" in choice.summary()
+
+
+def test_mixed_is_judged_with_the_kernels_on_one_thread():
+    # On every core packed wins decode; on one thread (beside BLAS) it loses it: no mixed plan,
+    # and packed (1x at decode, 4.5x slower at prefill) beats float32 (2.2-3.3x at decode).
+    timings = Timings((4.0, 6.0, 9.0, 900.0), (12.0, 20.0, 40.0, 1800.0), (9.0, 15.0, 30.0, 200.0))
+    assert choose(timings).plan == "packed"
+
+
+def test_packed_on_one_thread_where_the_cores_are_busy():
+    # Measured on 2 cores at load average 15: OpenMP's two-thread team stalled.
+    busy = Timings(
+        (12714.0, 9840.0, 9657.0, 15328.0),
+        (4.8, 12.4, 348.0, 2753.0),
+        (308.0, 674.0, 545.0, 6790.0),
+    )
+    choice = choose(busy)
+    assert (choice.plan, choice.one_thread) == ("packed", True)
+    assert choice.summary().startswith("packed decode (1/8/32: 4.8/12.4/348 ms vs float32")
+    assert "kernels on one thread" in choice.summary()
+    assert choice.as_dict()["phases"][0]["packed_ms"] == 4.8
+
+
+def test_holding_more_bytes_must_be_clearly_faster():
+    close = Timings((9.8, 14.9, 29.0, 195.0), (9.9, 15.0, 29.5, 198.0), (9.0, 15.0, 30.0, 200.0))
+    # float32 8% faster at batch 1, packed 1-3% faster elsewhere: not worth 6x the bytes
+    assert choose(close).plan == "packed"
+
+
+def test_the_epyc_of_issue_25_runs_float32():
+    # Packed wins batch 1 by 10-20% and loses 8/32/prefill by 3-9x: float32 overall (holding
+    # both sets for batch 1 alone is not clearly faster).
+    choice = choose(EPYC)
+    assert choice.plan == "float32"
+    assert "float32 decode (1/8/32: 10.0/12.0/18.0 ms vs packed 8.0/40.0/160)" in choice.summary()
+
+
+def test_float32_that_does_not_fit_leaves_packed_and_says_so():
+    choice = choose(None, budget=4 * GiB)
+    assert choice.plan == "packed" and choice.timings is None
+    assert choice.summary() == (
+        "packed (float32 weights (6.00 GiB) do not fit the memory budget (4.00 GiB))"
+    )
+
+
+def test_the_kv_budget_counts_against_the_memory_budget():
+    assert choose(EPYC, budget=7 * GiB, kv=512 * 2**20).plan == "float32"
+    assert choose(None, budget=7 * GiB, kv=2 * GiB).plan == "packed"
+
+
+def test_mixed_that_does_not_fit_falls_back_to_one_set():
+    split = Timings((4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0))
+    choice = choose(split, budget=6 * GiB)
+    assert choice.plan in ("packed", "float32")
+    assert "both weight sets (7.00 GiB) do not fit" in choice.summary()
+
+
+def test_timings_are_required_when_float32_fits():
+    with pytest.raises(ValueError, match="timed"):
+        choose(None)
+
+
+def test_status_shows_each_phase_with_both_figures():
+    status = choose(EPYC).as_dict()
+    assert status["plan"] == "float32"
+    assert status["phases"][0] == {
+        "phase": "decode 1", "path": "float32", "packed_ms": 8.0, "float32_ms": 10.0
+    }  # fmt: skip
+    assert status["phases"][-1]["phase"] == "prefill 512"
+
+
+def identity(**changes: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "cpu": "AMD EPYC",
+        "kernels": "abc123",
+        "isa": "avx2",
+        "shapes": [[576, 1536, 32, 4]],
+        "phases": [1, 8, 32, 512],
+    }
+    return base | changes
+
+
+def test_timings_are_cached_by_cpu_kernel_build_and_shapes(tmp_path):
+    cache = TimingCache(tmp_path)
+    key = TimingCache.key(identity())
+    assert cache.get(key) is None
+    cache.put(key, identity(), EPYC)
+    assert TimingCache(tmp_path).get(TimingCache.key(identity())) == EPYC  # a second load
+    for changed in (
+        identity(kernels="def456"),  # a rebuilt kernel module
+        identity(isa="avx512"),
+        identity(cpu="Intel Xeon"),
+        identity(shapes=[[2048, 8192, 64, 4]]),
+        identity(phases=[1, 8, 32, 2048]),
+    ):
+        assert cache.get(TimingCache.key(changed)) is None
+
+
+def test_a_cached_decision_says_so(tmp_path):
+    choice = decide(
+        PHASES, EPYC, packed_bytes=GiB, float32_bytes=6 * GiB, kv_bytes=0, budget=64 * GiB,
+        cached=True,
+    )  # fmt: skip
+    assert choice.cached and choice.summary().endswith("[cached timings]")
+
+
+def test_an_unreadable_cache_entry_means_timing_again(tmp_path):
+    cache = TimingCache(tmp_path)
+    key = TimingCache.key(identity())
+    cache.root.mkdir(parents=True)
+    (cache.root / f"{key}.json").write_text("{not json")
+    assert cache.get(key) is None
+
+
+def test_split_layers_run_each_row_count_on_its_path(monkeypatch):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxd import kernels
+    from mlxd.models.packed import SplitLinear, pack_model
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    nn.quantize(model, group_size=32, bits=4)
+    reference = model.layers[0]
+    x = mx.random.normal((16, 64))
+    expected = reference(x)
+    split = nn.Sequential(nn.Linear(64, 64))
+    nn.quantize(split, group_size=32, bits=4)
+    split.update(model.parameters())
+    pack_model(split, lambda rows: "packed" if rows <= 8 else "float32")
+    assert isinstance(split.layers[0], SplitLinear)
+
+    packed_calls = []
+    qmatmul = kernels.qmatmul
+    monkeypatch.setattr(kernels, "qmatmul", lambda *a: packed_calls.append(1) or qmatmul(*a))
+    for rows, calls in ((4, 1), (16, 1)):
+        y = split(x[:rows])
+        assert mx.allclose(y, expected[:rows], atol=1e-4).item()
+        assert len(packed_calls) == calls
+
+
+def test_time_paths_gives_a_figure_per_phase_and_path():
+    from mlxd.models.cpu_path_timing import ModelShapes, time_paths
+
+    shapes = ModelShapes(layer=((64, 64, 32, 4), (128, 64, 32, 4)), head=(256, 64, 32, 8), layers=2)
+    timings = time_paths(shapes, Phases(prefill=16))
+    for figures in (timings.packed, timings.packed_shared, timings.float32):
+        assert len(figures) == 4 and all(ms > 0 for ms in figures)
+
+
+def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
+    from mlxd.config import ModelConfig, ServerConfig
+    from mlxd.models import cpu_path_timing
+
+    shapes = cpu_path_timing.model_shapes(smol_packed.path)
+    assert shapes is not None and shapes.layers == 30
+    assert shapes.head == (49_152, 576, 32, 8)  # the tied 8-bit embedding
+    assert (1536, 576, 32, 4) in shapes.layer and len(shapes.layer) == 7
+    timed = []
+
+    def fake(shapes, phases):
+        timed.append(phases)
+        return EPYC
+
+    monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
+    monkeypatch.setattr(cpu_path_timing, "_timed", {})
+    config = ModelConfig(kind="llm", source=str(smol_packed.path))
+    server = ServerConfig(cache_dir=tmp_path)
+    first = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
+    assert first is not None and first.plan == "float32" and not first.cached
+    assert timed == [Phases(prefill=config.batch.prefill_step_size)]
+    monkeypatch.setattr(cpu_path_timing, "_timed", {})  # a new worker process: the disk
+    second = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
+    assert second is not None and second.cached and second.plan == "float32"
+    assert len(timed) == 1
+
+    tight = ServerConfig(cache_dir=tmp_path / "other", memory_budget=300 * 2**20)
+    choice = cpu_path_timing.choose_cpu_path(smol_packed.path, config, tight)
+    assert choice is not None and choice.plan == "packed" and choice.timings is None
+    assert len(timed) == 1  # float32 does not fit: nothing timed
+    assert choice.weight_bytes < 300 * 2**20
