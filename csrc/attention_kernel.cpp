@@ -124,7 +124,8 @@ float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
     tops = s > tops ? s : tops;
   }
   const float top = hmax(tops);
-  if (top == NEG_INF) {
+  if (top == NEG_INF) {  // nothing visible: no weight on any value (a tile sums them all)
+    fill(sc, sc + padded, 0.0f);
     return 0.0f;
   }
   vf total = {};

@@ -64,7 +64,20 @@ class ConfigError(MlxdError):
 
 
 class ModelLoadError(MlxdError):
-    """A model whose source is missing, corrupt or unsupported. The message names the model."""
+    """A model whose source is missing, corrupt or unsupported. The message names the model.
+
+    Such a failure recurs on every try with the same files and config (`recurs`): the model is
+    marked failed and not retried until its source or the YAML changes, instead of re-reading
+    gigabytes on a backoff. Failures that may pass are `TransientLoadError`s.
+    """
 
     status = 503
     kind = "overloaded"
+    recurs = True
+
+
+class TransientLoadError(ModelLoadError):
+    """A load failure that may pass (a worker killed while loading, a download that failed, a
+    full disk): retried on the backoff."""
+
+    recurs = False

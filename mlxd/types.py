@@ -208,3 +208,58 @@ EmbeddingInput = list[str] | list[list[int]]
 class Embeddings:
     vectors: np.ndarray  # (inputs, dimensions) float32
     prompt_tokens: int  # every token the model read, special tokens included
+
+
+@dataclass(frozen=True)
+class TranscriptionRequest:
+    """One clip to transcribe (or translate into English): mono float32 at the model's rate."""
+
+    samples: np.ndarray
+    task: Literal["transcribe", "translate"] = "transcribe"
+    language: str | None = None  # ISO-639-1; None detects it
+    prompt: str | None = None  # earlier text the first window continues
+    temperature: float = 0.0  # 0: greedy, falling back to hotter samples on failure
+    word_timestamps: bool = False
+
+
+@dataclass(frozen=True)
+class Word:
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    id: int
+    seek: int  # where its 30 s window starts, in 10 ms mel frames (Whisper's count)
+    start: float  # seconds from the start of the clip
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str
+    language: str
+    duration: float  # seconds of audio
+    segments: list[Segment]
+    words: list[Word]
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    text: str
+    voice: str
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
+class Speech:
+    samples: np.ndarray  # mono float32
+    sample_rate: int

@@ -32,3 +32,11 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path) -> 
     from tests.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), mlxd_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_tts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight KittenTTS model directory (see tests/tiny_tts.py)."""
+    from tests.tiny_tts import build_tiny_tts
+
+    return build_tiny_tts(tmp_path_factory.mktemp("tiny-tts"))

@@ -17,6 +17,7 @@ from mlxd.api.common import dialect
 from mlxd.api.common.context import App
 from mlxd.api.middleware import auth, browser, observe, ratelimit
 from mlxd.api.middleware import drain as shutdown
+from mlxd.api.openai import audio
 from mlxd.api.ops import dashboard
 from mlxd.api.ops.metrics import Metrics
 from mlxd.control.watcher import reload_on_sighup, watch_config
@@ -40,6 +41,7 @@ def create_app(daemon: Daemon) -> App:
     )
     app.inflight = shutdown.install(app)
     browser.install(app)  # before auth: a refused page learns nothing about keys
+    audio.install(app)  # audio uploads may exceed server.max_request_bytes
     auth.install(app)
     app.dialects = dialect.Dialects(dialect.discover())
     for each in app.dialects.all:

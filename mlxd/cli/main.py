@@ -18,6 +18,7 @@ from mlxd.process_exit import exit_process
 if TYPE_CHECKING:
     from mlxd.config import ModelConfig, ServerConfig
     from mlxd.runtime.engine import Engine
+    from mlxd.runtime.wire import MemoryNeed
 
 COMMANDS = ("serve", "check", "ps", "reload", "load", "unload", "bench")
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -58,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check",
         help="validate a config file",
-        description="Validate a config file; print every problem with its line and exit 1.",
+        description="Validate a config file and what it can check without loading: adapter "
+        "folders, Ollama models, each GGUF's header (architecture, tensor types, tokenizer). "
+        "Print every problem with its line and exit 1.",
     )
     check.add_argument("file")
     check.set_defaults(run=_check)
@@ -139,12 +142,14 @@ def _check(args: argparse.Namespace) -> int:
     from mlxd.config import load_config
     from mlxd.distributed.config import check_distributed
     from mlxd.models.adapters import check_adapters
+    from mlxd.models.source_check import check_sources
 
     try:
         # Beyond the schema: a distributed model's rank count against its heads and layers,
-        # each adapter directory's files.
+        # each adapter directory's files, each GGUF's header and Ollama model.
         config = load_config(
-            args.file, extra_checks=lambda r: check_distributed(r) + check_adapters(r)
+            args.file,
+            extra_checks=lambda r: check_distributed(r) + check_adapters(r) + check_sources(r),
         )
     except ConfigError as exc:
         print(exc.message, file=sys.stderr)
@@ -171,6 +176,8 @@ def _ps(args: argparse.Namespace) -> int:
     for name, row in status["models"].items():
         if cpu_path := row.get("cpu_path"):  # the weights' CPU path and the timings behind it
             print(f"{name}: {cpu_path['summary']}")
+        if row.get("error"):
+            print(f"{name}: {row['error']} ({_retry(row)})")
         for rank in (row.get("distributed") or {}).get("ranks", []):
             print(
                 f"{name} rank {rank['rank']}: pid {rank['pid']} on {rank['host']} ({rank['state']})"
@@ -195,6 +202,15 @@ def _ps_row(name: str, row: dict[str, Any]) -> tuple[str, ...]:
         str(row.get("running", 0)) if loaded else "-",
         f"{row.get('tokens_per_s') or 0:.1f}" if loaded else "-",
     )
+
+
+def _retry(row: dict[str, Any]) -> str:
+    """When a failed model is tried again."""
+    if row.get("gave_up"):
+        return "not retried until its source files or the config change"
+    if row.get("next_retry_s") is not None:
+        return f"next try in {row['next_retry_s']:.0f}s"
+    return "a previous engine keeps serving" if "running" in row else "retrying"
 
 
 def _group(group: dict[str, Any] | None) -> str:
@@ -290,7 +306,7 @@ async def _start_inline(
     name: str,
     config: ModelConfig,
     server: Callable[[], ServerConfig],
-    make_room: Callable[[int], Awaitable[None]],
+    make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     # Imported on first use: only `workers: inline` brings MLX into the daemon's process.
     from mlxd.worker.factory import start_inline

@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 from mlxd.config.fields import ApiKeys, ConfigPath, ModelId, Section, anchored
 from mlxd.config.sections import (
     EMBEDDING_PASS_TOKENS,
+    AudioConfig,
     BatchConfig,
     CacheConfig,
     DistributedConfig,
@@ -20,19 +21,35 @@ from mlxd.config.sections import (
 )
 from mlxd.config.server import RateLimitConfig
 from mlxd.config.units import Duration
+from mlxd.models import ollama_store
 from mlxd.types import RENDER_ARGUMENTS
 
-_SOURCE_SCHEMES = ("pkg://", "hf://")
+_SOURCE_SCHEMES = ("pkg://", "hf://", ollama_store.SCHEME)
+# The kinds that generate text (and keep a KV cache).
+TEXT_KINDS = frozenset({"llm", "vlm"})
+# What the other kinds serve, for the 400 a request meant for another kind gets.
+SERVES = {
+    "embedding": "/v1/embeddings",
+    "stt": "/v1/audio/transcriptions and /v1/audio/translations",
+    "tts": "/v1/audio/speech",
+}
 
 
 class ModelConfig(Section):
     """One served model: where its weights come from and how it is run."""
 
-    kind: Literal["llm", "vlm", "embedding"] = Field("llm", description="What the model does.")
+    kind: Literal["llm", "vlm", "embedding", "stt", "tts"] = Field(
+        "llm",
+        description="What the model does: llm and vlm generate text, embedding serves "
+        "/v1/embeddings, stt transcribes speech (/v1/audio/transcriptions), tts speaks "
+        "(/v1/audio/speech).",
+    )
     source: str = Field(
         min_length=1,
         description="Weights: pkg://MODULE/PATH (inside an installed package), hf://ORG/REPO, "
-        "or a local file/directory. Relative paths are relative to the config file.",
+        "ollama://MODEL[:TAG] (a model Ollama pulled; its PARAMETERs fill `defaults` and "
+        "`context_length` where this file sets none), or a local file/directory (a .gguf, or "
+        "MLX/Hugging Face layout). Relative paths are relative to the config file.",
     )
     aliases: list[ModelId] = Field(
         default_factory=list,
@@ -116,6 +133,10 @@ class ModelConfig(Section):
         "limit is 2048); more is a 400.",
     )
 
+    audio: AudioConfig = Field(
+        default_factory=AudioConfig, description="Speech models: audio limits and defaults."
+    )
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_render_arguments(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +145,25 @@ class ModelConfig(Section):
                 "render_argument", f"may not set {', '.join(reserved)}: mlxd sets it"
             )
         return kwargs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ollama_parameters(cls, data: Any) -> Any:
+        """An Ollama model's PARAMETERs (its params layer) where the YAML sets nothing, as if
+        written here. A store or tag that is missing is the load's error (and `mlxd check`'s)."""
+        source = data.get("source") if isinstance(data, dict) else None
+        if not isinstance(source, str) or not source.startswith(ollama_store.SCHEME):
+            return data
+        try:
+            params = ollama_store.resolve(source.removeprefix(ollama_store.SCHEME)).params
+        except ollama_store.OllamaStoreError:
+            return data
+        defaults = data.get("defaults") or {}
+        if isinstance(defaults, dict):
+            data = {**data, "defaults": {**ollama_store.sampling_defaults(params), **defaults}}
+        if "num_ctx" in params and "context_length" not in data:
+            data = {**data, "context_length": params["num_ctx"]}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +214,6 @@ class ModelConfig(Section):
         if "://" in source:
             raise PydanticCustomError(
                 "source_scheme",
-                f"unsupported source {source!r}: use pkg://, hf:// or a local path",
+                f"unsupported source {source!r}: use pkg://, hf://, ollama:// or a local path",
             )
         return str(anchored(Path(source), info))

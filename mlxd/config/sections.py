@@ -224,3 +224,26 @@ class DistributedConfig(Section):
                 "(make one with mlx.distributed_config)",
             )
         return self
+
+
+class AudioConfig(Section):
+    """Limits and defaults of speech models (kind stt or tts)."""
+
+    max_bytes: ByteSize = Field(
+        25 * 1024 * 1024,
+        description="stt: largest uploaded audio file (OpenAI's limit is 25 MB); larger is a 413.",
+    )
+    max_seconds: float = Field(
+        1800.0,
+        gt=0,
+        description="stt: longest audio accepted, in seconds (decoding stops there); longer "
+        "is a 400. Audio past 30 s is transcribed in consecutive 30 s windows.",
+    )
+    max_input_chars: int = Field(
+        4096, ge=1, description="tts: longest `input` text (OpenAI's limit is 4096 characters)."
+    )
+    voice: str | None = Field(
+        None,
+        description="tts: the voice used when a request names one the model lacks "
+        "(OpenAI's alloy, echo …); null: such a request is a 400.",
+    )

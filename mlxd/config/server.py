@@ -5,10 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import psutil
 from pydantic import Field, field_validator
 
 from mlxd.config.fields import ApiKeys, Section
 from mlxd.config.units import ByteSize, Duration
+
+# An unset server.memory_budget: this share of physical memory (the rest for the OS, the
+# daemon and whatever else the machine runs).
+DEFAULT_BUDGET_SHARE = 0.75
 
 
 class RateLimitConfig(Section):
@@ -82,8 +87,12 @@ class ServerConfig(Section):
     )
     memory_budget: ByteSize | None = Field(
         None,
-        description="Memory all loaded models may use together; idle models beyond it are "
-        "unloaded least recently used first. Unset means no limit.",
+        description="Memory all loaded models may use together, as estimated before a load "
+        "from the file headers: weights as they will run, the KV cache of "
+        "batch.max_batch_size sequences at the full context, and cache.ram. Idle models "
+        "beyond it are unloaded least recently used first; a model that cannot fit is refused "
+        f"with the numbers before it is read. Unset: {DEFAULT_BUDGET_SHARE:.0%} of physical "
+        "memory.",
     )
     request_timeout: Duration = Field(
         600.0,
@@ -162,6 +171,13 @@ class ServerConfig(Section):
         description="MLX memory limits applied in each model's worker process when it starts "
         "(not to inline models).",
     )
+
+    @property
+    def budget_bytes(self) -> int:
+        """`memory_budget`, or the default share of physical memory when unset."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        return int(psutil.virtual_memory().total * DEFAULT_BUDGET_SHARE)
 
     @field_validator("cache_dir")
     @classmethod

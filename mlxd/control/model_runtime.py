@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from mlxd.config import ModelConfig
 from mlxd.control.plan import ENGINE_FIELDS, Actual, backoff
 from mlxd.control.routes import ModelState
+from mlxd.models.source_paths import source_stamp
 from mlxd.runtime.engine import Engine
 
 # A worker that served this long before dying starts its backoff from the beginning again.
@@ -40,6 +42,10 @@ class ModelRuntime:
     retry_at: float = 0.0
     up_since: float | None = None  # when the serving engine became ready
     death_seen: Engine | None = None  # the dead engine whose failure is already counted
+    # The last load failed in a way that recurs with the same files and config (an unsupported
+    # or missing file): no retry until the source's stamp or the config changes.
+    gave_up: bool = False
+    stamp: Hashable = None  # source_stamp(config.source) when it gave up
 
     @property
     def idle_ttl(self) -> float | None:
@@ -49,22 +55,36 @@ class ModelRuntime:
     def dead(self) -> bool:
         return self.engine is not None and self.engine.failure is not None
 
-    def record_failure(self, reason: str, now: float) -> None:
-        """Count a death or failed load and set when to retry (1 s, 2 s, 4 s … 60 s)."""
+    def record_failure(self, reason: str, now: float, *, recurs: bool = False) -> None:
+        """Count a death or failed load and set when to retry (1 s, 2 s, 4 s … 60 s; never,
+        for a failure that `recurs`, until `source_changed` or `retry_now`)."""
         served = self.up_since is not None and now - self.up_since >= BACKOFF_RESET_S
         self.failures = 1 if served else self.failures + 1
-        self.retry_at = now + backoff(self.failures)
+        self.retry_at = math.inf if recurs else now + backoff(self.failures)
+        self.gave_up = recurs
+        self.stamp = source_stamp(self.config.source) if recurs else None
         self.error = reason
         self.up_since = None
+
+    def retry_now(self) -> None:
+        self.retry_at, self.gave_up = 0.0, False
+
+    def source_changed(self) -> bool:
+        """A model that gave up whose source files have changed since (e.g. re-pulled)."""
+        return self.gave_up and source_stamp(self.config.source) != self.stamp
 
     def observed(self, now: float) -> Actual:
         retry_in = self.retry_at - now
         if self.loading is not None:
             return Actual(self.config, "loading")
         if self.engine is not None:
-            # A swap that failed leaves the old engine: its settings are what actually runs.
-            engine_fields = {f: getattr(self.built, f) for f in ENGINE_FIELDS}
-            running = self.config.model_copy(update=engine_fields)
+            # A swap that failed leaves the old engine: its settings are what actually runs,
+            # and the swap is retried once its backoff is over (never, if it gave up: until
+            # the source or the config changes).
+            running = self.config
+            if self.error is None or retry_in <= 0:
+                engine_fields = {f: getattr(self.built, f) for f in ENGINE_FIELDS}
+                running = self.config.model_copy(update=engine_fields)
             if self.dead():
                 return Actual(running, "dead", retry_in=retry_in)
             idle_for = now - self.engine.last_used if self.engine.idle else None

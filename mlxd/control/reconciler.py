@@ -34,14 +34,16 @@ from mlxd.control.plan import (
     plan,
 )
 from mlxd.control.routes import ModelEntry, RouteTable
-from mlxd.errors import MlxdError, Unavailable
+from mlxd.errors import MlxdError, ModelLoadError, Unavailable
 from mlxd.runtime.engine import Engine, EngineStarter
 from mlxd.runtime.shared_pool import AdapterHost, EnginePool, SharedView
+from mlxd.runtime.wire import MemoryNeed, gib
 from mlxd.runtime.worker_proxy import WorkerEngine
 
 log = logging.getLogger("mlxd.reconcile")
 
 DRAIN_POLL_S = 0.05
+NOT_RETRIED = "not retried until its source files or the config change"
 
 
 class Reconciler:
@@ -71,8 +73,8 @@ class Reconciler:
         Failed models are retried at once: the change may have fixed them."""
         self.desired, self.server = desired, server
         for runtime in self.models.values():
-            if runtime.engine is None and runtime.error is not None:
-                runtime.retry_at = 0.0
+            if runtime.error is not None:  # a failed load, or a failed swap beside its engine
+                runtime.retry_now()
         return self.tick()
 
     def tick(self) -> list[Action]:
@@ -80,6 +82,10 @@ class Reconciler:
         backoffs into actions (the daemon calls this every second)."""
         now = time.monotonic()
         self._count_deaths(now)
+        for runtime in self.models.values():
+            if runtime.source_changed():
+                log.info("model '%s': its source changed; loading it again", runtime.name)
+                runtime.retry_now()
         actual = {name: runtime.observed(now) for name, runtime in self.models.items()}
         actions = plan(self.desired, actual)
         for action in actions:
@@ -175,14 +181,16 @@ class Reconciler:
             if runtime.loading is task:
                 self.loads[runtime.name, "failed"] += 1
                 runtime.loading = None
-                runtime.record_failure(message, time.monotonic())
+                recurs = isinstance(exc, ModelLoadError) and exc.recurs
+                runtime.record_failure(message, time.monotonic(), recurs=recurs)
                 kept = "; the previous engine keeps serving" if runtime.engine else ""
+                retry = (
+                    NOT_RETRIED
+                    if recurs
+                    else f"retry in {runtime.retry_at - time.monotonic():.0f}s"
+                )
                 log.error(
-                    "model '%s' failed to load%s: %s (retry in %.0fs)",
-                    runtime.name,
-                    kept,
-                    message,
-                    runtime.retry_at - time.monotonic(),
+                    "model '%s' failed to load%s: %s (%s)", runtime.name, kept, message, retry
                 )
                 self._publish()
             return
@@ -226,7 +234,7 @@ class Reconciler:
         return key if any(m.adapter != config.adapter for m in siblings) else None
 
     async def _start_engine(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
-        async def make_room(need: int) -> None:
+        async def make_room(need: MemoryNeed) -> None:
             await self._make_room(need, runtime)
 
         if self.server.workers == "process":
@@ -235,11 +243,12 @@ class Reconciler:
             raise Unavailable("this process cannot load models inline (server.workers: inline)")
         return await self.start_inline(runtime.name, config, lambda: self.server, make_room)
 
-    async def _make_room(self, need: int, loading: ModelRuntime) -> None:
-        """Unload idle models, least recently used first, until `need` fits the budget."""
-        budget = self.server.memory_budget
-        if budget is None:
-            return
+    async def _make_room(self, need: MemoryNeed, loading: ModelRuntime) -> None:
+        """Unload idle models, least recently used first, until `need` fits the budget. A model
+        that could not fit even alone is refused for good (until the config changes)."""
+        if refusal := need.over_budget(loading.name, self.server):
+            raise ModelLoadError(refusal)
+        budget = self.server.budget_bytes
         draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
         # Models sharing an engine are evicted together: only the last one out frees it.
         groups: dict[str, list[ModelRuntime]] = {}
@@ -257,13 +266,13 @@ class Reconciler:
             )
             for key, rts in groups.items()
         ]
-        victims = evictions(need + draining, budget, residents)
+        victims = evictions(need.total + draining, budget, residents)
         if victims is None:
             in_use = draining + sum(r.memory_bytes for r in residents)
             busy = ", ".join(rt.name for rt in self.models.values() if rt.engine) or "none"
             raise Unavailable(
-                f"model '{loading.name}' needs {need / 2**30:.2f} GiB but server.memory_budget "
-                f"({budget / 2**30:.2f} GiB) has {max(budget - in_use, 0) / 2**30:.2f} GiB "
+                f"model '{loading.name}' needs {gib(need.total)} ({need.describe()}) but "
+                f"server.memory_budget ({gib(budget)}) has {gib(max(budget - in_use, 0))} "
                 f"free; loaded and busy: {busy}"
             )
         for key in victims:
@@ -285,6 +294,8 @@ class Reconciler:
             if self.models.get(name) is not runtime:
                 raise Unavailable(f"model '{name}' was removed from the config while loading")
             wait = runtime.retry_at - time.monotonic()
+            if runtime.loading is None and runtime.gave_up:
+                raise ModelLoadError(f"model '{name}' cannot load: {runtime.error} ({NOT_RETRIED})")
             if runtime.loading is None and runtime.error is not None and wait > 0:
                 raise Unavailable(
                     f"model '{name}' failed ({runtime.error}); next try in {wait:.0f}s",
@@ -405,8 +416,12 @@ class Reconciler:
                 # Failures in a row (deaths, failed loads) and when the next try is due.
                 "failures": runtime.failures,
                 "next_retry_s": (
-                    round(max(runtime.retry_at - now, 0.0), 1) if runtime.error else None
+                    round(max(runtime.retry_at - now, 0.0), 1)
+                    if runtime.error and not runtime.gave_up
+                    else None
                 ),
+                # The error recurs with these files and config: retried once either changes.
+                "gave_up": runtime.gave_up,
                 # idle_ttl in force (YAML or a client's keep_alive); null: never unloaded idle.
                 "idle_ttl_s": runtime.idle_ttl,
                 "idle_s": round(now - engine.last_used, 1) if engine and engine.idle else 0.0,

@@ -131,9 +131,9 @@ def read_geometry(model: ModelConfig, cache_dir: Path) -> ModelGeometry | None:
     source = model.source
     if source.startswith("hf://"):
         return _cached_hf_geometry(source.removeprefix("hf://"))
-    from mlxd.models.sources import package_or_local_path
+    from mlxd.models.source_paths import source_path
 
-    path = package_or_local_path(source, model_name="?")
+    path = source_path(source, model_name="?")
     if path.is_dir():
         return ModelGeometry.from_config(json.loads((path / "config.json").read_text()))
     return gguf_geometry(path)

@@ -62,6 +62,6 @@ def load_rank(
             before_eval=lambda model, config: split_model(model, config, strategy, group),
         )
     except ModelLoadError as exc:
-        raise ModelLoadError(
+        raise type(exc)(
             f"{exc.message} [rank {group.rank()} of {group.size()}, {strategy}]"
         ) from exc

@@ -185,7 +185,8 @@ def share_cores(packed: bool) -> None:
 
 
 def set_threads(threads: int) -> None:
-    """The kernels run on `threads` threads until the next `share_cores` (tests, benchmarks)."""
+    """The kernels run on `threads` threads until the next `share_cores` (tests, benchmarks,
+    the load's timing of the CPU path: models/cpu_path_timing.py)."""
     _module().set_threads(threads)
 
 
@@ -216,10 +217,3 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """mx.fast.rms_norm for float32 x [..., D] and weight [D]."""
     result: mx.array = _module().rms_norm(x, weight, eps)
     return result
-
-
-def use_threads(threads: int) -> None:
-    """Run the kernels on `threads` threads until the next `share_cores` (the load times
-    them on every core and on one: models/cpu_path_timing.py)."""
-    if _cpu is not None:
-        _cpu.set_threads(threads)

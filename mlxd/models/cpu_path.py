@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -126,6 +125,7 @@ class Choice:
             "phases": phases,
             "weight_bytes": self.weight_bytes,
             "cached": self.cached,
+            "one_thread": self.one_thread,
             "reason": self.reason or None,
         }
 
@@ -225,13 +225,6 @@ def _geomean(times: tuple[float, ...], reference: tuple[float, ...]) -> float:
     """The geometric mean of times[i] / reference[i]."""
     ratios = [t / r for t, r in zip(times, reference, strict=True)]
     return math.exp(sum(map(math.log, ratios)) / len(ratios))
-
-
-def budget_bytes(memory_budget: int | None) -> int:
-    """The budget a model's weights must fit: server.memory_budget, else the machine's memory."""
-    if memory_budget is not None:
-        return memory_budget
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class TimingCache:

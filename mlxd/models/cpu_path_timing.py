@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, budget_bytes, decide
+from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
 from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
 
 Shape = tuple[int, int, int, int]  # out, in, group size, bits
@@ -74,11 +74,10 @@ def identity(shapes: ModelShapes, phases: Phases) -> dict[str, Any]:
     spec = importlib.util.find_spec("mlxd.kernels._cpu")
     origin = spec.origin if spec is not None else None
     build = hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
-    running_isa = getattr(kernels, "isa", None)  # the ISA the kernels dispatched to, if told
     return {
         "cpu": cpu_model(),
         "kernels": build,
-        "isa": running_isa() if callable(running_isa) else os.environ.get("MLXD_KERNELS_ISA"),
+        "isa": kernels.isa(),  # the variant the kernels dispatched to (or were forced to)
         "blas": [os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_CORETYPE")],
         "threads": len(os.sched_getaffinity(0)),
         "mlx": importlib.metadata.version("mlx"),
@@ -169,7 +168,7 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)
-    kernels.use_threads(1)
+    kernels.set_threads(1)
     packed_one = phase_times(True) if cores > 1 else packed_all
     return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
 
@@ -198,7 +197,7 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
         return None
     phases = Phases(prefill=config.batch.prefill_step_size)
     float32_bytes = estimate_weight_bytes(model_dir, "float32")
-    budget = budget_bytes(server.memory_budget)
+    budget = server.budget_bytes  # unset: the default share of physical memory
 
     def decided(timings: Timings | None, cached: bool = False) -> Choice:
         return decide(

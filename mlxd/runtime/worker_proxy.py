@@ -27,12 +27,19 @@ import psutil
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
 from mlxd.distributed.launch import LaunchError
-from mlxd.errors import MlxdError, ModelLoadError, Unavailable
+from mlxd.errors import MlxdError, TransientLoadError, Unavailable
 from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
-from mlxd.runtime.wire import WorkerSpec, read_message, write_message
-from mlxd.types import Finished, GenerationRequest
+from mlxd.runtime.wire import MemoryNeed, WorkerSpec, read_message, write_message
+from mlxd.types import (
+    Finished,
+    GenerationRequest,
+    Speech,
+    SpeechRequest,
+    Transcript,
+    TranscriptionRequest,
+)
 
 log = logging.getLogger("mlxd.worker")
 
@@ -40,7 +47,7 @@ CLOSE_TIMEOUT_S = 30.0
 STATS_TIMEOUT_S = 2.0
 
 
-class WorkerDied(ModelLoadError):
+class WorkerDied(TransientLoadError):
     """The worker process ended before it was ready."""
 
 
@@ -75,7 +82,8 @@ class WorkerEngine:
         # Weak: a stream dropped unread must still be collected (that cancels its sequence).
         self._readers: weakref.WeakValueDictionary[int, EventStream] = weakref.WeakValueDictionary()
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._busy_calls = 0  # embeddings in flight: they keep the engine from being idle
+        # Whole requests in flight (embeddings, transcriptions, speech): the engine is not idle.
+        self._busy_calls = 0
         self._ids = itertools.count()
         self._closing = False
         self._psutil = _process_handle(process.pid)
@@ -93,10 +101,10 @@ class WorkerEngine:
         name: str,
         config: ModelConfig,
         server: Callable[[], ServerConfig],
-        make_room: Callable[[int], Awaitable[None]],
+        make_room: Callable[[MemoryNeed], Awaitable[None]],
     ) -> WorkerEngine:
         """Spawn a worker for `name` (a group of ranks for a distributed model) and wait until
-        its model is loaded. `make_room(bytes)` runs once the worker knows what it will hold,
+        its model is loaded. `make_room(need)` runs once the worker knows what it will hold,
         before it loads (raising refuses)."""
         group: RankGroup | None = None
         if config.distributed is not None:
@@ -110,14 +118,16 @@ class WorkerEngine:
         try:
             write_message(writer, WorkerSpec.without_keys(name, config, server()))
             kind, *args = await read_message(reader)
+            need: MemoryNeed | None = None
             if kind == "need":
-                await make_room(args[0])
+                need = args[0]
+                await make_room(need)
                 write_message(writer, ("go",))
                 kind, *args = await read_message(reader)
             if kind == "load_failed":
                 raise args[0]
             if kind != "ready":
-                raise ModelLoadError(f"model '{name}': unexpected worker message {kind!r}")
+                raise TransientLoadError(f"model '{name}': unexpected worker message {kind!r}")
         except (asyncio.IncompleteReadError, ConnectionError):
             status = await process.wait()
             writer.close()
@@ -131,7 +141,11 @@ class WorkerEngine:
             writer.close()
             await (group.kill() if group is not None else _reap(process))
             raise
-        return cls(name, config, process, reader, writer, args[0], server, group)
+        engine = cls(name, config, process, reader, writer, args[0], server, group)
+        # The budget holds what was admitted (its KV at full batch and context, which the
+        # worker fills only under load), not just what the worker holds at once.
+        engine.estimate_bytes = max(engine.estimate_bytes, need.total if need else 0)
+        return engine
 
     # -- the Engine protocol -----------------------------------------------------------
 
@@ -204,10 +218,21 @@ class WorkerEngine:
         return await self._call("count_prompt_tokens", request)
 
     async def embed(self, inputs: Any, *, truncate: bool, dimensions: int | None = None) -> Any:
+        return await self._request("embed", inputs, truncate=truncate, dimensions=dimensions)
+
+    async def transcribe(self, request: TranscriptionRequest) -> Transcript:
+        return await self._request("transcribe", request)
+
+    async def speak(self, request: SpeechRequest) -> Speech:
+        return await self._request("speak", request)
+
+    async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A whole request answered by one call (embeddings, transcriptions): it keeps the
+        engine from being idle while it runs."""
         self._busy_calls += 1
         self.last_used = time.monotonic()
         try:
-            return await self._call("embed", inputs, truncate=truncate, dimensions=dimensions)
+            return await self._call(method, *args, **kwargs)
         finally:
             self._busy_calls -= 1
             self.last_used = time.monotonic()

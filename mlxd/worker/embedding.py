@@ -3,29 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
-from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.config import ModelConfig, ServerConfig
 from mlxd.errors import InvalidRequest
 from mlxd.models.embedding import LoadedEmbedding, load_embedding
-from mlxd.runtime.engine import EventStream
-from mlxd.types import EmbeddingInput, Embeddings, GenerationRequest
-from mlxd.worker.embedding_core import EmbeddingCore, EmbeddingJob, deliver
+from mlxd.types import EmbeddingInput, Embeddings
+from mlxd.worker.embedding_core import EmbeddingCore, EmbeddingJob
+from mlxd.worker.jobs import deliver
 from mlxd.worker.loop import ModelLoop
+from mlxd.worker.service import ServiceEngine
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(ServiceEngine):
     kind = "embedding"
-    chat_template: str | None = None  # encoders have none
 
     def __init__(self, name: str, config: ModelConfig, loaded: LoadedEmbedding):
-        self.name = name
-        self.config = config
+        super().__init__(name, config)
         self.loaded = loaded
         # context_length, when set, lowers (or raises) the model's own input limit.
         self.max_length = config.context_length or loaded.max_length
@@ -35,9 +33,7 @@ class EmbeddingEngine:
         )
         self.loop = ModelLoop(name, self.core, deliver, config.batch.max_queue)
         self.memory_bytes = loaded.nbytes
-        self.last_used = time.monotonic()
         self._submitting = 0  # being tokenized
-        self._open = 0  # from embed()'s first line until it returns
 
     @classmethod
     async def load(
@@ -47,15 +43,6 @@ class EmbeddingEngine:
         no SSD tier and read no media)."""
         loaded = await asyncio.to_thread(load_embedding, path, dtype=config.dtype, model_name=name)
         return cls(name, config, loaded)
-
-    @property
-    def idle(self) -> bool:
-        return self._open == 0
-
-    @property
-    def failure(self) -> str | None:
-        """Why the model thread died, if it did (the reconciler then restarts the engine)."""
-        return self.loop.failure
 
     async def embed(
         self, inputs: EmbeddingInput, *, truncate: bool, dimensions: int | None = None
@@ -67,14 +54,8 @@ class EmbeddingEngine:
                 f"dimensions is {dimensions}; model '{self.name}' has {self.dimensions}",
                 param="dimensions",
             )
-        # Counted from the first line: a drain must see a request that already holds the engine.
-        self._open += 1
-        self.last_used = time.monotonic()
-        try:
+        with self.serving():
             vectors, tokens = await self._embed(inputs, truncate)
-        finally:
-            self._open -= 1
-            self.last_used = time.monotonic()
         if dimensions is not None and dimensions < vectors.shape[1]:
             vectors = vectors[:, :dimensions]
             if self.loaded.pooling.normalize:
@@ -149,26 +130,3 @@ class EmbeddingEngine:
             "cancelled": s.cancelled,
             "failed": s.failed,
         }
-
-    async def submit(self, request: GenerationRequest) -> EventStream:
-        raise _cannot_generate(self.name)
-
-    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        raise _cannot_generate(self.name)
-
-    async def refresh_stats(self) -> None:
-        """In process, `stats()` is always current."""
-
-    def resize_cache(self, cache: CacheConfig) -> None:
-        """Encoders keep no KV: a cache-only reload just records the new settings."""
-        self.config = self.config.model_copy(update={"cache": cache})
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.loop.close)
-
-
-def _cannot_generate(name: str) -> InvalidRequest:
-    return InvalidRequest(
-        f"model '{name}' is of kind 'embedding': it serves /v1/embeddings, not text generation",
-        param="model",
-    )

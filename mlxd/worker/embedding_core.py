@@ -12,7 +12,6 @@ once all its vectors are in. Driven by a `ModelLoop`, like the LLM core.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -219,20 +218,3 @@ class EmbeddingCore:
             if job.remaining == 0:
                 del self._active[job]
                 outputs.append((job, job.vectors))
-
-
-def deliver(outputs: list[Output]) -> None:
-    """On the model thread: answer each finished job on its event loop."""
-    for job, result in outputs:
-        # A closed loop (shutdown) raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            job.loop.call_soon_threadsafe(_resolve, job.future, result)
-
-
-def _resolve(future: asyncio.Future[np.ndarray], result: np.ndarray | Exception) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if isinstance(result, Exception):
-        future.set_exception(result)
-    else:
-        future.set_result(result)

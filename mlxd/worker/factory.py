@@ -9,43 +9,76 @@ from typing import TYPE_CHECKING
 
 from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
+from mlxd.models import ollama_store
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
-from mlxd.models.estimate import estimate_model_bytes
+from mlxd.models.estimate import estimate_model_bytes, estimate_weight_bytes
+from mlxd.models.gguf_errors import GGUFError
+from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_need
+from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
+from mlxd.runtime.wire import MemoryNeed
 
 if TYPE_CHECKING:
     from mlxd.worker.embedding import EmbeddingEngine
     from mlxd.worker.llm import LLMEngine
+    from mlxd.worker.stt import STTEngine
+    from mlxd.worker.tts import TTSEngine
 
 
-async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, int]:
-    """The model's resolved directory (converting a GGUF on first use) and the bytes it will
-    hold once loaded, weights plus its KV budget. A quantized LLM on the CPU has its weights'
-    path chosen here (models/cpu_path.py: timed once per CPU and shapes, then cached), as
-    the bytes depend on it."""
+async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[Path, MemoryNeed]:
+    """The model's resolved directory (converting a GGUF on first use) and what it will hold
+    once loaded (a MemoryNeed: weights, KV at full batch and context, prefix cache). A GGUF is
+    first sized from its header: one that cannot fit server.memory_budget even alone is refused
+    before it is converted (read). A quantized LLM on the CPU has its weights' path chosen here
+    (models/cpu_path.py: timed once per CPU and shapes, then cached), as the bytes depend on it."""
+    await asyncio.to_thread(_refuse_a_gguf_that_cannot_fit, name, config, server)
     cache_dir = server.cache_dir
     path: Path = await asyncio.to_thread(
         resolve_source, config.source, model_name=name, cache_dir=cache_dir
     )
-    kv_budget = 0 if config.kind == "embedding" else config.cache.ram  # encoders keep no KV
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
     choice = await asyncio.to_thread(choose_cpu_path, path, config, server)
     if choice is not None:
-        need = choice.weight_bytes + kv_budget
+        weights = choice.weight_bytes
     else:
-        need = await asyncio.to_thread(
-            estimate_model_bytes, path, config.dtype, kv_budget, packs=packs
-        )
+        weights = await asyncio.to_thread(estimate_weight_bytes, path, config.dtype, packs=packs)
+    extra = 0
     draft = config.speculative.draft if config.speculative else None
     if draft is not None:  # loaded into this model's worker too
         draft_path = await asyncio.to_thread(resolve_draft, draft, cache_dir)
-        need += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
+        extra += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
     if config.adapter is not None:
-        need += await asyncio.to_thread(adapter_bytes, config.adapter)
-    return path, need
+        extra += await asyncio.to_thread(adapter_bytes, config.adapter)
+    return path, model_need(config, weights, dir_geometry(path), extra)
+
+
+def _refuse_a_gguf_that_cannot_fit(name: str, config: ModelConfig, server: ServerConfig) -> None:
+    gguf = _gguf_file(config.source, name)
+    if gguf is None:
+        return
+    try:
+        header = GGUFFile(gguf)
+    except GGUFError as exc:
+        raise ModelLoadError(f"model '{name}': {exc}") from exc
+    weights, geometry = gguf_weights_and_geometry(
+        header, config.dtype, packs=config.distributed is None
+    )
+    if refusal := model_need(config, weights, geometry).over_budget(name, server):
+        raise ModelLoadError(refusal)
+
+
+def _gguf_file(source: str, name: str) -> Path | None:
+    """The GGUF file `source` names (a local or pkg:// `.gguf`, an Ollama blob), else None."""
+    if source.startswith("hf://"):
+        return None
+    path = source_path(source, model_name=name)
+    if source.startswith(ollama_store.SCHEME) or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    return None
 
 
 def resolve_draft(draft: DraftWeights, cache_dir: Path) -> Path:
@@ -59,13 +92,17 @@ async def load_engine(
     """Load the weights at `path` into the engine of the model's kind. `server` gives the live
     server settings (the SSD KV tier's root, media policy)."""
     # Imported here: each kind pulls in its own libraries (mlx-vlm only for a vlm).
-    engine_class: type[LLMEngine] | type[EmbeddingEngine]
+    engine_class: type[LLMEngine] | type[EmbeddingEngine] | type[STTEngine] | type[TTSEngine]
     if config.kind == "llm":
         from mlxd.worker.llm import LLMEngine as engine_class
     elif config.kind == "vlm":
         from mlxd.worker.vlm import VLMEngine as engine_class
     elif config.kind == "embedding":
         from mlxd.worker.embedding import EmbeddingEngine as engine_class
+    elif config.kind == "stt":
+        from mlxd.worker.stt import STTEngine as engine_class
+    elif config.kind == "tts":
+        from mlxd.worker.tts import TTSEngine as engine_class
     else:
         raise ModelLoadError(f"model '{name}': kind '{config.kind}' is not supported")
     return await engine_class.load(name, config, path, server)
@@ -75,7 +112,7 @@ async def start_inline(
     name: str,
     config: ModelConfig,
     server: Callable[[], ServerConfig],
-    make_room: Callable[[int], Awaitable[None]],
+    make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     """An `EngineStarter` that loads the model into the calling process (`workers: inline`)."""
     path, need = await locate(name, config, server())

@@ -6,9 +6,10 @@ costs this model alone, and unloading the model is this process's exit, so its m
 goes back to the system.
 
 Life of a worker: read its `WorkerSpec`; at a lower CPU priority resolve the weights (a GGUF is
-converted on first use) and tell the daemon how many bytes it will hold; wait for the daemon to
-make room; load; restore the priority; say `ready`; then serve requests until told to close, until
-the daemon goes away (end of file on the socket), or until its engine's model thread dies.
+sized from its header, then converted on first use) and tell the daemon what it will hold (a
+`MemoryNeed`); wait for the daemon to make room; load; restore the priority; say `ready`; then
+serve requests until told to close, until the daemon goes away (end of file on the socket), or
+until its engine's model thread dies.
 Events travel back in one message per engine step, for every sequence at once.
 """
 
@@ -46,7 +47,16 @@ LOAD_NICE = 10
 WATCH_S = 0.1
 # The engine methods the daemon may call; everything else is a message of its own.
 CALLS = frozenset(
-    {"count_prompt_tokens", "embed", "stats", "resize_cache", "attach_adapter", "detach_adapter"}
+    {
+        "count_prompt_tokens",
+        "embed",
+        "transcribe",
+        "speak",
+        "stats",
+        "resize_cache",
+        "attach_adapter",
+        "detach_adapter",
+    }
 )
 HOST_CALLS = frozenset({"stats"})  # answered by the host: the engine's figures and MLX's
 EXIT_ENGINE_DIED = 3

@@ -209,15 +209,18 @@ def test_bad_adapters_fail_the_load_with_the_reason(tmp_path: Path, mlxd_cache_d
 def test_the_memory_budget_evicts_a_shared_worker_with_all_its_models(
     tmp_path: Path, mlxd_cache_dir: Path, adapters: dict[str, Path]
 ):
-    # Each worker: 134 MB of packed 4/8-bit weights + 64 MiB KV budget ≈ 0.2 GB; two do not fit.
+    # Each worker: 128 MiB of packed 4/8-bit weights + KV for 8 x 512 tokens (180 MiB) + a
+    # 64 MiB prefix cache ≈ 370 MiB; two do not fit.
     smol = {
         "source": SMOL_GGUF,
         "load": "lazy",
+        "context_length": 512,
+        "batch": {"max_batch_size": 8},
         "cache": {"ram": "64MiB"},
         "defaults": {"max_tokens": 4},
     }
     config = {
-        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "300MiB"},
+        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "450MiB"},
         "models": {
             "smol": smol,
             "smol-fr": {**smol, "adapter": str(adapters["fr"])},

@@ -204,13 +204,27 @@ def test_format_json_schema_validates(client: ollama.Client):
     assert all(isinstance(v, str) for v in value.values())
 
 
-def test_pull_and_friends_are_501(client: ollama.Client, daemon: Daemon):
+def test_pull_of_a_declared_model_succeeds_as_ollama_streams_it(client: ollama.Client):
+    # Home Assistant pulls a model before use when it does not see it listed.
+    steps = [progress.status for progress in client.pull("smol", stream=True)]
+    assert steps[0] == "pulling manifest" and steps[-1] == "success"
+    assert client.pull("smol:latest").status == "success"  # the non-stream form
+    assert client.pull("default").status == "success"  # an alias is declared too
+
+
+def test_pull_of_an_undeclared_model_is_404_naming_the_yaml(client: ollama.Client, daemon: Daemon):
     with pytest.raises(ollama.ResponseError) as caught:
         client.pull("llama3.2")
-    assert caught.value.status_code == 501
-    assert "YAML" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as streamed:
+        list(client.pull("llama3.2", stream=True))
+    for error in (caught.value, streamed.value):
+        assert error.status_code == 404
+        assert f"not declared in mlxd's config ({daemon.config_path})" in error.error
+
+
+def test_push_and_friends_are_501(daemon: Daemon):
     deleted = httpx.request("DELETE", f"{daemon.url}/api/delete", json={"model": "smol"})
-    assert deleted.status_code == 501
+    assert deleted.status_code == 501 and "YAML" in deleted.json()["error"]
 
 
 def test_keep_alive_zero_unloads_and_the_next_request_reloads(

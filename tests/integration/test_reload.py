@@ -256,9 +256,10 @@ def test_lazy_model_loads_once_on_first_use_and_unloads_when_idle(tmp_path, mlxd
 
 
 def test_memory_budget_evicts_idle_models_and_refuses_what_cannot_fit(tmp_path, mlxd_cache_dir):
-    # Each model: 134 MB of packed 4/8-bit weights + 64 MiB KV budget ≈ 0.2 GB.
+    # Each model: 128 MiB of packed 4/8-bit weights + KV for 8 x 512 tokens (180 MiB; 90 MiB
+    # for b's 4) + a 64 MiB prefix cache ≈ 370 MiB; two do not fit, 'huge' never does.
     config = {
-        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "300MiB"},
+        "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "450MiB"},
         "models": {
             "a": smol(load="lazy"),
             "b": smol(load="lazy", batch={"max_batch_size": 4}),
@@ -280,7 +281,10 @@ def test_memory_budget_evicts_idle_models_and_refuses_what_cannot_fit(tmp_path, 
 
         refused = ask("huge")
         assert refused.status_code == 503
-        assert "memory_budget" in refused.json()["error"]["message"]
+        message = refused.json()["error"]["message"]
+        assert "server.memory_budget is 0.44 GiB" in message
+        assert "KV (8 sequences x 512 tokens, float32)" in message
+        assert "1.00 GiB prefix cache" in message
         assert ask("a").status_code == 200  # the daemon is fine and still serves
     finally:
         daemon.stop()

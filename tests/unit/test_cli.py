@@ -23,7 +23,7 @@ def refusal(tmp_path: Path, text: str) -> str:
 def test_check_accepts_the_shipped_config():
     result = check(Path(__file__).parents[2] / "config" / "models.yaml")
     assert result.returncode == 0, result.stderr
-    assert "ok (2 models: smol, minilm)" in result.stdout
+    assert "ok (3 models: smol, minilm, whisper)" in result.stdout
 
 
 def test_check_reports_line_and_suggestion(tmp_path: Path):

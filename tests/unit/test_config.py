@@ -307,7 +307,8 @@ def test_wrong_enum_and_types_point_at_their_lines():
     )
     assert errors == [
         "models.yaml:2: server.port: must be an integer (got 'eighty')",
-        "models.yaml:5: models.smol.kind: must be one of 'llm', 'vlm', 'embedding' (got 'lm')",
+        "models.yaml:5: models.smol.kind: must be one of 'llm', 'vlm', 'embedding', 'stt', "
+        "'tts' (got 'lm')",
         "models.yaml:7: models.smol.cache.kv_bits: must be one of 4, 8 (got 3)",
         "models.yaml:9: models.smol.defaults.temperature: must be <= 2.0 (got 5)",
     ]

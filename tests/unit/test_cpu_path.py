@@ -235,3 +235,16 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     assert choice is not None and choice.plan == "packed" and choice.timings is None
     assert len(timed) == 1  # float32 does not fit: nothing timed
     assert choice.weight_bytes < 300 * 2**20
+
+
+def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
+    from mlxd import kernels
+    from mlxd.models import cpu_path_timing
+    from mlxd.models.cpu_path_timing import ModelShapes
+
+    shapes = ModelShapes(layer=((64, 64, 32, 4),), head=None, layers=1)
+    ident = cpu_path_timing.identity(shapes, PHASES)
+    assert ident["isa"] == kernels.isa() and len(ident["kernels"]) == 16
+    monkeypatch.setattr(kernels, "isa", lambda: "generic")  # e.g. MLXD_KERNELS_ISA=generic
+    forced = cpu_path_timing.identity(shapes, PHASES)
+    assert TimingCache.key(forced) != TimingCache.key(ident)

@@ -19,12 +19,8 @@ from mlxd.config import BatchConfig
 from mlxd.errors import Unavailable
 from mlxd.models.activations import RationalGELU, gelu_rational, use_rational_gelu
 from mlxd.models.embedding import Pooling, pool, read_max_length, read_pooling
-from mlxd.worker.embedding_core import (
-    EmbeddingCore,
-    EmbeddingJob,
-    deliver,
-    plan_batches,
-)
+from mlxd.worker.embedding_core import EmbeddingCore, EmbeddingJob, plan_batches
+from mlxd.worker.jobs import deliver
 from mlxd.worker.loop import ModelLoop
 
 

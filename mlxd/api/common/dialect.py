@@ -39,6 +39,7 @@ class Route:
     body: type[BaseModel] | None = None
     streams: bool = False  # answers text/event-stream when the body asks for `stream: true`
     content_type: str = "application/json"
+    body_type: str = "application/json"  # multipart/form-data for uploads
 
 
 # The default error shape (OpenAI's) as a JSON schema, named as the OpenAPI document names it.

@@ -19,7 +19,7 @@ from mlxd.api.common.error_shapes import from_validation_error
 from mlxd.api.common.event_flow import in_runs, until
 from mlxd.api.common.parts import Parts, parsed_events
 from mlxd.api.middleware import auth, observe
-from mlxd.config import SamplingDefaults
+from mlxd.config import SERVES, TEXT_KINDS, SamplingDefaults
 from mlxd.control.routes import ModelEntry
 from mlxd.errors import InvalidRequest
 from mlxd.parsers.base import StreamParser
@@ -51,12 +51,12 @@ async def parse_body(model: type[Body]) -> Body:
 
 async def generation_engine(model_id: str) -> tuple[ModelEntry, Engine]:
     """The route entry and engine for a generation request (chat, completion, message),
-    loading the model if needed. An embedding model cannot generate: 400 before any load."""
+    loading the model if needed. Other kinds cannot generate: 400 before any load."""
     entry = current_app.daemon.routes.entry(model_id, auth.caller())
-    if entry.config.kind == "embedding":
+    if entry.config.kind not in TEXT_KINDS:
         raise InvalidRequest(
-            f"model '{model_id}' is of kind 'embedding': it serves /v1/embeddings, not text "
-            "generation",
+            f"model '{model_id}' is of kind '{entry.config.kind}': it serves "
+            f"{SERVES[entry.config.kind]}, not text generation",
             param="model",
         )
     return entry, await current_app.daemon.engine(entry.name, auth.caller())

@@ -10,7 +10,8 @@ rules keep those pages out unless the owner lets them in:
   cross-site` where a browser leaves Origin out) is refused unless `server.cors_origins`
   approves it; approved ones get CORS headers and their preflights are answered.
 - **JSON**: a page can POST `text/plain` or a form anywhere without a preflight; mlxd's bodies
-  are JSON, so a browser's POST whose body is not must come from an approved origin. Clients
+  are JSON, so a browser's POST whose body is not must come from an approved origin (or, for
+  the audio upload routes' multipart forms, from this daemon's own pages). Clients
   that are not browsers (no Origin, no Sec-Fetch-Site: curl, the SDKs) are not concerned.
 """
 
@@ -33,6 +34,9 @@ EXPOSED_HEADERS = (
     "x-ratelimit-remaining-requests, x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens"
 )
 PREFLIGHT_MAX_AGE_S = 600
+# OpenAI's upload routes take multipart forms, and the dashboard's playground (a page of this
+# origin) posts them: a same-origin page may send a form there.
+FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
 class UnsupportedMediaType(MlxdError):
@@ -109,6 +113,12 @@ def install(app: App) -> None:
             and request.method not in SAFE_METHODS
             and (request.content_length or "Transfer-Encoding" in headers)
             and not _is_json(headers.get("Content-Type", ""))
+            and not (
+                request.path in FORM_PATHS
+                and origin is not None
+                and _same_origin(origin, request.host)
+                and headers.get("Content-Type", "").startswith("multipart/form-data")
+            )
         ):
             raise UnsupportedMediaType(
                 "request bodies must be JSON: send 'Content-Type: application/json'"

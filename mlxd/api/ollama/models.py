@@ -1,10 +1,12 @@
 """The Ollama dialect's model routes: /api/tags, /api/ps, /api/show, /api/version, Ollama's
-model names (`name:latest`), and a clear 501 for the model-management routes (models live in
-the YAML)."""
+model names (`name:latest`), /api/pull for the models the YAML declares (clients such as Home
+Assistant pull before use) and a clear 501 for the other model-management routes (models live
+in the YAML)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from typing import Any
@@ -14,10 +16,10 @@ from quart import Blueprint
 from mlxd.api.common.context import current_app
 from mlxd.api.common.generation import parse_body
 from mlxd.api.middleware import auth
-from mlxd.api.ollama.protocol import ShowRequest
+from mlxd.api.ollama.protocol import PullRequest, ShowRequest
 from mlxd.api.ollama.render import OLLAMA_VERSION, iso_time, model_details
 from mlxd.control.routes import ModelEntry
-from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.errors import InvalidRequest, MlxdError, NotFound
 
 blueprint = Blueprint("ollama_models", __name__)
 
@@ -88,6 +90,8 @@ async def show() -> Any:
         "llm": ["completion", "tools"],
         "vlm": ["completion", "tools", "vision"],
         "embedding": ["embedding"],
+        "stt": [],  # Ollama has no audio capability to name
+        "tts": [],
     }[config.kind]
     if config.parsers.reasoning:
         capabilities.append("thinking")
@@ -121,13 +125,38 @@ async def version() -> Any:
     return {"version": OLLAMA_VERSION}
 
 
-@blueprint.route("/api/pull", methods=["POST"])
+@blueprint.post("/api/pull")
+async def pull() -> Any:
+    """Ollama's pull, for a model the YAML declares: there is nothing to download (the YAML
+    says where the weights are), so the answer is Ollama's success stream at once. A model the
+    YAML does not declare is a 404 that says where models are declared."""
+    body = await parse_body(PullRequest)
+    requested = body.model or body.name
+    if not requested:
+        raise InvalidRequest("model is required", param="model")
+    daemon = current_app.daemon
+    name = daemon.routes.name_of(requested)
+    if name is None or not auth.caller().may_use(name):
+        where = daemon.config_path or "its YAML config file"
+        raise NotFound(
+            f"model '{requested}' is not declared in mlxd's config ({where}); mlxd does not "
+            "download models: declare it under `models:` (e.g. source: ollama://"
+            f"{requested}) and mlxd reloads the file",
+            param="model",
+        )
+    steps = ["pulling manifest", "verifying sha256 digest", "writing manifest", "success"]
+    if not body.stream:
+        return {"status": steps[-1]}
+    lines = "".join(json.dumps({"status": step}) + "\n" for step in steps)
+    return lines, 200, {"Content-Type": "application/x-ndjson"}
+
+
 @blueprint.route("/api/push", methods=["POST"])
 @blueprint.route("/api/create", methods=["POST"])
 @blueprint.route("/api/copy", methods=["POST"])
 @blueprint.route("/api/delete", methods=["DELETE", "POST"])
 async def manage() -> Any:
     raise NotImplementedHere(
-        "mlxd does not pull, push, create, copy or delete models: models are declared in "
+        "mlxd does not push, create, copy or delete models: models are declared in "
         "mlxd's YAML config file (models: ...); edit it and mlxd reloads it"
     )

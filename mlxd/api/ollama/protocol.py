@@ -115,6 +115,14 @@ class EmbeddingsRequest(_Lenient):
     keep_alive: KeepAlive = None
 
 
+class PullRequest(_Lenient):
+    # Older clients send `name`.
+    model: str | None = None
+    name: str | None = None
+    stream: bool = True
+    insecure: bool = False
+
+
 class ShowRequest(_Lenient):
     # Older clients send `name`.
     model: str | None = None

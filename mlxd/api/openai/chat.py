@@ -294,22 +294,22 @@ async def _stream(
     sequence is cancelled, as when the client leaves)."""
     extra = {"usage": None} if include_usage else {}
     for opening in openings:
-        yield _sse({**head, "choices": [opening], **extra})
+        yield sse({**head, "choices": [opening], **extra})
     renderers: dict[int, Callable[[Part], dict | None]] = {}
     finished: dict[int, Finished] = {}
     try:
         async for index, part in streams:
             rendered = renderers.setdefault(index, choices())(part)
             if rendered is not None:
-                yield _sse({**head, "choices": [{**rendered, "index": index}], **extra})
+                yield sse({**head, "choices": [{**rendered, "index": index}], **extra})
             if isinstance(part, Finished):
                 finished[index] = part
     except MlxdError as exc:
-        yield _sse(openai_error(exc))
+        yield sse(openai_error(exc))
     else:
         if include_usage:
             ordered = [finished[i] for i in sorted(finished)]
-            yield _sse({**head, "choices": [], "usage": total_usage(ordered, per_prompt)})
+            yield sse({**head, "choices": [], "usage": total_usage(ordered, per_prompt)})
     finally:
         # Now, not when the collector reaches the iterator: a response closed early (the
         # client left or was cut off) cancels its sequences and logs its line at once.
@@ -347,7 +347,7 @@ def _model_card(model_id: str, entry: ModelEntry) -> dict[str, Any]:
     }
 
 
-def _sse(payload: dict) -> bytes:
+def sse(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 

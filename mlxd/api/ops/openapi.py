@@ -86,7 +86,7 @@ def _operation(
     if body_schema is not None:
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": body_schema}},
+            "content": {route.body_type: {"schema": body_schema}},
         }
     return operation
 

@@ -105,7 +105,7 @@ async def _state(model: str | None) -> dict[str, Any]:
     history, requests = current_app.extensions["mlxd_dashboard"]
     status = await admin.status()
     status["config"]["last_actions"] = daemon.last_actions
-    status["memory_budget"] = daemon.config.server.memory_budget
+    status["memory_budget"] = daemon.config.server.budget_bytes
     return {
         "status": status,
         "history": {"interval_s": history.interval_s, "models": history.series(time.time())},

@@ -50,6 +50,15 @@ export async function call(path, { method = "GET", body } = {}) {
   return response.json();
 }
 
+// A multipart form (an audio upload) or a JSON body, answered by any content (audio, text).
+export async function fetchOk(path, { form, body }) {
+  const init = { method: "POST", headers: headers(body ? { "Content-Type": "application/json" } : {}) };
+  init.body = form ?? JSON.stringify(body);
+  const response = await fetch(path, init);
+  if (!response.ok) throw await failure(response);
+  return response;
+}
+
 // Yields each `data:` payload of an SSE response as it arrives.
 export async function* sse(path, { method = "GET", body, signal } = {}) {
   const init = { method, signal, headers: headers(body ? { "Content-Type": "application/json" } : {}) };

@@ -2,7 +2,7 @@
 
 import { call, explain, key, sse } from "./api.js";
 import { colour, drawLines } from "./charts.js";
-import { fillModels, setupPlayground } from "./playground.js";
+import { fillModels, fillVoices, setupPlayground } from "./playground.js";
 
 const $ = (id) => document.getElementById(id);
 let order = []; // model names in first-seen order: stable chart colours
@@ -236,6 +236,9 @@ function render(state) {
   const ids = (kinds) => models.filter(([, m]) => kinds.includes(m.kind)).flatMap(([n, m]) => [n, ...(m.aliases || [])]);
   fillModels($("chat-model"), ids(["llm", "vlm"]));
   fillModels($("embed-model"), ids(["embedding"]));
+  fillModels($("transcribe-model"), ids(["stt"]));
+  fillModels($("speak-model"), ids(["tts"]));
+  fillVoices(status.models);
   const logSelect = $("log-model");
   const choice = logSelect.value;
   const names = Object.keys(status.models);

@@ -1,6 +1,6 @@
 // The playground goes through the public OpenAI routes, exactly as a client would.
 
-import { call, explain, sse } from "./api.js";
+import { call, explain, fetchOk, sse } from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -13,6 +13,24 @@ export function setupPlayground() {
     event.preventDefault();
     embed();
   });
+  $("transcribe-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const file = $("transcribe-file").files[0];
+    if (file) transcribe(file, file.name);
+    else $("transcribe-stats").textContent = "Choose an audio file, or record one.";
+  });
+  $("transcribe-record").addEventListener("click", record);
+  $("speak-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    speak();
+  });
+}
+
+// A speech model's voices (from /v1/status) in the voice select.
+export function fillVoices(models) {
+  const chosen = $("speak-model").value;
+  const model = Object.entries(models).find(([n, m]) => n === chosen || (m.aliases || []).includes(chosen));
+  fillModels($("speak-voice"), model?.[1].voices || []);
 }
 
 // Keep each select's choice while the list of models changes under it.
@@ -83,5 +101,78 @@ async function embed() {
     result.textContent = `Cosine similarity: ${cosine(a, b).toFixed(4)}`;
   } catch (error) {
     result.textContent = `Refused: ${explain(error)}`;
+  }
+}
+
+async function transcribe(blob, name) {
+  const reply = $("transcribe-reply"), stats = $("transcribe-stats"), button = $("transcribe-send");
+  reply.textContent = "";
+  stats.textContent = "transcribing…";
+  button.disabled = true;
+  const started = performance.now();
+  try {
+    const form = new FormData();
+    form.append("model", $("transcribe-model").value);
+    form.append("file", blob, name);
+    form.append("response_format", "verbose_json");
+    const response = await fetchOk("/v1/audio/transcriptions", { form });
+    const result = await response.json();
+    reply.textContent = result.text;
+    const seconds = (performance.now() - started) / 1000;
+    stats.textContent = `${result.duration.toFixed(1)} s of ${result.language} audio in ${seconds.toFixed(1)} s`;
+  } catch (error) {
+    stats.textContent = `Refused: ${explain(error)}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+let recorder = null;
+async function record() {
+  const button = $("transcribe-record");
+  if (recorder) {
+    recorder.stop();
+    return;
+  }
+  try {
+    const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+    const chunks = [];
+    recorder = new MediaRecorder(stream);
+    recorder.ondataavailable = (event) => chunks.push(event.data);
+    recorder.onstop = () => {
+      stream.getTracks().forEach((track) => track.stop());
+      recorder = null;
+      button.textContent = "Record";
+      transcribe(new Blob(chunks, { type: chunks[0]?.type || "audio/webm" }), "recording.webm");
+    };
+    recorder.start();
+    button.textContent = "Stop";
+  } catch (error) {
+    $("transcribe-stats").textContent = `Cannot record: ${error.message} (browsers allow it on https or localhost)`;
+  }
+}
+
+async function speak() {
+  const stats = $("speak-stats"), button = $("speak-send"), audio = $("speak-audio");
+  stats.textContent = "speaking…";
+  button.disabled = true;
+  const started = performance.now();
+  try {
+    const body = {
+      model: $("speak-model").value,
+      voice: $("speak-voice").value || "alloy",  // none listed yet (not loaded): audio.voice
+      input: $("speak-text").value,
+      response_format: "wav",
+    };
+    const response = await fetchOk("/v1/audio/speech", { body });
+    const blob = await response.blob();
+    URL.revokeObjectURL(audio.src);
+    audio.src = URL.createObjectURL(blob);
+    audio.play().catch(() => {});  // autoplay may be refused; the controls still play it
+    stats.textContent = `${(blob.size / 1024).toFixed(0)} KiB of wav in ${((performance.now() - started) / 1000).toFixed(1)} s`;
+  } catch (error) {
+    stats.textContent = `Refused: ${explain(error)}`;
+  } finally {
+    button.disabled = false;
   }
 }

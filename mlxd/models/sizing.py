@@ -1,0 +1,140 @@
+"""What a model will hold resident, from its files' headers alone: the weights as they will run,
+the live KV cache of `batch.max_batch_size` sequences at the full context, and the prefix
+cache's RAM tier (`cache.ram`). The daemon admits that against `server.memory_budget` before a
+single weight is read (a GGUF is sized from its header, before it is converted)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxd.config import TEXT_KINDS, ModelConfig
+from mlxd.models.estimate import tensors_weight_bytes
+from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits
+from mlxd.models.loader import _target_dtype
+from mlxd.runtime.wire import MemoryNeed
+
+# Bits per weight of each GGUF type the importer holds exactly in MLX's affine layout (a scale
+# and a bias per 32); the others it requantizes to gguf_quants.requant_bits.
+EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8}
+# GGML float types as safetensors dtypes.
+_FLOATS = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one token's keys and values take: per layer, kv_heads × (key + value dims)."""
+
+    layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    context: int | None  # the model's own context length
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
+
+
+def model_need(
+    config: ModelConfig,
+    weights: int,
+    geometry: KVGeometry | None,
+    extra: int = 0,
+) -> MemoryNeed:
+    """The model's MemoryNeed given its weight bytes and KV geometry (None: no KV, e.g. an
+    embedding or speech model, or a config that does not say)."""
+    if config.kind not in TEXT_KINDS:  # encoders and speech models keep no KV
+        return MemoryNeed(weights, extra=extra)
+    context = config.context_length or (geometry.context if geometry else None)
+    kv, shape = 0, ""
+    if geometry is not None and context:
+        target = _target_dtype(config.dtype)
+        itemsize = 4 if target == "float32" else 2  # the KV takes the compute dtype
+        sequences = config.batch.max_batch_size
+        kv = sequences * context * geometry.bytes_per_token(itemsize)
+        dtype = "float32" if itemsize == 4 else "16-bit"
+        shape = f"{sequences} sequences x {context} tokens, {dtype}"
+    return MemoryNeed(weights, kv, shape, config.cache.ram, extra)
+
+
+def dir_geometry(model_dir: Path) -> KVGeometry | None:
+    """A model directory's KV geometry, from its config.json (None where it does not say)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return _config_geometry(config)
+
+
+def gguf_weights_and_geometry(
+    gguf: GGUFFile, dtype: str, *, packs: bool
+) -> tuple[int, KVGeometry | None]:
+    """A GGUF's weight bytes once imported and loaded with `dtype`, and its KV geometry, from
+    its header: each quantized matrix as the affine layout the importer writes, the rest as
+    stored, then counted by the same rules as a converted directory (estimate.py)."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for tensor in gguf.tensors:
+        kind = tensor.tensor_type.name
+        name = tensor.name.replace("token_embd", "model.embed_tokens")  # its rules apply
+        rows, columns = list(tensor.shape[:-1]), tensor.shape[-1]
+        if kind in _FLOATS:
+            safetensors_dtype, itemsize = _FLOATS[kind]
+            tensors[name] = _entry(safetensors_dtype, list(tensor.shape), itemsize)
+            continue
+        bits = EXACT_BITS.get(kind) or requant_bits(tensor.tensor_type)
+        module = name.removesuffix(".weight")
+        groups = [*rows, columns // GROUP_SIZE]
+        tensors[f"{module}.weight"] = _entry("U32", [*rows, columns * bits // 32], 4)
+        tensors[f"{module}.scales"] = _entry("F16", groups, 2)
+        tensors[f"{module}.biases"] = _entry("F16", groups, 2)
+    weights = tensors_weight_bytes(tensors, {"group_size": GROUP_SIZE}, dtype, packs=packs)
+    return weights, _gguf_geometry(gguf.metadata)
+
+
+def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [0, math.prod(shape) * itemsize]}
+
+
+def _gguf_geometry(metadata: dict[str, Any]) -> KVGeometry | None:
+    arch = metadata.get("general.architecture")
+
+    def value(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    layers, heads = value("block_count"), value("attention.head_count")
+    hidden = value("embedding_length")
+    if isinstance(heads, list):  # per-layer counts (some architectures): the largest bounds
+        heads = max(heads)
+    if not (isinstance(layers, int) and isinstance(heads, int) and heads and hidden):
+        return None
+    kv_heads = value("attention.head_count_kv", heads)
+    key_dim = value("attention.key_length") or hidden // heads
+    return KVGeometry(
+        layers=layers,
+        kv_heads=max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
+        key_dim=key_dim,
+        value_dim=value("attention.value_length") or key_dim,
+        context=value("context_length"),
+    )
+
+
+def _config_geometry(config: dict[str, Any]) -> KVGeometry | None:
+    text = config.get("text_config") or config  # multimodal configs nest the language model
+    try:
+        heads = int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        layers = int(text["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    context = text.get("max_position_embeddings")
+    return KVGeometry(
+        layers=layers,
+        kv_heads=int(text.get("num_key_value_heads") or heads),
+        key_dim=head_dim,
+        value_dim=head_dim,
+        context=int(context) if context else None,
+    )
