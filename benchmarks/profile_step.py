@@ -8,7 +8,7 @@ the model uses (summed over its layers), evaluated on its own: the per-op figure
 dispatch per op, so their sum exceeds a fused step. With --batch1, every matmul of a step in
 each weight format (float32/bfloat16/float16/q8/q4, OpenBLAS threads). Then whole steps are timed
 A/B in this one process, interleaved in short turns (median step): mlx-lm's stock
-`BatchGenerator` with the exact SiLU against mlxd's `FastBatchGenerator` with the exact and the
+`BatchGenerator` with the exact SiLU against mlxd's `BatchExecutor` with the exact and the
 rational SiLU. Report ratios; absolute figures depend on what else the machine runs.
 """
 
@@ -187,9 +187,10 @@ def step_ab(
     from mlx.utils import tree_unflatten
     from mlx_lm.generate import BatchGenerator
 
-    from mlxd.executor.fast_batch import FastBatchGenerator
+    from mlxd.executor.batch import BatchExecutor, NewRow
     from mlxd.executor.sampling import GREEDY
     from mlxd.models.activations import RationalSwiGLU, use_rational_swiglu
+    from mlxd.scheduler import Chunk
     from tests.unit.test_fast_decode import ExactSwiGLU
 
     def exact() -> None:
@@ -199,35 +200,45 @@ def step_ab(
         if swaps:
             model.update_modules(tree_unflatten(swaps))
 
-    variants = {
-        "stock": (BatchGenerator, exact),
-        "fast step, exact SiLU": (FastBatchGenerator, exact),
-        "fast step + rational SiLU": (FastBatchGenerator, lambda: use_rational_swiglu(model)),
-    }
     prompts = [mx.random.randint(100, 20000, (context,)).tolist() for _ in range(batch)]
-    generators = {}
-    for name, (cls, silu) in variants.items():  # prefill each once, then step them in turns
-        silu()
-        gen = cls(model, stop_tokens=[], completion_batch_size=batch, prefill_batch_size=batch)
+    uids = list(range(batch))
+
+    def stock() -> Callable[[], object]:
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=batch,
+                             prefill_batch_size=batch)  # fmt: skip
         gen.insert(prompts, max_tokens=[10**6] * batch, samplers=[GREEDY] * batch)
-        while len(gen._generation_batch) < batch:
-            gen.next()
-        generators[name] = gen
+        while len(gen.next_generated()) < batch:
+            pass  # prefilled, every row decoding
+        return gen.next
+
+    def fast() -> Callable[[], object]:
+        executor = BatchExecutor(model, stop_tokens=[])
+        executor.add([NewRow(uid, prompts[uid], 10**6, sampler=GREEDY) for uid in uids])
+        executor.run([Chunk(uid, 0, context - 1) for uid in uids], [])
+        return lambda: executor.run([], uids)
+
+    variants = {
+        "stock": (stock, exact),
+        "fast step, exact SiLU": (fast, exact),
+        "fast step + rational SiLU": (fast, lambda: use_rational_swiglu(model)),
+    }
+    generators = {}
+    for name, (make, silu) in variants.items():  # prefill each once, then step them in turns
+        silu()
+        generators[name] = make()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, (_, silu) in variants.items():
             silu()
-            gen = generators[name]
-            gen.next()  # the step in flight was computed with the other SiLU
+            step = generators[name]
+            step()  # the step in flight was computed with the other SiLU
             for _ in range(steps):
                 # CPU time of this process (all its threads): on a shared machine wall time
                 # mostly measures the other processes.
                 started = time.process_time() if cpu_time else time.perf_counter()
-                gen.next()
+                step()
                 ended = time.process_time() if cpu_time else time.perf_counter()
                 times[name].append((ended - started) * 1e3)
-    for gen in generators.values():
-        gen.close()
     # Median over many short interleaved turns: load from other processes hits every variant.
     return {name: statistics.median(t) for name, t in times.items()}
 

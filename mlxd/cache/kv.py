@@ -91,7 +91,12 @@ class PrefixKVCache(KVCache):
             return BatchKVCache.merge(caches)
         [cache] = caches
         batch = BatchKVCache([0])
-        batch.keys, batch.values = cache.keys, cache.values
-        batch.offset = batch.offset + cache.offset
-        batch._idx = cache.offset
+        # (keys, values, offset, left padding, positions in use): the cache's public state.
+        batch.state = (
+            cache.keys,
+            cache.values,
+            batch.offset + cache.offset,
+            batch.left_padding,
+            cache.offset,
+        )
         return batch

@@ -1,4 +1,4 @@
-"""mlx-lm's `BatchGenerator` with a decode step that only computes what was asked for.
+"""mlx-lm's prompt and generation batches with a decode step that only computes what was asked for.
 
 mlx-lm's `GenerationBatch._step` normalises every row of the logits (`logits - logsumexp`) and
 evaluates every row's log-probabilities each step, for samplers and `logprobs` that most
@@ -20,13 +20,13 @@ Where the model projects last positions alone (`SkipPrefillLogits.projects_last`
 prompt's last chunk takes its last token along and the first token is sampled from that
 prefill (`FastPromptProcessingBatch.start`): no decode step of its own for the last prompt
 token, as in llama.cpp. Otherwise prompts join the decode batch one step sooner than in
-mlx-lm (`FastBatchGenerator._next`). The KV copies around a prefill cover the positions in
-use rather than whole allocations (`PrefillKVCache`, `FastGenerationBatch.extend`): both
+mlx-lm (`executor.batch.BatchExecutor.run`). The KV copies around a prefill cover the positions in
+use rather than whole allocations (`finalize_used_span`, `FastGenerationBatch.extend`): both
 shorten the time to a first token when prompts arrive while others decode.
 
 The subclasses hook in where mlx-lm builds its batches: `PromptProcessingBatch.generate`
-constructs the `GenerationBatch` (whose first step runs in its constructor), and the
-`BatchGenerator` holds one empty batch of each kind that later batches are merged into.
+constructs the `GenerationBatch` (whose first step runs in its constructor). Which rows run
+when is `executor.batch.BatchExecutor`'s, as the scheduler planned it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.executor.sampling import sample_rows
@@ -144,7 +144,7 @@ class FastGenerationBatch(GenerationBatch):
         # them: copy the positions in use and the allocation step they are in, no more.
         for cache in [*self.prompt_cache, *batch.prompt_cache]:
             if isinstance(cache, BatchKVCache):
-                _trim(cache, (cache._idx // cache.step + 1) * cache.step)
+                _trim(cache, (cache.size() // cache.step + 1) * cache.step)
         super().extend(batch)
         joining = cast(FastGenerationBatch, batch)  # every batch here is built by generate()
         self._fresh += joining._fresh
@@ -299,16 +299,16 @@ class FastGenerationBatch(GenerationBatch):
         return responses
 
 
-class PrefillKVCache(BatchKVCache):
-    """mlx-lm's batch KV cache, rolling only the positions in use at the end of a prefill of
-    prompts of different lengths (right-padded, then rolled to left padding). mlx-lm rolls
-    the whole buffer, allocated 256 positions at a time, with a single-threaded gather:
-    52 ms after a 156 ms prefill of ten short prompts on SmolLM2."""
-
-    def finalize(self) -> None:
-        if self._right_padding is not None:
-            _trim(self, self._idx)
-        super().finalize()
+def finalize_used_span(cache: Any) -> None:
+    """`cache.finalize()` at the end of a prefill of prompts of different lengths
+    (right-padded, then rolled to left padding), rolling only the positions in use of a plain
+    batch KV cache. mlx-lm rolls the whole buffer, allocated 256 positions at a time, with a
+    single-threaded gather: 52 ms after a 156 ms prefill of ten short prompts on SmolLM2.
+    Only here: speculation's rollback (speculative.roll_back) keeps the buffer's room, and
+    trimmed, the next write would copy the whole cache."""
+    if type(cache) is BatchKVCache:
+        _trim(cache, cache.size())
+    cache.finalize()
 
 
 def _row_view(cache: BatchKVCache, idx: int) -> KVCache:
@@ -316,16 +316,17 @@ def _row_view(cache: BatchKVCache, idx: int) -> KVCache:
     assert cache.keys is not None and cache.values is not None  # a row in a batch has KV
     row = KVCache()
     padding = cast(int, cache.left_padding[idx].item())
-    row.keys = cache.keys[idx : idx + 1, :, padding : cache._idx]
-    row.values = cache.values[idx : idx + 1, :, padding : cache._idx]
-    row.offset = cache._idx - padding
+    end = cache.size()
+    row.keys = cache.keys[idx : idx + 1, :, padding:end]
+    row.values = cache.values[idx : idx + 1, :, padding:end]
+    row.offset = end - padding
     return row
 
 
 def _trim(cache: BatchKVCache, size: int) -> None:
     """Keep the first `size` allocated positions, at least all those written (a write past
     the end allocates more)."""
-    if cache.keys is not None and cache.keys.shape[2] > size >= cache._idx:
+    if cache.keys is not None and cache.keys.shape[2] > size >= cache.size():
         cache.keys = cache.keys[..., :size, :]
         cache.values = cache.values[..., :size, :]
 
@@ -343,9 +344,18 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
         return moved
 
     def prompt(self, tokens: list[list[int]]) -> None:
+        """mlx-lm's prompt processing (forward passes of at most `prefill_step_size`
+        positions), rolling only the positions in use after a right-padded prefill."""
         _route_rows(self.model, self.uids)
-        with self._rolling_used_span():
-            super().prompt(tokens)
+        for held, chunk in zip(self.tokens, tokens, strict=True):
+            held += chunk  # the tokens the KV cache holds
+        with self._right_padded(tokens) as inputs:
+            while inputs.shape[1] > 0:
+                self.model(inputs[:, : self.prefill_step_size], cache=self.prompt_cache)
+                mx.eval([cache.state for cache in self.prompt_cache])
+                mx.clear_cache()
+                inputs = inputs[:, self.prefill_step_size :]
+        mx.eval([cache.state for cache in self.prompt_cache])  # the roll to left padding
 
     def generate(self, tokens: list[list[int]]) -> FastGenerationBatch:
         # mlx-lm's generate(), building our GenerationBatch.
@@ -360,20 +370,10 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
         _route_rows(self.model, self.uids)
         for held, rest in zip(self.tokens, tokens, strict=True):
             held += rest[:-1]  # as prompt() keeps them; the batch adds the last one
-        lengths = [len(t) for t in tokens]
-        width = max(lengths)
-        padding = [width - length for length in lengths]
-        inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
-        with self._rolling_used_span():
-            if any(padding):  # right-padded, then rolled to left padding, as prompt() does
-                for cache in self.prompt_cache:
-                    cache.prepare(lengths=lengths, right_padding=padding)
-            last = mx.array(lengths) - 1
+        last = mx.array([len(t) for t in tokens]) - 1
+        with self._right_padded(tokens) as inputs:
             logits = cast(Any, self.model).last_logits(inputs, self.prompt_cache, last)
-            if any(padding):
-                for cache in self.prompt_cache:
-                    cache.finalize()
-            mx.eval(logits, [cache.state for cache in self.prompt_cache])
+        mx.eval(logits, [cache.state for cache in self.prompt_cache])
         return self._generation(tokens, logits)
 
     def _generation(
@@ -397,120 +397,19 @@ class FastPromptProcessingBatch(PromptProcessingBatch):
         return generation
 
     @contextlib.contextmanager
-    def _rolling_used_span(self) -> Iterator[None]:
-        """Prefill caches roll only their used span (`PrefillKVCache`), for the prefill
-        alone: speculation runs on plain BatchKVCache, whose rollback
-        (speculative.roll_back) keeps the buffer's room; trimmed, the next write would copy
-        the whole cache."""
-        plain = [cache for cache in self.prompt_cache if type(cache) is BatchKVCache]
-        for cache in plain:
-            cache.__class__ = PrefillKVCache
-        try:
-            yield
-        finally:
-            for cache in plain:
-                cache.__class__ = BatchKVCache
-
-
-class FastBatchGenerator(BatchGenerator):
-    def __init__(self, model: Any, speculator: Speculator[Any] | None = None, **kwargs: Any):
-        super().__init__(model, **kwargs)
-        # New prompt batches are merged into this one and split off from it (its class is
-        # kept by `_copy`), so every GenerationBatch is built by FastPromptProcessingBatch.
-        self._prompt_batch.__class__ = FastPromptProcessingBatch
-        self._generation_batch = FastGenerationBatch.empty(self.model, self.sampler)
-        self._generation_batch.speculator = speculator
-        if speculator is not None:  # it may outlive a generator whose uids started from 0 too
-            speculator.retain([])
-
-    def _next(self) -> tuple[list[Any], list[Any]]:
-        """mlx-lm moves the prompts whose prefill has ended into the generation batch after
-        this step's decode, so their first tokens waited a whole step of the running rows:
-        here they move first and get their first tokens from this step's decode. Where the
-        model projects only last positions, a prompt's last chunk takes its last token along
-        and its first token comes out of that prefill (`_finish_prompts`)."""
-        final = self._final_prompts()
-        started = self._start_prefilled()
-        prompt_responses, generation_responses = super()._next()
-        if final is not None:
-            finished, firsts = self._finish_prompts(*final)
-            started, generation_responses = started + finished, generation_responses + firsts
-        return started + prompt_responses, generation_responses
-
-    def _final_prompts(
-        self,
-    ) -> tuple[FastPromptProcessingBatch, list[list[int]], list[tuple[int, int]]] | None:
-        """The prompts whose rest, last token included, fits one prefill step, split off the
-        prompt batch (so that mlx-lm's `_next` leaves them alone), with their rests and
-        progress; None where the model cannot project last positions alone."""
-        if not getattr(self.model, "projects_last", False):
-            return None
-        self._admit_waiting()
-        final, rests = [], []
-        for index, (segments, *_) in enumerate(self._currently_processing):
-            rest = [token for segment in segments for token in segment]
-            # insert() makes [prompt[:-1], prompt[-1:]]: two segments at most, here.
-            if len(segments) <= 2 and len(rest) <= self.prefill_step_size:
-                final.append(index)
-                rests.append(rest)
-        if not final:
-            return None
-        progress = [(self._currently_processing[i][2],) * 2 for i in final]
-        self._currently_processing = [
-            seq for i, seq in enumerate(self._currently_processing) if i not in final
-        ]
-        batch = cast(FastPromptProcessingBatch, self._prompt_batch.split(final))
-        return batch, rests, progress
-
-    def _finish_prompts(
-        self,
-        batch: FastPromptProcessingBatch,
-        rests: list[list[int]],
-        progress: list[tuple[int, int]],
-    ) -> tuple[list[PromptProcessingBatch.Response], list[GenerationBatch.Response]]:
-        """Prefill the final prompts with their last tokens and hand out their first tokens;
-        the rows that go on join the generation batch."""
-        uids = list(batch.uids)
-        generation = batch.start(rests)
-        firsts = generation.next()
-        if len(generation):
-            self._generation_batch.extend(generation)
-        finished = [
-            PromptProcessingBatch.Response(uid, prompt_progress, True, True)
-            for uid, prompt_progress in zip(uids, progress, strict=True)
-        ]
-        return finished, firsts
-
-    def _admit_waiting(self) -> None:
-        """mlx-lm's own move of inserted prompts into the prompt batch (its `_next` does it
-        after the decode step), done before it so that their final chunks are seen."""
-        free = self.completion_batch_size - len(self._generation_batch)
-        count = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            free,
-            len(self._unprocessed_sequences),
-        )
-        if count > 0:
-            self._prompt_batch.extend(self._make_batch(count))
-
-    def _start_prefilled(self) -> list[PromptProcessingBatch.Response]:
-        """Prompts with only their last token left to feed, moved into the generation batch
-        (mlx-lm's own split in `_next`, done before the decode step instead of after it)."""
-        done = [i for i, (segments, *_) in enumerate(self._currently_processing)
-                if len(segments) == 1 and len(segments[0]) == 1]  # fmt: skip
-        if not done:
-            return []
-        last_inputs = [self._currently_processing[i][0][0] for i in done]
-        progress = [(self._currently_processing[i][2],) * 2 for i in done]
-        self._currently_processing = [
-            seq for i, seq in enumerate(self._currently_processing) if i not in done
-        ]
-        generation = self._prompt_batch.split(done).generate(last_inputs)
-        self._generation_batch.extend(generation)
-        return [
-            PromptProcessingBatch.Response(uid, prompt_progress, True, True)
-            for uid, prompt_progress in zip(generation.uids, progress, strict=True)
-        ]
+    def _right_padded(self, tokens: list[list[int]]) -> Iterator[mx.array]:
+        """The rows' tokens as one array for forward passes in the block: prompts of
+        different lengths are right-padded, and rolled to left padding after the block."""
+        lengths = [len(t) for t in tokens]
+        width = max(lengths)
+        padding = [width - length for length in lengths]
+        if any(padding):
+            for cache in self.prompt_cache:
+                cache.prepare(lengths=lengths, right_padding=padding)
+        yield mx.array([t + [0] * (width - len(t)) for t in tokens])
+        if any(padding):
+            for cache in self.prompt_cache:
+                finalize_used_span(cache)
 
 
 def _route_rows(model: Any, uids: list[int]) -> None:

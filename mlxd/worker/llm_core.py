@@ -1,10 +1,11 @@
 """The synchronous core of a text or vision model: admission, steps, stops, cancellation.
 
 No threads and no queues: the model's `ModelLoop` calls `add`, `abort` and `step` on its one
-thread, and `step` returns the events it produced for every sequence at once. mlx-lm's
-`BatchGenerator` (as `FastBatchGenerator`) does the batched prefill and decode; the core
-decides who runs (bounded prefill groups, priorities, the prefix cache), detokenizes, matches
-stop strings and keeps one sequence's failure from failing the batch.
+thread, and `step` returns the events it produced for every sequence at once. Each step, as
+vLLM's `EngineCore.step`: `scheduler.schedule` plans it from the queue and the running rows,
+the core starts the admitted sequences (prefix cache, image prefill), `executor.BatchExecutor`
+runs the plan, and the core turns the tokens into events: it detokenizes, matches stop
+strings and keeps one sequence's failure from failing the batch.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlxd import kernels
 from mlxd.cache.lease import PrefixLease
 from mlxd.config import BatchConfig, SpeculativeConfig
-from mlxd.executor.fast_batch import FastBatchGenerator
+from mlxd.executor.batch import BatchExecutor, NewRow
 from mlxd.executor.prefill import SkipPrefillLogits
 from mlxd.executor.sampling import (
     make_sequence_processors,
@@ -34,12 +34,13 @@ from mlxd.executor.sampling import (
 from mlxd.executor.speculative import make_speculator
 from mlxd.executor.stops import StopMatcher
 from mlxd.models.lora import MultiLoRA
+from mlxd.scheduler import Budget, Running, StepPlan, Waiting, schedule
 from mlxd.types import Delta, Event, Finished, FinishReason, GenerationRequest
 
 log = logging.getLogger("mlxd.scheduler")
 
 # A VLM's image prompt, prefilled by the model itself on the model thread (the token-only
-# generator cannot take its input embeddings): returns the filled KV cache and the prompt ids
+# executor cannot take its input embeddings): returns the filled KV cache and the prompt ids
 # still to feed (the last one), so the sequence then decodes in the shared batch.
 MediaPrefill = Callable[[], tuple[list[Any], list[int]]]
 
@@ -48,7 +49,7 @@ class SequenceStatus(enum.IntEnum):
     """A sequence's life; every status from FINISHED_STOPPED on is final."""
 
     WAITING = 0  # queued for admission
-    PREFILLING = 1  # in the generator, no token yet
+    PREFILLING = 1  # in the executor, no token yet
     DECODING = 2
     FINISHED_STOPPED = 3  # end of sequence token or stop string
     FINISHED_LENGTH = 4
@@ -76,7 +77,8 @@ class Sequence:
     prompt_ids: list[int]
     reply: Any = None
     status: SequenceStatus = SequenceStatus.WAITING
-    uid: int | None = None  # the generator's id once admitted
+    uid: int = -1  # the core's id for it, from `add` on
+    computed: int = 0  # prompt tokens in its KV cache, once admitted
     completion_tokens: int = 0
     stops: StopMatcher = field(init=False)
     detokenizer: Any = None
@@ -126,14 +128,15 @@ class LLMCore:
         self.config = batch
         self.stats = CoreStats()
         self._waiting: deque[Sequence] = deque()
-        self._running: dict[int, Sequence] = {}
+        self._running: dict[int, Sequence] = {}  # by uid, in admission order
+        self._uids = itertools.count()
         # First responses whose prompt blocks the prefix cache keeps next step (_store_prompts).
         self._unstored: list[tuple[Sequence, Any]] = []
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
-        self._generator: FastBatchGenerator | None = None
+        self._executor: BatchExecutor | None = None
         self._stream: mx.Stream  # made by start(), on the model thread
-        # Outlives the generator (rebuilt after a failed step), so its counters do too.
+        # Outlives the executor (rebuilt after a failed step), so its counters do too.
         self.speculator = make_speculator(speculative, draft_model) if speculative else None
         # Set once a LoRA adapter is attached: each forward pass then routes its rows.
         self.lora: MultiLoRA | None = None
@@ -149,13 +152,13 @@ class LLMCore:
         mx.set_default_stream(self._stream)
         if self._stream.device == mx.cpu:
             kernels.parallelize_this_thread()
-        self._generator = self._new_generator()
+        self._executor = self._new_executor()
 
     @property
-    def generator(self) -> FastBatchGenerator:
-        if self._generator is None:
+    def executor(self) -> BatchExecutor:
+        if self._executor is None:
             raise RuntimeError("LLMCore.start() must run first, on the model thread")
-        return self._generator
+        return self._executor
 
     @property
     def has_work(self) -> bool:
@@ -174,6 +177,7 @@ class LLMCore:
 
     def add(self, sequence: Sequence) -> None:
         """Queue; FIFO within a priority, higher priorities (interactive) ahead of lower."""
+        sequence.uid = next(self._uids)
         priority = sequence.request.priority
         for index, waiting in enumerate(self._waiting):
             if waiting.request.priority < priority:
@@ -191,13 +195,15 @@ class LLMCore:
         return outputs
 
     def step(self) -> list[Output]:
-        """Keep the prompt blocks of the last step's new sequences, admit what fits, then one
-        batched generator step."""
+        """Keep the prompt blocks of the last step's new sequences, then plan one step, start
+        the sequences it admits and run it."""
         outputs: list[Output] = []
         self._store_prompts()
-        self._admit(outputs)
-        if self._running:
-            self._decode(outputs)
+        plan = schedule(self._waiting_view(), self._running_view(), self._budget())
+        self._reject(plan.rejected, outputs)
+        self._admit(plan.admitted, outputs)
+        if plan.prefill or plan.decode:
+            self._run(plan, outputs)
         return outputs
 
     def fail_all(self, message: str, status: int = 500) -> list[Output]:
@@ -211,55 +217,73 @@ class LLMCore:
                 error=message,
                 error_status=status,
             )
-            self._finish(sequence, event, outputs, in_generator=False)
+            self._finish(sequence, event, outputs, in_executor=False)
         return outputs
 
-    # -- admission -----------------------------------------------------------------------
+    # -- admission ----------------------------------------------------------------------
 
-    def _admit(self, outputs: list[Output]) -> None:
-        # One prefill group at a time: the next starts once this one has its first tokens.
-        if any(s.status is SequenceStatus.PREFILLING for s in self._running.values()):
-            return
-        slots = max(self.config.max_batch_size - len(self._running), 0)
-        window = min(slots, self.config.prefill_batch_size)
-        candidates = list(itertools.islice(self._waiting, window))
-        count = prefill_group_size(
-            # With a cache hit only the uncached suffix is prefilled.
-            [len(s.prompt_ids) - (s.lease.lookup() if s.lease else 0) for s in candidates],
-            slots=slots,
-            max_prompts=self.config.prefill_batch_size,
-            token_budget=self.config.prefill_step_size,
+    def _budget(self) -> Budget:
+        return Budget(
+            max_batch_size=self.config.max_batch_size,
+            prefill_batch_size=self.config.prefill_batch_size,
+            prefill_step_size=self.config.prefill_step_size,
+            max_queue=self.config.max_queue,
+            sample_in_prefill=self.executor.samples_in_prefill,
         )
-        if count == 0:
-            return
-        admitted = self._started([self._waiting.popleft() for _ in range(count)], outputs)
-        if not admitted:
-            return
-        uids = self.generator.insert(
-            [rest for _, rest, _ in admitted],
-            caches=[cache for _, _, cache in admitted],
-            all_tokens=[
-                s.prompt_ids[: s.lease.match.tokens] if s.lease else [] for s, _, _ in admitted
-            ],
-            max_tokens=[s.request.max_tokens for s, _, _ in admitted],
-            samplers=[
-                make_sequence_sampler(s.request.sampling, self._vocab_size) for s, _, _ in admitted
-            ],
-            logits_processors=[
-                _guarded(
-                    s,
-                    make_sequence_processors(s.request.sampling, s.request.max_tokens)
-                    + s.processors,
+
+    def _waiting_view(self) -> list[Waiting]:
+        """The queue as the scheduler sees it. Only the first `prefill_batch_size` can be
+        admitted in one step: only theirs are looked up in the prefix cache."""
+        window = self.config.prefill_batch_size
+        return [
+            Waiting(
+                s.uid,
+                len(s.prompt_ids),
+                s.lease.lookup() if s.lease is not None and index < window else 0,
+            )
+            for index, s in enumerate(self._waiting)
+        ]
+
+    def _running_view(self) -> list[Running]:
+        return [Running(s.uid, len(s.prompt_ids), s.computed) for s in self._running.values()]
+
+    def _reject(self, uids: tuple[int, ...], outputs: list[Output]) -> None:
+        for sequence in [s for s in self._waiting if s.uid in uids]:
+            self.stats.failed += 1
+            error = f"model '{self.name}' has too many requests waiting; retry shortly"
+            event = Finished("error", len(sequence.prompt_ids), 0, error=error, error_status=429)
+            self._finish(sequence, event, outputs)
+
+    def _admit(self, uids: tuple[int, ...], outputs: list[Output]) -> None:
+        """Start the sequences the plan admits (the head of the queue) in the executor."""
+        admitted = [self._waiting.popleft() for _ in uids]
+        assert [s.uid for s in admitted] == list(uids), "the scheduler admits in queue order"
+        rows = []
+        for sequence, rest, cache in self._started(admitted, outputs):
+            offset = len(sequence.prompt_ids) - len(rest)
+            rows.append(
+                NewRow(
+                    sequence.uid,
+                    rest,
+                    sequence.request.max_tokens,
+                    offset=offset,
+                    cache=cache,
+                    held=sequence.prompt_ids[:offset] if sequence.lease else [],
+                    sampler=make_sequence_sampler(sequence.request.sampling, self._vocab_size),
+                    logits_processors=_guarded(
+                        sequence,
+                        make_sequence_processors(
+                            sequence.request.sampling, sequence.request.max_tokens
+                        )
+                        + sequence.processors,
+                    ),
                 )
-                for s, _, _ in admitted
-            ],
-        )
-        for uid, (sequence, _, _) in zip(uids, admitted, strict=True):
-            sequence.uid = uid
-            sequence.status = SequenceStatus.PREFILLING
+            )
+            sequence.computed = offset
             sequence.detokenizer = self.tokenizer.detokenizer
-            self._running[uid] = sequence
+            self._running[sequence.uid] = sequence
             self.stats.prompt_tokens += len(sequence.prompt_ids)
+        self.executor.add(rows)
 
     def _started(
         self, admitted: list[Sequence], outputs: list[Output]
@@ -268,6 +292,7 @@ class LLMCore:
         from its cached prefix, or its own prefill if that worked (else it fails alone)."""
         ready = []
         for sequence in admitted:
+            sequence.status = SequenceStatus.PREFILLING
             if sequence.prefill is None:
                 cached = sequence.lease.match.tokens if sequence.lease else 0
                 cache = sequence.lease.acquire() if sequence.lease else None
@@ -279,23 +304,29 @@ class LLMCore:
                 log.exception("model '%s': prompt prefill failed", self.name)
                 self.stats.failed += 1
                 failed = Finished("error", len(sequence.prompt_ids), 0, error=f"prefill: {exc}")
-                self._finish(sequence, failed, outputs, in_generator=False)
+                self._finish(sequence, failed, outputs, in_executor=False)
                 continue
             ready.append((sequence, rest, cache))
         return ready
 
-    # -- decoding ------------------------------------------------------------------------
+    # -- running -------------------------------------------------------------------------
 
-    def _decode(self, outputs: list[Output]) -> None:
+    def _run(self, plan: StepPlan, outputs: list[Output]) -> None:
+        # A sequence admitted and failed at once (its image prefill) has no row to run.
+        chunks = [chunk for chunk in plan.prefill if chunk.id in self._running]
         try:
-            _, responses = self.generator.next()
+            responses = self.executor.run(chunks, plan.decode)
         except Exception as exc:  # one bad step must not kill the engine: fail the batch, go on
             if self.step_errors_are_fatal:
                 raise
             log.exception("model '%s': batch step failed", self.name)
             outputs.extend(self.fail_all(f"generation failed: {exc}"))
-            self._generator = self._new_generator()
+            self._executor = self._new_executor()
             return
+        for chunk in chunks:
+            sequence = self._running.get(chunk.id)
+            if sequence is not None:
+                sequence.computed = max(sequence.computed, chunk.end)
         if not responses:
             return  # a prefill-only step
         self.stats.steps += 1
@@ -317,7 +348,7 @@ class LLMCore:
                     log.exception("model '%s': a sequence failed", self.name)
                     sequence.fault = f"{type(exc).__name__}: {exc}"
             if sequence.fault is not None and response.finish_reason is not None:
-                self._fail(sequence, outputs, in_generator=False)
+                self._fail(sequence, outputs, in_executor=False)
         for sequence in [s for s in self._running.values() if s.fault is not None]:
             self._fail(sequence, outputs)
 
@@ -343,29 +374,29 @@ class LLMCore:
         if stop is not None or finish:
             reason: FinishReason = "stop" if stop is not None else finish
             done = Finished(reason, len(sequence.prompt_ids), sequence.completion_tokens, stop)
-            self._finish(sequence, done, outputs, in_generator=finish is None)
+            self._finish(sequence, done, outputs, in_executor=finish is None)
             self.stats.finished += 1
 
-    def _fail(self, sequence: Sequence, outputs: list[Output], in_generator: bool = True) -> None:
+    def _fail(self, sequence: Sequence, outputs: list[Output], in_executor: bool = True) -> None:
         """Fail one sequence whose own work raised; the rest of the batch goes on."""
         self.stats.failed += 1
         error = f"generation failed: {sequence.fault}"
         event = Finished("error", len(sequence.prompt_ids), sequence.completion_tokens, error=error)
-        self._finish(sequence, event, outputs, in_generator)
+        self._finish(sequence, event, outputs, in_executor)
 
     def _finish(
-        self, sequence: Sequence, event: Finished, outputs: list[Output], in_generator: bool = True
+        self, sequence: Sequence, event: Finished, outputs: list[Output], in_executor: bool = True
     ) -> None:
         if sequence.status.finished:
             return
         if sequence.status is SequenceStatus.WAITING:
             self._waiting.remove(sequence)
-        elif sequence.uid is not None:
+        else:
             self._running.pop(sequence.uid, None)
-            if in_generator:
+            if in_executor:
                 if event.reason != "error":
                     self._store_prompt_now(sequence)
-                self.generator.remove([sequence.uid])
+                self.executor.remove([sequence.uid])
         sequence.status = FINAL_STATUS[event.reason]
         if sequence.lease is not None:
             sequence.lease.release()
@@ -382,7 +413,7 @@ class LLMCore:
         self._unstored.clear()
 
     def _store_prompt_now(self, sequence: Sequence) -> None:
-        """Keep the prompt of a sequence that leaves the generator before its deferred store
+        """Keep the prompt of a sequence that leaves the executor before its deferred store
         (a stop string in its first token, an abort): its KV is gone once it is removed."""
         for entry in [e for e in self._unstored if e[0] is sequence]:
             self._unstored.remove(entry)
@@ -397,22 +428,14 @@ class LLMCore:
         sequence already finished)."""
         if response.prompt_cache is not None:
             return response.prompt_cache
-        layers, _ = self.generator.extract_cache([response.uid])[response.uid]
-        return layers
+        return self.executor.extract_cache(response.uid)
 
-    def _new_generator(self) -> FastBatchGenerator:
-        stop_tokens = [[t] for t in sorted(self._eos)]
+    def _new_executor(self) -> BatchExecutor:
         model = SkipPrefillLogits(self.model)
         model.route_rows = self._route_rows  # see fast_batch._route_rows
-        # mlx-lm's BatchGenerator, minus per-step work nobody asked for (see fast_batch.py).
-        return FastBatchGenerator(
-            # Duck-typed: the generator only calls the model and reads its layers.
-            cast(nn.Module, model),
-            stop_tokens=stop_tokens,
-            completion_batch_size=self.config.max_batch_size,
-            # Our admission forms the prefill groups; the generator must not split them.
-            prefill_batch_size=self.config.max_batch_size,
-            prefill_step_size=self.config.prefill_step_size,
+        return BatchExecutor(
+            model,
+            stop_tokens=[[t] for t in sorted(self._eos)],
             stream=self._stream,
             speculator=self.speculator,
         )
@@ -423,24 +446,6 @@ class LLMCore:
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
-
-
-def prefill_group_size(
-    prompt_lengths: list[int], *, slots: int, max_prompts: int, token_budget: int
-) -> int:
-    """How many of the waiting prompts (in arrival order) to prefill together.
-
-    As many as fit the free slots, `max_prompts` and `token_budget` prompt tokens; a first
-    prompt longer than the budget goes alone (it is prefilled in budget-sized chunks).
-    Prefilling many short prompts in one forward pass is far cheaper than one by one, and the
-    budget bounds how long one prefill step stalls the running decoders.
-    """
-    count, tokens = 0, 0
-    for length in prompt_lengths[: min(slots, max_prompts)]:
-        if count and tokens + length > token_budget:
-            break
-        count, tokens = count + 1, tokens + length
-    return count
 
 
 def _slot(sequence: Sequence | None) -> int:

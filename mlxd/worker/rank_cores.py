@@ -112,7 +112,7 @@ class LeaderCore:
     def _broadcast(self, last: Command) -> None:
         commands, self._pending = [*self._pending, last], []
         # On the generator's stream: see mlxd/distributed/broadcast.py.
-        broadcast_object(commands, self._group, stream=self.core.generator.stream)
+        broadcast_object(commands, self._group, stream=self.core.executor.stream)
 
 
 class FollowerCore:
@@ -155,7 +155,7 @@ class FollowerCore:
         if self.stopped.is_set():
             return []
         commands: list[Command] = broadcast_object(
-            None, self._group, stream=self.core.generator.stream
+            None, self._group, stream=self.core.executor.stream
         )
         for command in commands:
             self._apply(command)

@@ -121,7 +121,9 @@ def test_a_client_that_stops_reading_is_cut_off(daemon: Daemon, client: openai.O
     stalled.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     stalled.connect((host, int(port)))
     stalled.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        # A Host the daemon serves: any other is refused as DNS rebinding (no keys are set).
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode()
+        + b"Content-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )

@@ -1,6 +1,8 @@
+"""Prefill groups as the scheduler forms them: how many waiting prompts start together."""
+
 import pytest
 
-from mlxd.worker.llm_core import prefill_group_size
+from mlxd.scheduler import Budget, Running, Waiting, schedule
 
 
 @pytest.mark.parametrize(
@@ -17,5 +19,8 @@ from mlxd.worker.llm_core import prefill_group_size
     ],
 )
 def test_prefill_group_size(lengths, slots, max_prompts, budget, expected):
-    size = prefill_group_size(lengths, slots=slots, max_prompts=max_prompts, token_budget=budget)
-    assert size == expected
+    # Rows taken by decoding requests; prompts sampled from their prefill (every token counts).
+    running = [Running(-1 - i, 5, 5) for i in range(32 - slots)]
+    waiting = [Waiting(i, length) for i, length in enumerate(lengths)]
+    limits = Budget(32, max_prompts, budget, max_queue=100, sample_in_prefill=True)
+    assert len(schedule(waiting, running, limits).admitted) == expected

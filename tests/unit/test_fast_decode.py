@@ -12,7 +12,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxd.executor.fast_batch import FastBatchGenerator, PrefillKVCache
+from mlxd.executor.fast_batch import finalize_used_span
 from mlxd.executor.prefill import SkipPrefillLogits
 from mlxd.executor.sampling import (
     GREEDY,
@@ -22,6 +22,7 @@ from mlxd.executor.sampling import (
 )
 from mlxd.models.activations import RationalSwiGLU, use_rational_swiglu
 from mlxd.types import SamplingParams
+from tests.batch_loop import BatchLoop
 
 PROMPTS = [
     "Write a short story about a brave fox on a train.",
@@ -55,7 +56,9 @@ def test_greedy_sampler_choice_follows_top_logprobs() -> None:
     assert make_sequence_sampler(asking, 100) is GREEDY_WITH_LOGPROBS
 
 
-def _generate(generator: BatchGenerator, prompts: list[list[int]], samplers: list) -> dict:
+def _generate(
+    generator: BatchGenerator | BatchLoop, prompts: list[list[int]], samplers: list
+) -> dict:
     uids = generator.insert(prompts, max_tokens=[TOKENS] * len(prompts), samplers=samplers)
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
     logprobs: dict[int, list] = {uid: [] for uid in uids}
@@ -105,7 +108,7 @@ def test_fast_path_gives_the_same_greedy_tokens_on_smollm2(smol) -> None:
     # Fast: rational SiLU, logprobs only for the second prompt.
     assert use_rational_swiglu(smol.model) == len(smol.model.model.layers)
     samplers = [GREEDY, GREEDY_WITH_LOGPROBS, GREEDY, GREEDY]
-    fast = _generate(FastBatchGenerator(smol.model, stop_tokens=eos), prompts, samplers)
+    fast = _generate(BatchLoop(smol.model, stop_tokens=eos), prompts, samplers)
 
     assert fast["tokens"] == reference["tokens"]
     assert sum(len(t) for t in fast["tokens"]) > 2 * TOKENS  # the prompts did generate
@@ -130,7 +133,7 @@ def test_a_first_token_goes_out_with_the_step_that_computes_it(smol) -> None:
             return smol.model(inputs, cache=cache)
 
     prompt = smol.tokenizer.encode("The capital of France is")
-    generator = FastBatchGenerator(Counting(), stop_tokens=[])
+    generator = BatchLoop(Counting(), stop_tokens=[])
     generator.insert([prompt], max_tokens=[6])
     first: list = []
     while not first:
@@ -153,7 +156,7 @@ def test_a_prefilled_prompt_joins_the_very_next_decode_step(smol) -> None:
     token from the next step. mlx-lm moves it into the decode batch only after that step's
     decode, so the first token came one step of the whole batch later."""
     encode = smol.tokenizer.encode
-    generator = FastBatchGenerator(smol.model, stop_tokens=[])
+    generator = BatchLoop(smol.model, stop_tokens=[])
     generator.insert([encode("Once upon a time")], max_tokens=[64])
     while not generator.next_generated():
         pass  # the first sequence is decoding
@@ -182,14 +185,14 @@ def test_first_tokens_from_the_prefill_of_the_last_prompt_tokens_are_mlx_lms(
         "max_tokens": [12, 12, 12, 1],
         "logits_processors": [[], penalty, [], []],
     }
-    ours = FastBatchGenerator(model, stop_tokens=[])
+    ours = BatchLoop(model, stop_tokens=[])
     reference = BatchGenerator(loaded.model, stop_tokens=[])
     ours_uids = ours.insert(
         prompts, samplers=[GREEDY, GREEDY, GREEDY_WITH_LOGPROBS, GREEDY], **options
     )
     theirs_uids = reference.insert(prompts, samplers=[GREEDY_WITH_LOGPROBS] * 4, **options)
 
-    def run(generator: BatchGenerator, uids: list[int]) -> list[list]:
+    def run(generator: BatchGenerator | BatchLoop, uids: list[int]) -> list[list]:
         out: dict[int, list] = {uid: [] for uid in uids}
         while responses := generator.next_generated():
             for response in responses:
@@ -208,7 +211,7 @@ def test_a_lone_prompt_gets_its_first_token_from_the_step_that_prefills_it(smol)
     prefills the prompt and hands out its first token; one joining a decoding batch gets
     its first token from its prefill too, before it joins."""
     encode = smol.tokenizer.encode
-    generator = FastBatchGenerator(SkipPrefillLogits(smol.model), stop_tokens=[])
+    generator = BatchLoop(SkipPrefillLogits(smol.model), stop_tokens=[])
     (first,) = generator.insert([encode("Once upon a time")], max_tokens=[64])
     assert {response.uid for response in generator.next_generated()} == {first}
     (joining,) = generator.insert([encode("The capital of France is")], max_tokens=[4])
@@ -220,13 +223,14 @@ def test_rolling_only_the_used_span_leaves_every_row_as_mlx_lm_does() -> None:
     """Prompts of 3, 1 and 2 new tokens after cached prefixes: right-padded, then rolled into
     left padding. Every position a row attends to matches mlx-lm's, before and after the
     next decode step grows the (now smaller) buffer."""
-    ours, theirs = PrefillKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
+    ours, theirs = BatchKVCache([1, 0, 2]), BatchKVCache([1, 0, 2])
     prefix, prompt, step = (mx.random.normal((3, 2, n, 4)) for n in (5, 3, 1))
     for cache in (ours, theirs):
         cache.update_and_fetch(prefix, prefix + 1)
         cache.prepare(lengths=[3, 1, 2], right_padding=[0, 2, 1])
         cache.update_and_fetch(prompt, prompt + 1)
-        cache.finalize()
+    finalize_used_span(ours)
+    theirs.finalize()
     assert ours.keys.shape[2] == 8 < theirs.keys.shape[2]  # 8 in use of 256 allocated
 
     def attended(cache: BatchKVCache) -> list[mx.array]:

@@ -20,7 +20,6 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlxd.config import BatchConfig, SpeculativeConfig, parse_config
 from mlxd.errors import ModelLoadError
-from mlxd.executor.fast_batch import FastBatchGenerator
 from mlxd.executor.prefill import SkipPrefillLogits
 from mlxd.executor.sampling import GREEDY, make_sequence_sampler
 from mlxd.executor.speculative import (
@@ -32,6 +31,7 @@ from mlxd.executor.speculative import (
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
 from mlxd.worker.llm import _load_draft
 from mlxd.worker.llm_core import LLMCore, Sequence
+from tests.batch_loop import BatchLoop
 from tests.tiny_llama import tiny_llama
 from tests.unit.test_core import LetterTokenizer, run
 
@@ -94,9 +94,7 @@ def test_roll_back_drops_each_rows_own_tail_and_its_positions() -> None:
 
 
 def _generate(model: Any, prompts: list[list[int]], spec: NgramSpeculator | None, **rows: Any):
-    generator = FastBatchGenerator(
-        SkipPrefillLogits(model), stop_tokens=rows.pop("eos"), speculator=spec
-    )
+    generator = BatchLoop(SkipPrefillLogits(model), stop_tokens=rows.pop("eos"), speculator=spec)
     uids = generator.insert(prompts, **rows)
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
     finish: dict[int, str | None] = {}
@@ -277,12 +275,13 @@ def test_sampling_keeps_the_distribution_at_temperature_above_zero(tiny) -> None
 
     def sample(spec: NgramSpeculator | None) -> list[tuple[int, ...]]:
         mx.random.seed(11)
-        generator = FastBatchGenerator(
+        generator = BatchLoop(
             tiny,
             stop_tokens=[],
             speculator=spec,
-            completion_batch_size=count,
+            max_batch_size=count,
             prefill_batch_size=count,
+            prefill_step_size=count * len(prompt),  # every row in one batch, as mlx-lm does
         )
         uids = generator.insert(
             [prompt] * count, max_tokens=[length] * count, samplers=[sampler] * count

@@ -1,0 +1,198 @@
+"""Runs a `scheduler.StepPlan`: prefill chunks, the decode step, first tokens, row removal.
+
+The executor decides nothing: rows enter when the caller admits them (`add`), each step
+prefills exactly the planned chunks and decodes the rows past their prefill, and rows leave
+when they finish or the caller removes them. Rows live in two mlx-lm batches: prompts still
+being prefilled in a `FastPromptProcessingBatch`, decoding rows in one `FastGenerationBatch`
+(see fast_batch.py for what those change in mlx-lm's step).
+
+Order within a step, each to shorten a first token's wait:
+1. rows the plan decodes that finished their prefill one token short join the decode batch,
+   so the decode step below feeds that token and samples their first token;
+2. one decode step for every decoding row;
+3. the prefill chunks that stop short of a prompt's end;
+4. the chunks that end a prompt, its last token included (the model projects only last
+   positions: `SkipPrefillLogits.projects_last`): the first tokens are sampled from that
+   pass and handed out now, and the rows decode from the next step on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxd.executor.fast_batch import FastGenerationBatch, FastPromptProcessingBatch
+from mlxd.executor.sampling import GREEDY
+from mlxd.executor.speculative import Speculator
+from mlxd.scheduler import Chunk
+
+Response = GenerationBatch.Response
+
+# mlx-lm's BatchGenerator frees MLX's buffer cache this often (in decode steps).
+_CLEAR_CACHE_EVERY = 512
+
+
+@dataclass
+class NewRow:
+    """A request the caller admits. `tokens` are the prompt tokens its `cache` lacks, from
+    prompt position `offset` on (a prefix-cache hit or a media prefill holds the others);
+    `held`: the tokens the cache holds, as context for logits processors and drafts."""
+
+    uid: int
+    tokens: list[int]
+    max_tokens: int
+    offset: int = 0
+    cache: list[Any] | None = None
+    held: list[int] = field(default_factory=list)
+    sampler: Any = None  # None: greedy
+    logits_processors: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Prefill:
+    tokens: list[int]  # NewRow.tokens
+    offset: int
+    fed: int = 0  # of `tokens`, in the KV cache now
+
+    def upto(self, end: int) -> list[int]:
+        """The tokens still to feed to hold the prompt up to position `end`."""
+        return self.tokens[self.fed : max(end - self.offset, self.fed)]
+
+    @property
+    def rest(self) -> list[int]:
+        return self.tokens[self.fed :]
+
+
+class BatchExecutor:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        stop_tokens: list[list[int]],
+        stream: mx.Stream | None = None,
+        speculator: Speculator[Any] | None = None,
+    ):
+        """`model`: an mlx-lm model (or `SkipPrefillLogits` around one); `stop_tokens`: token
+        sequences that end every row (the model's end-of-sequence tokens)."""
+        self.model = model
+        self.stream = stream or mx.new_stream(mx.default_device())
+        self._stop = StopSequences(stop_tokens)
+        self._prompts = FastPromptProcessingBatch.empty(model, GREEDY)
+        self._prefill: dict[int, _Prefill] = {}  # by uid, for the rows of `_prompts`
+        self._decoding = FastGenerationBatch.empty(model, GREEDY)
+        self._decoding.speculator = speculator
+        if speculator is not None:  # it may outlive an executor whose uids it saw
+            speculator.retain([])
+        self._decode_steps = 0
+
+    @property
+    def samples_in_prefill(self) -> bool:
+        """Whether a prompt's last chunk can take its last token and sample the first."""
+        return bool(getattr(self.model, "projects_last", False))
+
+    def __len__(self) -> int:
+        return len(self._prompts) + len(self._decoding)
+
+    def add(self, rows: list[NewRow]) -> None:
+        if not rows:
+            return
+        for row in rows:
+            if not row.tokens:
+                raise ValueError(f"row {row.uid} has no prompt token left to feed")
+            self._prefill[row.uid] = _Prefill(row.tokens, row.offset)
+        self._prompts.extend(
+            FastPromptProcessingBatch(
+                self.model,
+                [row.uid for row in rows],
+                [row.cache or make_prompt_cache(self.model) for row in rows],
+                [list(row.held) for row in rows],
+                samplers=[row.sampler or GREEDY for row in rows],
+                fallback_sampler=GREEDY,
+                logits_processors=[row.logits_processors for row in rows],
+                stop_sequences=[self._stop] * len(rows),
+                max_tokens=[row.max_tokens for row in rows],
+            )
+        )
+
+    def run(self, prefill: Sequence[Chunk], decode: Sequence[int]) -> list[Response]:
+        """One step: the tokens it produced, in order, per row (a finished row is removed)."""
+        with mx.stream(self.stream):
+            self._join_decoding(set(decode))
+            responses: list[Response] = []
+            if len(self._decoding):
+                responses = self._decoding.next()
+                self._decode_steps += 1
+                if self._decode_steps % _CLEAR_CACHE_EVERY == 0:
+                    mx.clear_cache()
+            ends = {chunk.id: chunk.end for chunk in prefill}
+            final = {
+                uid
+                for uid, end in ends.items()
+                if end >= self._prefill[uid].offset + len(self._prefill[uid].tokens)
+            }
+            self._feed({uid: end for uid, end in ends.items() if uid not in final})
+            if final:
+                responses += self._finish(final)
+        return responses
+
+    def remove(self, uids: list[int]) -> None:
+        gone = set(uids)
+        if gone & set(self._prompts.uids):
+            self._prompts.filter([i for i, uid in enumerate(self._prompts.uids) if uid not in gone])
+            for uid in gone & self._prefill.keys():
+                del self._prefill[uid]
+        if gone & set(self._decoding.uids):
+            self._decoding.filter(
+                [i for i, uid in enumerate(self._decoding.uids) if uid not in gone]
+            )
+
+    def extract_cache(self, uid: int) -> list[Any]:
+        """A row's per-layer KV cache as it is now."""
+        if uid in self._decoding.uids:
+            return self._decoding.extract_cache(self._decoding.uids.index(uid))
+        return self._prompts.extract_cache(self._prompts.uids.index(uid))
+
+    def _join_decoding(self, decode: set[int]) -> None:
+        """Rows whose prefill stopped one token short and that decode now: into the decode
+        batch, which feeds their last prompt token."""
+        joining = [i for i, uid in enumerate(self._prompts.uids) if uid in decode]
+        if not joining:
+            return
+        rests = [self._prefill.pop(self._prompts.uids[i]).rest for i in joining]
+        self._decoding.extend(self._prompts.split(joining).generate(rests))
+
+    def _feed(self, ends: dict[int, int]) -> None:
+        """Prefill rows up to their planned ends, short of their prompts' ends."""
+        tokens = {uid: self._prefill[uid].upto(end) for uid, end in ends.items()}
+        tokens = {uid: fed for uid, fed in tokens.items() if fed}
+        if not tokens:
+            return
+        uids = self._prompts.uids
+        if tokens.keys() == set(uids):
+            self._prompts.prompt([tokens[uid] for uid in uids])
+        else:  # some rows sit this step out: prefill the others apart (copies their KV)
+            rows = [i for i, uid in enumerate(uids) if uid in tokens]
+            batch = self._prompts.split(rows)
+            batch.prompt([tokens[uid] for uid in batch.uids])
+            self._prompts.extend(batch)
+        for uid, fed in tokens.items():
+            self._prefill[uid].fed += len(fed)
+
+    def _finish(self, final: set[int]) -> list[Response]:
+        """Prefill the rows whose prompts end this step, their last tokens included, and hand
+        out their first tokens; the rows that go on decode from the next step."""
+        if not self.samples_in_prefill:
+            raise ValueError("this model cannot sample a first token from its prefill")
+        rows = [i for i, uid in enumerate(self._prompts.uids) if uid in final]
+        batch = self._prompts.split(rows)
+        rests = [self._prefill.pop(uid).rest for uid in batch.uids]
+        started = batch.start(rests)
+        firsts = started.next()
+        if len(started):
+            self._decoding.extend(started)
+        return firsts
