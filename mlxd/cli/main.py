@@ -17,8 +17,8 @@ from mlxd.process_exit import exit_process
 
 if TYPE_CHECKING:
     from mlxd.config import ModelConfig, ServerConfig
+    from mlxd.memory_need import MemoryNeed
     from mlxd.runtime.engine import Engine
-    from mlxd.runtime.wire import MemoryNeed
 
 COMMANDS = ("serve", "check", "ps", "reload", "load", "unload", "bench")
 DEFAULT_URL = "http://127.0.0.1:8000"

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from mlxd import ollama_store
 from mlxd.config.fields import ApiKeys, ConfigPath, ModelId, Section, anchored
 from mlxd.config.sections import (
     EMBEDDING_PASS_TOKENS,
@@ -21,7 +22,6 @@ from mlxd.config.sections import (
 )
 from mlxd.config.server import RateLimitConfig
 from mlxd.config.units import Duration
-from mlxd.models import ollama_store
 from mlxd.types import RENDER_ARGUMENTS
 
 _SOURCE_SCHEMES = ("pkg://", "hf://", ollama_store.SCHEME)

@@ -29,6 +29,7 @@ ENGINE_FIELDS = (
     "max_prompt_tokens",
     "distributed",
     "speculative",
+    "audio",  # a speech model's worker reads audio.voice: a change needs a new engine
 )
 ROUTING_FIELDS = (
     "aliases",

@@ -35,9 +35,9 @@ from mlxd.control.plan import (
 )
 from mlxd.control.routes import ModelEntry, RouteTable
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
+from mlxd.memory_need import MemoryNeed, gib
 from mlxd.runtime.engine import Engine, EngineStarter
 from mlxd.runtime.shared_pool import AdapterHost, EnginePool, SharedView
-from mlxd.runtime.wire import MemoryNeed, gib
 from mlxd.runtime.worker_proxy import WorkerEngine
 
 log = logging.getLogger("mlxd.reconcile")

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import TEXT_KINDS, ModelConfig
+from mlxd.memory_need import MemoryNeed
 from mlxd.models.estimate import tensors_weight_bytes
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits
 from mlxd.models.loader import _target_dtype
-from mlxd.runtime.wire import MemoryNeed
 
 # Bits per weight of each GGUF type the importer holds exactly in MLX's affine layout (a scale
 # and a bias per 32); the others it requantizes to gguf_quants.requant_bits.

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlxd import ollama_store
 from mlxd.config import Config
 from mlxd.config.loader import Loc
 from mlxd.errors import ModelLoadError
-from mlxd.models import ollama_store
 from mlxd.models.gguf import inspect_gguf
 from mlxd.models.source_paths import source_path
 

@@ -10,8 +10,8 @@ import importlib.util
 from collections.abc import Hashable
 from pathlib import Path
 
+from mlxd import ollama_store
 from mlxd.errors import ModelLoadError
-from mlxd.models import ollama_store
 
 
 def source_path(source: str, *, model_name: str) -> Path:

@@ -3,7 +3,7 @@
 Forms: a local directory with config.json (a CTranslate2 Whisper directory, faster-whisper's
 format, is imported once into the cache dir), a local `*.gguf` file (imported likewise),
 `pkg://module/path` (a file or folder inside an installed package), `ollama://model[:tag]` (a
-GGUF in Ollama's store, models/ollama_store.py) and `hf://org/repo[@revision]`.
+GGUF in Ollama's store, ollama_store.py) and `hf://org/repo[@revision]`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from huggingface_hub import snapshot_download
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from tqdm import tqdm
 
+from mlxd import ollama_store
 from mlxd.errors import ModelLoadError, TransientLoadError
-from mlxd.models import ollama_store
 from mlxd.models.ctranslate2 import CTranslate2Error
 from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
 from mlxd.models.gguf import GGUFError, convert_gguf

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
-from mlxd.runtime.wire import MemoryNeed
+from mlxd.memory_need import MemoryNeed
 from mlxd.types import (
     Admission,
     EmbeddingInput,

@@ -28,10 +28,11 @@ import psutil
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
 from mlxd.distributed.launch import LaunchError
 from mlxd.errors import MlxdError, TransientLoadError, Unavailable
+from mlxd.memory_need import MemoryNeed
 from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
-from mlxd.runtime.wire import MemoryNeed, WorkerSpec, read_message, write_message
+from mlxd.runtime.wire import WorkerSpec, read_message, write_message
 from mlxd.types import (
     Finished,
     GenerationRequest,

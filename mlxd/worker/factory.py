@@ -7,9 +7,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlxd import ollama_store
 from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
-from mlxd.models import ollama_store
+from mlxd.memory_need import MemoryNeed
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.estimate import estimate_model_bytes, estimate_weight_bytes
@@ -19,7 +20,6 @@ from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_ne
 from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
-from mlxd.runtime.wire import MemoryNeed
 
 if TYPE_CHECKING:
     from mlxd.worker.embedding import EmbeddingEngine

@@ -27,7 +27,10 @@ LAYERS: list[set[str]] = [
         "process_exit",
         "parsers",
         "kernels",
+        "ollama_store",
+        "memory_need",
     },
+    {"scheduler", "audio"},
     {"cache", "executor", "models", "constrain", "media", "distributed"},
     {"worker", "runtime"},
     {"control"},
@@ -120,3 +123,29 @@ def test_the_daemon_loads_no_mlx():
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]", out
+
+
+DIALECTS = {"openai", "anthropic", "ollama", "ops"}
+
+
+def dialect_of(module: str) -> str | None:
+    """'openai' for mlxd.api.openai.chat; 'shared' for api/common and api/middleware."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["mlxd", "api"]:
+        return None
+    return parts[2] if parts[2] in DIALECTS else "shared" if parts[2] != "app" else None
+
+
+def test_no_dialect_imports_another_and_shared_code_knows_none():
+    """Each dialect stands on api/common and api/middleware alone; only app.py assembles them,
+    so adding a dialect touches no shared module."""
+    violations = []
+    for module, path in modules():
+        own = dialect_of(module)
+        if own is None:
+            continue
+        for imported in imports(path):
+            other = dialect_of(imported)
+            if other in DIALECTS and other != own:
+                violations.append(f"{module} imports {imported}")
+    assert violations == []

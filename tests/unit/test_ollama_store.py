@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from mlxd import ollama_store
 from mlxd.config.loader import parse_config
 from mlxd.errors import ModelLoadError
-from mlxd.models import ollama_store
-from mlxd.models.ollama_store import OllamaStoreError, resolve
 from mlxd.models.source_paths import source_stamp
 from mlxd.models.sources import resolve_source
+from mlxd.ollama_store import OllamaStoreError, resolve
 from tests.gguf_files import write_gguf
 from tests.ollama_store import pull
 from tests.unit.test_gguf import write_tiny_gguf

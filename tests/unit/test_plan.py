@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from mlxd.config import (
+    AudioConfig,
     BatchConfig,
     CacheConfig,
     Config,
@@ -61,6 +62,7 @@ ENGINE_CHANGES: dict[str, Any] = {
     "max_prompt_tokens": 1024,
     "distributed": DistributedConfig(hosts=["127.0.0.1"] * 3),
     "speculative": SpeculativeConfig(num_tokens=2),
+    "audio": AudioConfig(voice="expr-voice-2-f"),
 }
 ROUTING_CHANGES: dict[str, Any] = {
     "aliases": ["x"],

@@ -15,14 +15,23 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from quart import Quart, Response, current_app, g, has_app_context, request
 
 from mlxd.types import Delta, Event, Finished
 
-if TYPE_CHECKING:
-    from mlxd.api.ops.metrics import Metrics
+
+class Metrics(Protocol):
+    """Where observed requests are counted (`api/ops/metrics.py` keeps the real one): this
+    module knows only what it calls."""
+
+    listeners: list[Callable[[dict[str, Any]], None]]  # each request's log fields
+
+    def tokens(self, model: str, count: int) -> None: ...
+
+    def observe(self, record: RequestRecord, duration_s: float) -> None: ...
+
 
 log = logging.getLogger("mlxd.access")
 
