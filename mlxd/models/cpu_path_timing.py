@@ -7,13 +7,18 @@ figure is a whole-model step estimate: layers × one layer's matmuls, plus the h
 (a prefill chunk projects only its last positions). The head is timed over at most
 `HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
 float32 head need not be materialised. Everything else a step does (attention, norms, RoPE)
-runs the same kernels on both paths and is left out. A decode figure is the median of
+runs the same kernels on both paths and is left out. A decode figure is the fastest of
 `REPEATS` runs after a warm-up; the prefill chunk, which costs the most and runs on weights and
-threads the decode phases warmed, the median of `PREFILL_REPEATS` without one, timed over at
+threads the decode phases warmed, the fastest of `PREFILL_REPEATS` without one, timed over at
 most `PREFILL_ROWS` rows and scaled to the chunk: from 64 rows both paths are compute-bound
 (the kernels dequantize a tile once per pass over all rows), so time grows with the rows.
 Measured here: ≈ 7 s for SmolLM2 and ≈ 30 s for a Llama-3.2-1B shape set on 2 cores at load
 average 18 (both before the prefill cap); a quiet machine takes a fraction of that.
+The fastest run, not the median: other work on the machine only ever adds time (an OpenMP team
+whose threads are preempted stalls for whole scheduler slices). Timings taken while the machine
+had twice as many runnable tasks as cores are used for this load but not cached: the next load times
+again (measured: a cache written at load average 18 kept SmolLM2 on one thread, 49 tok/s at one
+stream on the quiet machine, against 77 for the choice it times there).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import importlib.util
 import os
 import platform
 import re
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,7 +117,7 @@ def _matrix(shape: Shape) -> _Matrix:
     return _Matrix(kernels.pack(weight, scales, biases, group, bits), dense, out / rows)
 
 
-def _median_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:
+def _best_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:
     if warm_up:
         mx.eval(run())  # first-call allocations, thread pools
     times = []
@@ -121,7 +125,7 @@ def _median_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -
         started = time.perf_counter()
         mx.eval(run())
         times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def _time(matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = False) -> float:
@@ -138,7 +142,7 @@ def _time(matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = Fals
             return [x[m.dense.shape[1]] @ m.dense.T for m in group]
 
         repeats = PREFILL_REPEATS if prefill else REPEATS
-        total += scale * _median_ms(run, repeats, warm_up=not prefill)
+        total += scale * _best_ms(run, repeats, warm_up=not prefill)
     return total
 
 
@@ -171,6 +175,12 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
     kernels.set_threads(1)
     packed_one = phase_times(True) if cores > 1 else packed_all
     return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
+
+
+def machine_busy() -> bool:
+    """Over the last minute, twice as many runnable tasks as cores: timings taken now say more
+    about the other work than about the paths."""
+    return os.getloadavg()[0] > 2 * len(os.sched_getaffinity(0))
 
 
 # This process's timings by key, and whether they came from the disk cache: a worker
@@ -216,7 +226,8 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
     cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
     if key not in _timed:
         timings = cache.get(key)
+        busy = timings is None and machine_busy()  # before our own timing adds to the load
         _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
-        if timings is None:
+        if timings is None and not busy:
             cache.put(key, ident, _timed[key][0])
     return decided(*_timed[key])

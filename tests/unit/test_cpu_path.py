@@ -220,6 +220,7 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
 
     monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
     monkeypatch.setattr(cpu_path_timing, "_timed", {})
+    monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: False)
     config = ModelConfig(kind="llm", source=str(smol_packed.path))
     server = ServerConfig(cache_dir=tmp_path)
     first = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
@@ -235,6 +236,24 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     assert choice is not None and choice.plan == "packed" and choice.timings is None
     assert len(timed) == 1  # float32 does not fit: nothing timed
     assert choice.weight_bytes < 300 * 2**20
+
+
+def test_timings_taken_on_a_busy_machine_are_used_but_not_cached(
+    smol_packed, tmp_path, monkeypatch
+):
+    from mlxd.config import ModelConfig, ServerConfig
+    from mlxd.models import cpu_path_timing
+
+    timed = []
+    monkeypatch.setattr(cpu_path_timing, "time_paths", lambda s, p: timed.append(p) or EPYC)
+    monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: True)
+    config = ModelConfig(kind="llm", source=str(smol_packed.path))
+    server = ServerConfig(cache_dir=tmp_path)
+    for _ in range(2):  # two worker processes, one after the other
+        monkeypatch.setattr(cpu_path_timing, "_timed", {})
+        choice = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
+        assert choice is not None and choice.plan == "float32" and not choice.cached
+    assert len(timed) == 2 and not list(tmp_path.rglob("*.json"))
 
 
 def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
