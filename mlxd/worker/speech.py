@@ -3,22 +3,30 @@ for the real-time factor, and their figures for /v1/status, `mlxd ps` and the da
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from mlxd.config import ModelConfig
 from mlxd.worker.jobs import JobCore, JobLoop
 from mlxd.worker.service import ServiceEngine
 
 
-class SpeechEngine(ServiceEngine):
+class _Loaded(Protocol):
+    nbytes: int
+
+
+Loaded = TypeVar("Loaded", bound=_Loaded)
+
+
+class SpeechEngine(ServiceEngine, Generic[Loaded]):
     def __init__(
-        self, name: str, config: ModelConfig, weights_bytes: int, core: JobCore, loop: JobLoop
+        self, name: str, config: ModelConfig, loaded: Loaded, core: JobCore, loop: JobLoop
     ):
         super().__init__(name, config)
+        self.loaded = loaded
         self.core = core
         self.loop = loop
-        self.weights_bytes = weights_bytes
-        self.memory_bytes = weights_bytes
+        self.weights_bytes = loaded.nbytes
+        self.memory_bytes = loaded.nbytes
         self.audio_seconds = 0.0  # heard (stt) or spoken (tts)
 
     def model_stats(self) -> dict[str, Any]:

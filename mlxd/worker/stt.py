@@ -20,7 +20,7 @@ from mlxd.config import ModelConfig, ServerConfig
 from mlxd.errors import InvalidRequest
 from mlxd.models.speech import LoadedSTT, load_stt
 from mlxd.types import Segment, Transcript, TranscriptionRequest, Word
-from mlxd.worker.jobs import JobCore, JobLoop, run_job, start_jobs
+from mlxd.worker.jobs import run_job, start_jobs
 from mlxd.worker.speech import SpeechEngine
 
 # OpenAI's temperature 0: start greedy and raise the temperature while the output fails
@@ -28,14 +28,8 @@ from mlxd.worker.speech import SpeechEngine
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
-class STTEngine(SpeechEngine):
+class STTEngine(SpeechEngine[LoadedSTT]):
     kind = "stt"
-
-    def __init__(
-        self, name: str, config: ModelConfig, loaded: LoadedSTT, core: JobCore, loop: JobLoop
-    ):
-        super().__init__(name, config, loaded.nbytes, core, loop)
-        self.loaded = loaded
 
     @classmethod
     async def load(

@@ -14,20 +14,14 @@ from mlxd.config import ModelConfig, ServerConfig
 from mlxd.errors import InvalidRequest
 from mlxd.models.speech import LoadedTTS, load_tts
 from mlxd.types import Speech, SpeechRequest
-from mlxd.worker.jobs import JobCore, JobLoop, run_job, start_jobs
+from mlxd.worker.jobs import run_job, start_jobs
 from mlxd.worker.speech import SpeechEngine
 
 SYNTHESIS_SEED = 0
 
 
-class TTSEngine(SpeechEngine):
+class TTSEngine(SpeechEngine[LoadedTTS]):
     kind = "tts"
-
-    def __init__(
-        self, name: str, config: ModelConfig, loaded: LoadedTTS, core: JobCore, loop: JobLoop
-    ):
-        super().__init__(name, config, loaded.nbytes, core, loop)
-        self.loaded = loaded
 
     @classmethod
     async def load(
