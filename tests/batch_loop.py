@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from mlxd.executor.batch import BatchExecutor, NewRow, Response
+from mlxd.executor.batch import BatchExecutor, NewRow
+from mlxd.executor.decode_batch import TokenOut
 from mlxd.executor.speculative import Speculator
 from mlxd.scheduler import Budget, Running, Waiting, schedule
 
@@ -16,7 +17,7 @@ class BatchLoop:
         self,
         model: Any,
         *,
-        stop_tokens: list[list[int]],
+        stop_tokens: list[int],
         speculator: Speculator[Any] | None = None,
         max_batch_size: int = 32,
         prefill_batch_size: int = 8,
@@ -55,7 +56,7 @@ class BatchLoop:
         self._waiting += rows
         return [row.uid for row in rows]
 
-    def step(self) -> list[Response]:
+    def step(self) -> list[TokenOut]:
         waiting = [Waiting(row.uid, len(row.tokens)) for row in self._waiting]
         plan = schedule(waiting, list(self._running.values()), self.budget)
         admitted = self._waiting[: len(plan.admitted)]
@@ -71,7 +72,7 @@ class BatchLoop:
                 del self._running[response.uid]
         return responses
 
-    def next_generated(self) -> list[Response]:
+    def next_generated(self) -> list[TokenOut]:
         """Steps until one produces tokens; [] once nothing is left to run."""
         while self._waiting or self._running:
             responses = self.step()

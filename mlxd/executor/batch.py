@@ -2,9 +2,9 @@
 
 The executor decides nothing: rows enter when the caller admits them (`add`), each step
 prefills exactly the planned chunks and decodes the rows past their prefill, and rows leave
-when they finish or the caller removes them. Rows live in two mlx-lm batches: prompts still
-being prefilled in a `FastPromptProcessingBatch`, decoding rows in one `FastGenerationBatch`
-(see fast_batch.py for what those change in mlx-lm's step).
+when they finish or the caller removes them. Rows live in two batches: prompts still being
+prefilled in a `PromptBatch`, decoding rows in one `DecodeBatch` (prompt_batch.py,
+decode_batch.py: what they do differently from mlx-lm's batches is said there).
 
 Order within a step, each to shorten a first token's wait:
 1. rows the plan decodes that finished their prefill one token short join the decode batch,
@@ -18,20 +18,19 @@ Order within a step, each to shorten a first token's wait:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.executor.fast_batch import FastGenerationBatch, FastPromptProcessingBatch
+from mlxd.executor.decode_batch import DecodeBatch, TokenOut
+from mlxd.executor.prompt_batch import PromptBatch
+from mlxd.executor.rows import Row, merge_caches
 from mlxd.executor.sampling import GREEDY
 from mlxd.executor.speculative import Speculator
 from mlxd.scheduler import Chunk
-
-Response = GenerationBatch.Response
 
 # mlx-lm's BatchGenerator frees MLX's buffer cache this often (in decode steps).
 _CLEAR_CACHE_EVERY = 512
@@ -73,19 +72,17 @@ class BatchExecutor:
         self,
         model: Any,
         *,
-        stop_tokens: list[list[int]],
+        stop_tokens: Collection[int],
         stream: mx.Stream | None = None,
         speculator: Speculator[Any] | None = None,
     ):
-        """`model`: an mlx-lm model (or `SkipPrefillLogits` around one); `stop_tokens`: token
-        sequences that end every row (the model's end-of-sequence tokens)."""
+        """`model`: an mlx-lm model (or `SkipPrefillLogits` around one); `stop_tokens`: the
+        tokens that end every row (the model's end-of-sequence tokens)."""
         self.model = model
         self.stream = stream or mx.new_stream(mx.default_device())
-        self._stop = StopSequences(stop_tokens)
-        self._prompts = FastPromptProcessingBatch.empty(model, GREEDY)
+        self._prompts = PromptBatch(model, [], [])
         self._prefill: dict[int, _Prefill] = {}  # by uid, for the rows of `_prompts`
-        self._decoding = FastGenerationBatch.empty(model, GREEDY)
-        self._decoding.speculator = speculator
+        self._decoding = DecodeBatch(model, stop_tokens, speculator)
         if speculator is not None:  # it may outlive an executor whose uids it saw
             speculator.retain([])
         self._decode_steps = 0
@@ -105,25 +102,24 @@ class BatchExecutor:
             if not row.tokens:
                 raise ValueError(f"row {row.uid} has no prompt token left to feed")
             self._prefill[row.uid] = _Prefill(row.tokens, row.offset)
-        self._prompts.extend(
-            FastPromptProcessingBatch(
-                self.model,
-                [row.uid for row in rows],
-                [row.cache or make_prompt_cache(self.model) for row in rows],
-                [list(row.held) for row in rows],
-                samplers=[row.sampler or GREEDY for row in rows],
-                fallback_sampler=GREEDY,
-                logits_processors=[row.logits_processors for row in rows],
-                stop_sequences=[self._stop] * len(rows),
-                max_tokens=[row.max_tokens for row in rows],
+        batch_rows = [
+            Row(
+                row.uid,
+                list(row.held),
+                row.max_tokens,
+                row.sampler or GREEDY,
+                tuple(row.logits_processors),
             )
-        )
+            for row in rows
+        ]
+        caches = [row.cache or make_prompt_cache(self.model) for row in rows]
+        self._prompts.extend(PromptBatch(self.model, batch_rows, merge_caches(caches)))
 
-    def run(self, prefill: Sequence[Chunk], decode: Sequence[int]) -> list[Response]:
+    def run(self, prefill: Sequence[Chunk], decode: Sequence[int]) -> list[TokenOut]:
         """One step: the tokens it produced, in order, per row (a finished row is removed)."""
         with mx.stream(self.stream):
             self._join_decoding(set(decode))
-            responses: list[Response] = []
+            responses: list[TokenOut] = []
             if len(self._decoding):
                 responses = self._decoding.next()
                 self._decode_steps += 1
@@ -163,8 +159,11 @@ class BatchExecutor:
         joining = [i for i, uid in enumerate(self._prompts.uids) if uid in decode]
         if not joining:
             return
-        rests = [self._prefill.pop(self._prompts.uids[i]).rest for i in joining]
-        self._decoding.extend(self._prompts.split(joining).generate(rests))
+        batch = self._prompts.split(joining)
+        rests = [self._prefill.pop(uid).rest for uid in batch.uids]
+        if any(len(rest) > 1 for rest in rests):
+            batch.prompt([rest[:-1] for rest in rests])
+        self._decoding.join(batch.rows, batch.cache, [rest[-1] for rest in rests])
 
     def _feed(self, ends: dict[int, int]) -> None:
         """Prefill rows up to their planned ends, short of their prompts' ends."""
@@ -183,7 +182,7 @@ class BatchExecutor:
         for uid, fed in tokens.items():
             self._prefill[uid].fed += len(fed)
 
-    def _finish(self, final: set[int]) -> list[Response]:
+    def _finish(self, final: set[int]) -> list[TokenOut]:
         """Prefill the rows whose prompts end this step, their last tokens included, and hand
         out their first tokens; the rows that go on decode from the next step."""
         if not self.samples_in_prefill:
@@ -191,8 +190,7 @@ class BatchExecutor:
         rows = [i for i, uid in enumerate(self._prompts.uids) if uid in final]
         batch = self._prompts.split(rows)
         rests = [self._prefill.pop(uid).rest for uid in batch.uids]
-        started = batch.start(rests)
-        firsts = started.next()
-        if len(started):
-            self._decoding.extend(started)
-        return firsts
+        logits = batch.last_logits(rests)
+        return self._decoding.join_sampled(
+            batch.rows, batch.cache, [rest[-1] for rest in rests], logits
+        )

@@ -432,10 +432,10 @@ class LLMCore:
 
     def _new_executor(self) -> BatchExecutor:
         model = SkipPrefillLogits(self.model)
-        model.route_rows = self._route_rows  # see fast_batch._route_rows
+        model.route_rows = self._route_rows  # see executor.rows.RowBatch.route
         return BatchExecutor(
             model,
-            stop_tokens=[[t] for t in sorted(self._eos)],
+            stop_tokens=self._eos,
             stream=self._stream,
             speculator=self.speculator,
         )

@@ -120,7 +120,7 @@ def smol_rows(smol) -> SmolRows:
         "Three uses for a paperclip:",
     ]
     rows = {
-        "eos": [[t] for t in sorted(tokenizer.eos_token_ids)],
+        "eos": sorted(tokenizer.eos_token_ids),
         "max_tokens": [24, 10, 10],
         "samplers": [GREEDY] * 3,
         # The last row has a logits processor, so it never drafts: it decodes one token per
