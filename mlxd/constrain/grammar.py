@@ -6,11 +6,11 @@ sequence (that is where an invalid schema surfaces, as ValueError).
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 from llguidance import LLMatcher
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
@@ -37,12 +37,15 @@ class Constrainer:
 
     def __init__(self, tokenizer: TokenizerWrapper | PreTrainedTokenizerFast):
         if isinstance(tokenizer, TokenizerWrapper):
-            hf_tokenizer, eos = tokenizer._tokenizer, sorted(tokenizer.eos_token_ids)
+            eos = sorted(tokenizer.eos_token_ids)
         else:
-            hf_tokenizer, eos = tokenizer, [tokenizer.eos_token_id]
-        self.tokenizer: llguidance.LLTokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, eos_token=eos
-        )
+            eos = [tokenizer.eos_token_id]
+        # The Rust tokenizer (mlx-lm's wrapper forwards attributes to the HF tokenizer), as
+        # llguidance.hf.from_tokenizer serialises it, which accepts the HF class alone.
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
 
     def json_object(self) -> str:
         """Any JSON object."""

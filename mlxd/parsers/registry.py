@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from functools import partial
-from types import SimpleNamespace
 
 from mlxd.parsers.base import OutputPart, StreamParser, TextPart
 from mlxd.parsers.harmony import HarmonyParser
@@ -48,12 +47,13 @@ _LLAMA3_INSTRUCTIONS = re.compile(r'"parameters":\s*dictionary')
 _OURS = {"json_tools": "hermes", "qwen3_coder": "qwen3_coder", "mistral": "mistral"}
 
 
-def detect_tool_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches its model, if any: mlx-lm's inference
-    first (it tells apart the formats that share `<tool_call>`: glm47, qwen3_coder, hermes),
-    then mlxd's own checks."""
+def detect_tool_format(chat_template: str | None, loaded_format: str | None = None) -> str | None:
+    """The tool-call format a chat template teaches its model, if any: the one mlx-lm's loader
+    found for the model's tokenizer first (`loaded_format`, named as in `mlx_lm.tool_parsers`:
+    it tells apart the formats that share `<tool_call>`: glm47, qwen3_coder, hermes), then
+    mlxd's own checks of the template."""
     template = chat_template or ""
-    inferred = _infer_with_mlx_lm(template)
+    inferred = loaded_format
     if inferred in _OURS:
         return _OURS[inferred]
     if inferred in MLX_LM_FORMATS:
@@ -67,25 +67,17 @@ def detect_tool_format(chat_template: str | None) -> str | None:
     return None
 
 
-def _infer_with_mlx_lm(template: str) -> str | None:
-    """mlx-lm's template-based format inference (`tokenizer_utils._infer_tool_parser`: not a
-    public API, so any failure just means "no opinion")."""
-    try:
-        from mlx_lm.tokenizer_utils import _infer_tool_parser
-
-        return _infer_tool_parser(SimpleNamespace(chat_template=template, get_vocab=dict))
-    except Exception:
-        return None
-
-
 def make_tool_parser(
-    name: str | None, chat_template: str | None = None, tools: list[dict] | None = None
+    name: str | None,
+    chat_template: str | None = None,
+    tools: list[dict] | None = None,
+    loaded_format: str | None = None,
 ) -> StreamParser | None:
-    """A fresh tool-call parser; "auto" picks it from the chat template (None if it shows no
-    known format). `tools` (the request's) helps the mlx-lm formats that type arguments by
+    """A fresh tool-call parser; "auto" picks it as `detect_tool_format` does (None if there
+    is no known format). `tools` (the request's) helps the mlx-lm formats that type arguments by
     schema. Raises ValueError for an unknown name."""
     if name == "auto":
-        name = detect_tool_format(chat_template)
+        name = detect_tool_format(chat_template, loaded_format)
     if name is None:
         return None
     if name not in TOOL_PARSERS:

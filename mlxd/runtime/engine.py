@@ -116,6 +116,12 @@ class Engine(Protocol):
     def chat_template(self) -> str | None: ...
 
     @property
+    def tool_format(self) -> str | None:
+        """The tool-call format mlx-lm's loader found for the model's tokenizer, named as in
+        `mlx_lm.tool_parsers` (None: unknown; the chat template decides)."""
+        ...
+
+    @property
     def idle(self) -> bool:
         """True when no request is queued, running or being submitted."""
         ...

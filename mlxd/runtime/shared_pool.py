@@ -139,6 +139,10 @@ class SharedView:
         return self.engine.chat_template
 
     @property
+    def tool_format(self) -> str | None:
+        return self.engine.tool_format
+
+    @property
     def idle(self) -> bool:
         return self._open == 0
 

@@ -70,6 +70,7 @@ class WorkerEngine:
         self.estimate_bytes: int = ready["memory_bytes"]
         self._cache_ram = config.cache.ram
         self.chat_template: str | None = ready["chat_template"]
+        self.tool_format: str | None = ready["tool_format"]
         self.last_used = time.monotonic()
         self.started_at = time.monotonic()
         self.failure: str | None = None

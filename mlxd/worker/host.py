@@ -79,6 +79,7 @@ class EngineHost:
             "pid": os.getpid(),
             "memory_bytes": self.engine.memory_bytes,
             "chat_template": getattr(self.engine, "chat_template", None),
+            "tool_format": getattr(self.engine, "tool_format", None),
             "stats": self.stats(),
         }
 

@@ -30,7 +30,7 @@ from mlxd.worker.factory import resolve_draft
 from mlxd.worker.hooks import load_hooks
 from mlxd.worker.llm_core import LLMCore, MediaPrefill, Output, Sequence
 from mlxd.worker.loop import Core, ModelLoop
-from mlxd.worker.prompt import render_chat, template_supports_tools
+from mlxd.worker.prompt import loaded_tool_format, render_chat, template_supports_tools
 
 log = logging.getLogger("mlxd.engine")
 
@@ -91,6 +91,7 @@ class LLMEngine:
         self.last_used = time.monotonic()
         self._open = 0  # requests from submit() until their stream ends
         self.chat_template: str | None = getattr(loaded.tokenizer, "chat_template", None)
+        self.tool_format = loaded_tool_format(loaded.tokenizer)
         self._constrainer_instance: Constrainer | None = None
         self._constrainer_lock = threading.Lock()
         self._hooks = load_hooks()  # none unless MLXD_WORKER_HOOKS names a module (tests)
@@ -201,7 +202,9 @@ class LLMEngine:
         """The prompt ids, the sequence's grammar processor, and what the API side needs to
         know; blocking (templates, tokenizing, grammars can take a while)."""
         prompt_ids = self.encode(request)
-        return Prepared(prompt_ids, self._processors(request), self._admission(request, prompt_ids))
+        return Prepared(
+            prompt_ids, self.request_processors(request), self._admission(request, prompt_ids)
+        )
 
     def _admission(self, request: GenerationRequest, prompt_ids: list[int]) -> Admission:
         forced = request.tool_choice not in (None, "auto")
@@ -214,7 +217,9 @@ class LLMEngine:
             reasoning_open=prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-4:])),
         )
 
-    def _processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
+    def request_processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
+        """The grammar and test-hook processors of a request (followers of a distributed
+        model build theirs with it too)."""
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in request.sampling.logit_bias or {}):
             # mlx indexes logits without bounds checks: a stray id corrupts memory.

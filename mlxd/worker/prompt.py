@@ -34,6 +34,14 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return chat_template is not None and "tools" in chat_template
 
 
+def loaded_tool_format(tokenizer: Any) -> str | None:
+    """The tool-call format mlx-lm's loader inferred for a tokenizer: the module of the
+    wrapper's `tool_parser`, named as in `mlx_lm.tool_parsers` (None where it found none)."""
+    module: str = getattr(getattr(tokenizer, "tool_parser", None), "__module__", None) or ""
+    package = "mlx_lm.tool_parsers."
+    return module.removeprefix(package) if module.startswith(package) else None
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],

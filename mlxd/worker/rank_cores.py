@@ -219,7 +219,7 @@ def load_member(
 
     def follower(engine: LLMEngine) -> FollowerCore:
         # The engine's own grammar and fault processors, as rank 0's `prepare` builds them.
-        followers.append(FollowerCore(engine.core, group, engine._processors))
+        followers.append(FollowerCore(engine.core, group, engine.request_processors))
         return followers[0]
 
     # No prefix cache: each rank's KV holds its own heads (tensor) or layers (pipeline), so a

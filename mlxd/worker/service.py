@@ -22,6 +22,7 @@ class ServiceEngine:
 
     kind: str  # set by each subclass
     chat_template: str | None = None  # none of these has one
+    tool_format: str | None = None
     loop: ModelLoop[Any, Any]
 
     def __init__(self, name: str, config: ModelConfig):

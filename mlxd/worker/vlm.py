@@ -155,7 +155,9 @@ class VLMEngine(LLMEngine):
             return super().prepare(request)
         ids = _ids(inputs)
         prefill = functools.partial(self._prefill_images, inputs)
-        return Prepared(ids, self._processors(request), self._admission(request, ids), prefill)
+        return Prepared(
+            ids, self.request_processors(request), self._admission(request, ids), prefill
+        )
 
     def _vision_inputs(self, request: GenerationRequest) -> dict[str, Any] | None:
         """Processor outputs (ids with image tokens, pixel values, grids); None without images."""

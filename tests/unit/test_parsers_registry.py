@@ -102,3 +102,16 @@ def test_reasoning_streams_before_the_block_closes():
 )
 def test_prompt_opens_reasoning(prompt, opens):
     assert prompt_opens_reasoning(prompt) is opens
+
+
+@pytest.mark.parametrize(
+    ("loaded", "template", "name"),
+    [
+        ("glm47", PLAIN, "glm47"),  # mlx-lm's loader knows formats mlxd's checks do not
+        ("json_tools", PLAIN, "hermes"),  # mlx-lm's names for mlxd's own parsers
+        ("qwen3_coder", QWEN25, "qwen3_coder"),  # the loader's finding beats the template's
+        (None, QWEN25, "hermes"),
+    ],
+)
+def test_the_format_mlx_lm_loaded_comes_first(loaded, template, name):
+    assert detect_tool_format(template, loaded) == name

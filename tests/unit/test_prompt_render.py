@@ -7,7 +7,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
 from mlxd.errors import InvalidRequest
-from mlxd.worker.prompt import render_chat
+from mlxd.worker.prompt import loaded_tool_format, render_chat
 from tests.unit.test_gguf import CHATML, tiny_metadata
 
 # Like Gemma's or Mistral's templates: a system message is allowed only first.
@@ -83,3 +83,12 @@ def test_a_template_error_that_folding_cannot_fix_is_reported():
     strict = "{{ raise_exception('no') }}"
     with pytest.raises(InvalidRequest, match="rejected the messages: no"):
         render(strict, [{"role": "user", "content": "Hi"}, {"role": "system", "content": "B"}])
+
+
+def test_the_tool_format_mlx_lm_loaded_is_read_from_the_wrapper():
+    from mlx_lm.tool_parsers import glm47
+
+    fast = tokenizer(CHATML)
+    assert loaded_tool_format(fast) is None
+    with_parser = TokenizerWrapper(fast, tool_parser=glm47.parse_tool_call)
+    assert loaded_tool_format(with_parser) == "glm47"

@@ -179,7 +179,12 @@ def output_parser(
     configured = entry.config.parsers.tool_calls
     if request.tools:
         name = "hermes" if admission.hermes_tools else configured or "auto"
-        tool = make_tool_parser(name, getattr(engine, "chat_template", None), request.tools)
+        tool = make_tool_parser(
+            name,
+            getattr(engine, "chat_template", None),
+            request.tools,
+            getattr(engine, "tool_format", None),
+        )
     reasoning = make_reasoning_parser(entry.config.parsers.reasoning, admission.reasoning_open)
     return compose(tool, reasoning)
 
