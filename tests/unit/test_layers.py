@@ -149,3 +149,51 @@ def test_no_dialect_imports_another_and_shared_code_knows_none():
             if other in DIALECTS and other != own:
                 violations.append(f"{module} imports {imported}")
     assert violations == []
+
+
+# The private modules mlxd imports: mlx's launcher (`mlx.launch`), whose stdin-forwarding
+# select would otherwise spin a fifth of a core per idle group (see distributed/launcher.py);
+# for type checking only, the TypedDict of options llguidance's public
+# `grammar_from_json_schema` takes, which its stub alone declares.
+PRIVATE_IMPORTS_ALLOWED = {
+    ("mlxd.distributed.launcher", "mlx._distributed_utils"),
+    ("mlxd.constrain.grammar", "llguidance._lib"),
+}
+
+
+def private_imports(path: Path) -> list[str]:
+    """Another library's private modules or names a module imports (`_x` anywhere in the
+    dotted path, or an imported `_name`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("mlxd"):
+            if any(part.startswith("_") for part in node.module.split(".")):
+                found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [
+                a.name
+                for a in node.names
+                if not a.name.startswith("mlxd")
+                and any(part.startswith("_") for part in a.name.split("."))
+            ]
+    return found
+
+
+def test_no_module_imports_another_librarys_private_parts():
+    found = {
+        (module, name)
+        for module, path in modules()
+        for name in private_imports(path)
+        if not name.startswith("__future__")
+    }
+    assert found - PRIVATE_IMPORTS_ALLOWED == set()
+
+
+def test_no_mlxd_class_subclasses_mlx_lms_batches():
+    """mlxd's batch engine stands on mlx-lm's models and cache classes, not its generator."""
+    for module, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "mlx_lm.generate":
+                names = {a.name for a in node.names}
+                assert names <= {"generation_stream"}, f"{module} imports {names}"
