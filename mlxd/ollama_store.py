@@ -39,6 +39,7 @@ SAMPLING_PARAMS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "num_predict": "max_tokens",
+    "stop": "stop",
 }
 
 
@@ -103,6 +104,8 @@ def sampling_defaults(params: dict[str, Any]) -> dict[str, Any]:
     defaults = {SAMPLING_PARAMS[k]: v for k, v in params.items() if k in SAMPLING_PARAMS}
     if not isinstance(defaults.get("max_tokens", 1), int) or defaults.get("max_tokens", 1) <= 0:
         defaults.pop("max_tokens")
+    if isinstance(defaults.get("stop"), str):  # one PARAMETER stop line
+        defaults["stop"] = [defaults["stop"]]
     return defaults
 
 

@@ -175,6 +175,12 @@ class SamplingDefaults(Section):
     frequency_penalty: float = Field(
         0.0, ge=-2, le=2, description="Additive penalty scaled by token count so far (OpenAI)."
     )
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Stop strings of a request that sets none (Ollama's PARAMETER stop); a "
+        "request's own stop strings replace them, as in Ollama.",
+    )
 
 
 class DistributedConfig(Section):

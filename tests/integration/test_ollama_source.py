@@ -15,7 +15,8 @@ from tests.ollama_store import pull
 
 pytestmark = pytest.mark.integration
 
-PARAMS = {"temperature": 0, "num_predict": 12, "num_ctx": 1024, "stop": ["<|im_end|>"]}
+PARAMS = {"temperature": 0, "num_predict": 12, "num_ctx": 1024, "stop": ["<|im_end|>", "Paris"]}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_a_model_from_ollamas_store_answers_with_its_parameters(
@@ -41,14 +42,16 @@ def test_a_model_from_ollamas_store_answers_with_its_parameters(
         assert row["context_length"] == 1024  # num_ctx
         client = ollama.Client(host=daemon.url)
         assert client.pull("smollm2").status == "success"
-        reply = client.chat(
-            model="smollm2",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-        )
+        # The model's PARAMETER stop ends the answer where the request sets no stop of its own.
+        cut = client.chat(model="smollm2", messages=QUESTION)
+        assert "France" in cut.message.content and "Paris" not in cut.message.content
+        assert cut.done_reason == "stop"
+        reply = client.chat(model="smollm2", messages=QUESTION, options={"stop": ["<|im_end|>"]})
         assert "Paris" in reply.message.content
         assert reply.eval_count <= 12  # num_predict, as the model's default
         shown = client.show("smollm2")
         assert "num_predict                    12" in (shown.parameters or "")
         assert "temperature                    0" in (shown.parameters or "")
+        assert 'stop                           "Paris"' in (shown.parameters or "")
     finally:
         assert daemon.stop() == 0

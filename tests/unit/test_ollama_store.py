@@ -61,7 +61,8 @@ def test_resolves_the_gguf_blob_params_and_template(store: Path, gguf: Path):
     assert model.gguf.read_bytes() == gguf.read_bytes()
     assert model.gguf.parent == store / "blobs" and model.gguf.name.startswith("sha256-")
     assert model.params == params and model.template == "{{ .Prompt }}"
-    assert ollama_store.sampling_defaults(params) == {"temperature": 0.6}
+    assert ollama_store.sampling_defaults(params) == {"temperature": 0.6, "stop": LLAMA3_STOPS}
+    assert ollama_store.sampling_defaults({"stop": "<|eot_id|>"}) == {"stop": ["<|eot_id|>"]}
 
 
 def test_default_store_is_in_the_home_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):

@@ -4,6 +4,7 @@ comes back is read as parsed parts (`mlxd.api.common.parts`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -202,6 +203,8 @@ async def start(
     deadline = asyncio.get_running_loop().time() + timeout
     # What can refuse the request without the engine runs before it holds a slot there.
     refuse_tools_when_off(entry, request)
+    if not request.stop and entry.config.defaults.stop:
+        request = dataclasses.replace(request, stop=list(entry.config.defaults.stop))
     stream = await engine.submit(request)
     try:
         # This task reads the events and writes the response (streamed or not).

@@ -107,6 +107,7 @@ async def show() -> Any:
             ("temperature", defaults.temperature),
             ("top_p", defaults.top_p),
             ("top_k", defaults.top_k),
+            *(("stop", json.dumps(stop)) for stop in defaults.stop),
         )
     )
     return {
