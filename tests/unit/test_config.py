@@ -104,6 +104,7 @@ def test_full_example_round_trips():
         "repetition_penalty": 1.1,
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
+        "stop": [],
     }
     assert smol.api_keys == ["smol-key"]
     assert (smol.dtype, smol.max_prompt_tokens, smol.context_length) == ("float32", 4096, 8192)
