@@ -112,6 +112,7 @@ def _packed_linear(
     dense = mx.dequantize(
         module.weight, module.scales, module.biases, module.group_size, module.bits
     ).astype(mx.float32)
+    mx.eval(dense)  # now: a lazy copy would hold on to the stored layer until the end
     return SplitLinear(packed, dense, path_for)
 
 
