@@ -23,6 +23,7 @@ import numpy as np
 
 BLOCK = 32  # inputs per scale and bias in the kernel
 LANES = 16  # output rows per tile
+PACK_ROWS = 4096  # rows `pack` repacks at a time (a multiple of LANES)
 
 
 ISA_ENV = "MLXD_KERNELS_ISA"
@@ -111,10 +112,29 @@ def pack(
     The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
     for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
     per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
-    exactly (a GGUF's do), else float32.
+    exactly (a GGUF's do), else float32. Repacked `PACK_ROWS` rows at a time into the result,
+    so the temporaries are a slice's, not a whole tensor's (an 8B's output head: 0.5 GiB).
     """
     if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
+    rows, words = weight.shape
+    inputs = words * 32 // bits
+    packed_weight = np.empty((rows, words * 4), np.uint8)
+    both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
+    for start in range(0, rows, PACK_ROWS):
+        stop = min(start + PACK_ROWS, rows)
+        tiles = slice(start // LANES, stop // LANES)
+        packed_weight[start:stop] = _packed_values(weight[start:stop], bits)
+        both[tiles] = _scales_biases(scales[start:stop], biases[start:stop], group_size)
+    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
+        both = both.astype(np.float16)
+    packed = Packed(mx.array(packed_weight), mx.array(both), bits)
+    mx.eval(packed.weight, packed.scale_bias)
+    return packed
+
+
+def _packed_values(weight: mx.array, bits: int) -> np.ndarray:
+    """Rows of MLX's uint32 words in the kernel's tiled byte layout (see `pack`)."""
     raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest
     rows = raw.shape[0]
     # Values as one byte each, [rows, K]: 4-bit words hold the earlier value in the low nibble.
@@ -122,17 +142,15 @@ def pack(
     tiles = q.reshape(rows // LANES, LANES, -1)
     if bits == 4:  # inputs k and k + 1 of a row share a byte
         tiles = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
-    packed_weight = np.ascontiguousarray(tiles.transpose(0, 2, 1)).reshape(rows, -1)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1)).reshape(rows, -1)
 
-    # [rows, K / group] → [tiles, K / 32 blocks, 2, 16]: the tile's 16 scales, then biases.
+
+def _scales_biases(scales: mx.array, biases: mx.array, group_size: int) -> np.ndarray:
+    """[rows, K / group] → [tiles, K / 32 blocks, 2, 16]: each tile's 16 scales, then biases."""
     both = np.stack([np.asarray(scales.astype(mx.float32)), np.asarray(biases.astype(mx.float32))])
+    rows = both.shape[1]
     both = np.repeat(both, group_size // BLOCK, axis=2).reshape(2, rows // LANES, LANES, -1)
-    both = np.ascontiguousarray(both.transpose(1, 3, 0, 2))
-    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
-        both = both.astype(np.float16)
-    packed = Packed(mx.array(packed_weight), mx.array(both), bits)
-    mx.eval(packed.weight, packed.scale_bias)
-    return packed
+    return both.transpose(1, 3, 0, 2)
 
 
 _cpu = _load()

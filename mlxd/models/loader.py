@@ -170,7 +170,9 @@ def load_llm(
             pack_model(model, cpu_path.path_for if cpu_path and plan == "mixed" else None)
         if before_eval is not None:
             model = before_eval(model, config)
-        mx.eval(model.parameters())
+        # Private arrays too (Llama 3's scaled rope frequencies): one left lazy holds the
+        # loading thread's stream, and the engine's thread cannot evaluate it.
+        mx.eval(model.state)
         if backend_name() == "cpu":
             # The CPU backend evaluates exp element by element: the exact SiLU was ≈12% of a
             # batch-32 decode step on SmolLM2; the rational one is ≈10x cheaper (test_fast_silu).

@@ -5,12 +5,13 @@ quantized matmul is slower still. With the kernel the weights stay as stored (a 
 bits a weight instead of 32), which is what bounds a decode step at small batches, and the
 kernel also beats float32 BLAS at batch 32 (docs/performance.md). `pack_model` swaps every
 `nn.QuantizedLinear` for a `PackedLinear`; a quantized embedding keeps its table for lookups
-and gains a packed copy for the tied output projection (`as_linear`).
+and, where it is also the output projection (tied), gains a packed copy for it (`as_linear`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,17 +112,41 @@ def _packed_linear(
     dense = mx.dequantize(
         module.weight, module.scales, module.biases, module.group_size, module.bits
     ).astype(mx.float32)
+    mx.eval(dense)  # now: a lazy copy would hold on to the stored layer until the end
     return SplitLinear(packed, dense, path_for)
+
+
+def _module_at(model: nn.Module, name: str) -> nn.Module:
+    """The submodule at dotted `name`, as `named_modules` spells it (list items by index)."""
+    module: Any = model
+    for part in name.split("."):
+        module = module[int(part)] if isinstance(module, list) else module[part]
+    assert isinstance(module, nn.Module)
+    return module
 
 
 def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -> None:
     """Swap `model`'s quantized layers for packed ones in place (see `can_pack`); with
-    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32"."""
-    replacements: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
+    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32".
+
+    One layer at a time: packing reads the stored arrays, and each layer's are released (and
+    MLX's buffer cache emptied) as soon as its packed one is in place, so a load holds the
+    packed model and one stored layer, not two whole models (an 8B Q4_K_M peaked at twice its
+    weights when every layer was swapped at the end).
+    """
+    # An embedding needs a packed copy only as a tied output projection: mlx-lm's models
+    # have an `lm_head` exactly when theirs is separate (Llama-3.1-8B's: 0.5 GiB unused).
+    tied = "lm_head" not in model
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding) if tied else (nn.QuantizedLinear,)
+    names = [name for name, module in model.named_modules() if isinstance(module, kinds)]
+    for name in names:
+        module = _module_at(model, name)
+        replacement: nn.Module
         if isinstance(module, nn.QuantizedLinear):
-            bias = module.get("bias")
-            replacements.append((name, _packed_linear(module, bias, path_for)))
-        elif isinstance(module, nn.QuantizedEmbedding):
-            replacements.append((name, PackedEmbedding(module, path_for)))
-    model.update_modules(tree_unflatten(replacements))
+            replacement = _packed_linear(module, module.get("bias"), path_for)
+        else:
+            assert isinstance(module, nn.QuantizedEmbedding)
+            replacement = PackedEmbedding(module, path_for)
+        del module  # the last reference but the model's, which the update drops
+        model.update_modules(tree_unflatten([(name, replacement)]))
+        mx.clear_cache()
