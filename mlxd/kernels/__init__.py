@@ -101,7 +101,18 @@ class Packed:
 def packable(rows: int, group_size: int, bits: int) -> bool:
     """Whether `pack` takes an MLX-quantized matrix with this many (output) rows, group size
     and width (rows: the kernel works on pairs of 16-row tiles)."""
-    return bits in (4, 8) and group_size % BLOCK == 0 and rows % (2 * LANES) == 0
+    return why_not_packable(rows, group_size, bits) is None
+
+
+def why_not_packable(rows: int, group_size: int, bits: int) -> str | None:
+    """What keeps `pack` from taking such a matrix, in a few words (None: nothing)."""
+    if bits not in (4, 8):
+        return f"{bits}-bit (the kernels take 4 and 8)"
+    if group_size % BLOCK:
+        return f"groups of {group_size} (the kernels take multiples of {BLOCK})"
+    if rows % (2 * LANES):
+        return f"{rows} output rows (the kernels take multiples of {2 * LANES})"
+    return None
 
 
 def pack(

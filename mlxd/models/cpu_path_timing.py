@@ -61,8 +61,13 @@ class ModelShapes:
 
 
 def model_shapes(model_dir: Path) -> ModelShapes | None:
-    """The model's matmul shapes, or None when its headers show no quantized decoder layer."""
-    modules = quantized_shapes(model_dir)
+    """The model's packable matmul shapes, or None when its headers show no such decoder layer
+    (the layers the kernels do not take run float32 on both paths: nothing to compare)."""
+    modules = {
+        name: shape
+        for name, shape in quantized_shapes(model_dir).items()
+        if kernels.packable(shape[0], shape[2], shape[3])
+    }
     layer_of = {name: m.group(1) for name in modules if (m := _LAYER.search(name))}
     if not layer_of:
         return None

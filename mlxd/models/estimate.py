@@ -88,36 +88,53 @@ def _quantized_modules(
 def _packed_bytes(
     tensors: dict[str, dict[str, Any]], modules: dict[str, tuple[int, int, int, int]]
 ) -> int | None:
-    """Bytes once models/packed.py packs every quantized module, or None when it would not.
+    """Bytes once models/packed.py packs the quantized modules it takes, or None when it
+    would take none.
 
-    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32;
-    an embedding keeps its stored table for lookups beside the packed copy.
+    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32; a tied
+    embedding keeps its stored table for lookups beside the packed copy. A module the kernels
+    do not take runs float32 (out × in), except an untied embedding, kept as stored.
     """
-    packable = all(kernels.packable(out, group, bits) for out, _, group, bits in modules.values())
-    if not (modules and packable and kernels.available()):
+    tied = not any(name.endswith("lm_head.weight") for name in tensors)
+    unpacked = {module for module in modules if not _packs(tensors, module, modules[module])}
+    if not (kernels.available() and len(unpacked) < len(modules)):
         return None
     total = 0
     for name, entry in tensors.items():
         module, _, leaf = name.rpartition(".")
         begin, end = entry["data_offsets"]
-        if module in modules:
+        # As loaded before packing: float tensors in float32, packed integers as stored.
+        as_loaded = (
+            math.prod(entry["shape"]) * 4 if entry["dtype"] in _FLOAT_DTYPES else end - begin
+        )
+        if module not in modules or leaf not in ("weight", "scales", "biases"):
+            total += as_loaded
+            continue
+        out, in_dims, _, _ = modules[module]
+        embedding = module.endswith("embed_tokens")
+        if embedding and not tied:  # lookups only: the stored table
+            total += as_loaded
+        elif module in unpacked:  # float32 for BLAS (a tied table serves lookups too)
+            total += out * in_dims * 4 if leaf == "weight" else 0
+        else:
+            if embedding:  # the stored table for lookups, beside the packed copy
+                total += as_loaded
             if leaf == "weight":
-                out, in_dims, _, _ = modules[module]
                 # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
                 # float32 (kernels.pack keeps float16 only where it is exact).
                 halves = all(
                     tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases")
                 )
                 total += (end - begin) + out * in_dims // kernels.BLOCK * (4 if halves else 8)
-                if module.endswith("embed_tokens"):
-                    total += end - begin  # the lookup table
-            elif module.endswith("embed_tokens"):
-                total += math.prod(entry["shape"]) * 4  # the lookup table's scales and biases
-        elif entry["dtype"] in _FLOAT_DTYPES:
-            total += math.prod(entry["shape"]) * 4
-        else:
-            total += end - begin
     return total
+
+
+def _packs(
+    tensors: dict[str, dict[str, Any]], module: str, shape: tuple[int, int, int, int]
+) -> bool:
+    """Whether the kernels take this quantized module (affine quantization has biases)."""
+    out, _, group, bits = shape
+    return f"{module}.biases" in tensors and kernels.packable(out, group, bits)
 
 
 def _tensors(model_dir: Path) -> dict[str, dict[str, Any]]:

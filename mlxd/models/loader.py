@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,13 @@ from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
 from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
 from mlxd.models.layer_eval import evaluate_per_layer
-from mlxd.models.packed import can_pack, pack_model
+from mlxd.models.packed import (
+    can_pack,
+    dequantize_layers,
+    float32_summary,
+    pack_model,
+    unpackable_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,8 @@ class LoadedModel:
     nbytes: int  # bytes of all parameters as loaded
     config: dict[str, Any]
     cpu_path: Choice | None = None  # the CPU path taken and the timings behind it
+    # Quantized layers of a packed model the kernels do not take, run float32: name → why.
+    float32_layers: dict[str, str] = field(default_factory=dict)
 
 
 def _target_dtype(dtype: str) -> str | None:
@@ -153,9 +161,14 @@ def load_llm(
                 "running float32 on BLAS",
                 model_name,
             )
+        unpackable: dict[str, str] = {}
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
+            unpackable = unpackable_layers(model)
+            if unpackable:
+                log.info("model '%s': %s", model_name, float32_summary(unpackable))
+                dequantize_layers(model, unpackable)
         elif target is not None:
             # Scales in float32 first: the CPU dequantizes ~3x faster from float32 than float16.
             model.set_dtype(mx.float32)
@@ -199,4 +212,5 @@ def load_llm(
         nbytes=sum(array.nbytes for _, array in flat_parameters(model)),
         config=config,
         cpu_path=cpu_path if plan is not None else None,
+        float32_layers=unpackable,
     )

@@ -6,11 +6,16 @@ bits a weight instead of 32), which is what bounds a decode step at small batche
 kernel also beats float32 BLAS at batch 32 (docs/performance.md). `pack_model` swaps every
 `nn.QuantizedLinear` for a `PackedLinear`; a quantized embedding keeps its table for lookups
 and, where it is also the output projection (tied), gains a packed copy for it (`as_linear`).
+
+A model may mix widths (mlx-community's `mixed_*` recipes, a 6-bit head over a 4-bit body, a
+GGUF's IQ4 tensors imported at 6 bits): the layers the kernels take run packed and the others
+are dequantized to float32 for BLAS (`dequantize_layers`), which MLX's own quantized matmul
+is 2-4x slower than on the CPU; the loader says which and why (`unpackable_layers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -78,26 +83,85 @@ class PackedEmbedding(nn.QuantizedEmbedding):
 
 
 def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> Packed:
-    assert module.biases is not None  # affine quantization (see _packable)
+    assert module.biases is not None  # affine quantization (see _why_not_packable)
     return kernels.pack(module.weight, module.scales, module.biases, module.group_size, module.bits)
 
 
-def _packable(module: nn.Module) -> bool:
-    if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
-        return module.mode == "affine" and kernels.packable(
-            module.weight.shape[0], module.group_size, module.bits
-        )
-    return False
+def _why_not_packable(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> str | None:
+    if module.mode != "affine":
+        return f"{module.mode} quantization (the kernels take affine)"
+    return kernels.why_not_packable(module.weight.shape[0], module.group_size, module.bits)
+
+
+def _quantized(model: nn.Module) -> dict[str, nn.QuantizedLinear | nn.QuantizedEmbedding]:
+    """The quantized layers that multiply: linears, and an embedding that is also the output
+    projection (tied: mlx-lm's models have an `lm_head` exactly when theirs is separate). An
+    untied embedding only looks rows up, which MLX does as well from its stored table."""
+    tied = "lm_head" not in model
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.QuantizedLinear)
+        or (tied and isinstance(module, nn.QuantizedEmbedding))
+    }
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Whether the kernels are built and take every quantized layer of `model` (and it has some)."""
-    quantized = [
-        m
-        for _, m in model.named_modules()
-        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
-    ]
-    return kernels.available() and bool(quantized) and all(map(_packable, quantized))
+    """Whether the kernels are built and take some quantized layer of `model`."""
+    quantized = _quantized(model).values()
+    return kernels.available() and any(_why_not_packable(m) is None for m in quantized)
+
+
+def unpackable_layers(model: nn.Module) -> dict[str, str]:
+    """The quantized layers the kernels do not take, and why."""
+    return {
+        name: why
+        for name, module in _quantized(model).items()
+        if (why := _why_not_packable(module)) is not None
+    }
+
+
+def float32_summary(unpackable: dict[str, str]) -> str:
+    """For the log and status ("" for none), e.g. "2 quantized layers run float32 on BLAS,
+    the kernels do not take them: 6-bit (the kernels take 4 and 8): lm_head, …"."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in unpackable.items():
+        by_reason.setdefault(why, []).append(name)
+    reasons = "; ".join(
+        f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+        for why, names in by_reason.items()
+    )
+    count = len(unpackable)
+    if not count:
+        return ""
+    layers = "layer runs" if count == 1 else "layers run"
+    return f"{count} quantized {layers} float32 on BLAS, the kernels do not take them: {reasons}"
+
+
+def dequantize_layers(model: nn.Module, names: Iterable[str]) -> None:
+    """Swap these quantized layers for float32 ones of the weights they hold."""
+    replacements: list[tuple[str, nn.Module]] = []
+    for name in names:
+        module = _module_at(model, name)
+        assert isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        dense = mx.dequantize(
+            module.weight,
+            module.scales,
+            module.get("biases"),
+            module.group_size,
+            module.bits,
+            mode=module.mode,
+        ).astype(mx.float32)
+        replacement: nn.Module
+        if isinstance(module, nn.QuantizedEmbedding):
+            replacement = nn.Embedding(*dense.shape)
+        else:
+            replacement = nn.Linear(dense.shape[1], dense.shape[0], bias="bias" in module)
+            if "bias" in module:
+                replacement.bias = module["bias"]
+        replacement.weight = dense
+        replacements.append((name, replacement))
+    model.update_modules(tree_unflatten(replacements))
 
 
 def _packed_linear(
@@ -108,7 +172,7 @@ def _packed_linear(
     packed = PackedLinear(_pack(module), bias)
     if path_for is None:
         return packed
-    assert module.biases is not None  # affine (see _packable)
+    assert module.biases is not None  # affine (see _why_not_packable)
     dense = mx.dequantize(
         module.weight, module.scales, module.biases, module.group_size, module.bits
     ).astype(mx.float32)
@@ -126,7 +190,7 @@ def _module_at(model: nn.Module, name: str) -> nn.Module:
 
 
 def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -> None:
-    """Swap `model`'s quantized layers for packed ones in place (see `can_pack`); with
+    """Swap `model`'s quantized layers the kernels take for packed ones in place; with
     `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32".
 
     One layer at a time: packing reads the stored arrays, and each layer's are released (and
@@ -134,11 +198,8 @@ def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -
     packed model and one stored layer, not two whole models (an 8B Q4_K_M peaked at twice its
     weights when every layer was swapped at the end).
     """
-    # An embedding needs a packed copy only as a tied output projection: mlx-lm's models
-    # have an `lm_head` exactly when theirs is separate (Llama-3.1-8B's: 0.5 GiB unused).
-    tied = "lm_head" not in model
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding) if tied else (nn.QuantizedLinear,)
-    names = [name for name, module in model.named_modules() if isinstance(module, kinds)]
+    # An untied embedding gets no packed copy (Llama-3.1-8B's would be 0.5 GiB unused).
+    names = [name for name, module in _quantized(model).items() if not _why_not_packable(module)]
     for name in names:
         module = _module_at(model, name)
         replacement: nn.Module

@@ -23,6 +23,7 @@ from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, load_llm
 from mlxd.models.lora import MultiLoRA
+from mlxd.models.packed import float32_summary
 from mlxd.parsers.reasoning import prompt_opens_reasoning
 from mlxd.runtime.engine import EventStream
 from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
@@ -331,6 +332,7 @@ class LLMEngine:
             "kind": self.kind,
             "dtype": self.loaded.dtype,
             "cpu_path": self.loaded.cpu_path.as_dict() if self.loaded.cpu_path else None,
+            "float32_layers": float32_summary(self.loaded.float32_layers) or None,
             "weights_bytes": self.loaded.nbytes,
             "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,

@@ -1,0 +1,82 @@
+"""A model of mixed widths (mlx-community's `mixed_*` recipes, a 6-bit layer over a 4-bit body)
+runs its 4-bit layers packed and the others float32, says which and why, and is sized so
+before any weight is read (issue 26)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
+
+SIX_BIT = "model.layers.0.mlp.down_proj"
+
+
+@pytest.fixture(scope="module")
+def mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama imported from a Q4_0 GGUF, then one layer requantized to 6 bits with the
+    per-module override mlx-lm writes into config.json."""
+    import mlx.core as mx
+
+    from mlxd.models.gguf import convert_gguf
+
+    root = tmp_path_factory.mktemp("mixed")
+    config = tiny_config("llama", hidden_size=128, intermediate_size=256)
+    write_gguf(root / "m.gguf", config, tiny_weights(config), Q.Q4_0)
+    out = root / "model"
+    out.mkdir()
+    convert_gguf(root / "m.gguf", out)
+    weights = mx.load(str(out / "model.safetensors"))
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    dense = mx.dequantize(
+        weights[f"{SIX_BIT}.weight"],
+        weights[f"{SIX_BIT}.scales"],
+        weights[f"{SIX_BIT}.biases"],
+        quant["group_size"],
+        quant["bits"],
+    )
+    six = mx.quantize(dense, group_size=32, bits=6)
+    weights.update(
+        zip((f"{SIX_BIT}.{n}" for n in ("weight", "scales", "biases")), six, strict=True)
+    )
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    for key in ("quantization", "quantization_config"):
+        config_json = json.loads((out / "config.json").read_text())
+        if key in config_json:
+            config_json[key][SIX_BIT] = {"group_size": 32, "bits": 6}
+            (out / "config.json").write_text(json.dumps(config_json))
+    return out
+
+
+def test_the_kernels_take_the_4_bit_layers_and_blas_the_6_bit_one(mixed_dir: Path, caplog):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxd import kernels
+    from mlxd.models.estimate import packed_weight_bytes
+    from mlxd.models.loader import load_llm
+    from mlxd.models.packed import PackedLinear
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    with caplog.at_level(logging.INFO, logger="mlxd"):
+        packed = load_llm(mixed_dir, dtype="auto", model_name="mixed")
+    assert packed.float32_layers == {SIX_BIT: "6-bit (the kernels take 4 and 8)"}
+    assert "1 quantized layer runs float32 on BLAS, the kernels do not take them: 6-bit" in (
+        caplog.text
+    )
+    layers = dict(packed.model.named_modules())
+    assert type(layers[SIX_BIT]) is nn.Linear and layers[SIX_BIT].weight.dtype == mx.float32
+    assert isinstance(layers["model.layers.0.mlp.up_proj"], PackedLinear)
+    assert isinstance(layers["model.layers.1.mlp.down_proj"], PackedLinear)
+    # Sized before loading, as it runs.
+    assert packed_weight_bytes(mixed_dir) == pytest.approx(packed.nbytes, rel=0.02)
+    # The same function as every layer dequantized to float32.
+    reference = load_llm(mixed_dir, dtype="float32", model_name="mixed")
+    tokens = mx.array([[1, 5, 9, 13, 2, 7]])
+    ours, theirs = packed.model(tokens), reference.model(tokens)
+    assert mx.allclose(ours, theirs, rtol=1e-3, atol=1e-3).item()
