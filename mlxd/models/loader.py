@@ -150,6 +150,11 @@ def load_llm(
         # Distributed shards (before_eval) slice quantized layers with mlx-lm's own code,
         # which knows only its own layer types.
         packed = target == "float32" and dtype == "auto" and before_eval is None
+        # The quantized layers the kernels do not take (every one of a 3-bit or mxfp4 model):
+        # float32 on BLAS, as every layer is when the kernels take none.
+        unpackable = unpackable_layers(model) if packed and kernels.available() else {}
+        if unpackable:
+            log.info("model '%s': %s", model_name, float32_summary(unpackable))
         packed = packed and can_pack(model)
         plan = (cpu_path.plan if cpu_path else "packed") if packed else None
         if plan is not None and cpu_path is not None:
@@ -161,14 +166,10 @@ def load_llm(
                 "running float32 on BLAS",
                 model_name,
             )
-        unpackable: dict[str, str] = {}
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
-            unpackable = unpackable_layers(model)
-            if unpackable:
-                log.info("model '%s': %s", model_name, float32_summary(unpackable))
-                dequantize_layers(model, unpackable)
+            dequantize_layers(model, unpackable)
         elif target is not None:
             # Scales in float32 first: the CPU dequantizes ~3x faster from float32 than float16.
             model.set_dtype(mx.float32)
