@@ -29,9 +29,10 @@ from mlxd.runtime.engine import EventStream
 from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
 from mlxd.worker.factory import resolve_draft
 from mlxd.worker.hooks import load_hooks
-from mlxd.worker.llm_core import LLMCore, MediaPrefill, Output, Sequence
+from mlxd.worker.llm_core import LLMCore
 from mlxd.worker.loop import Core, ModelLoop
 from mlxd.worker.prompt import loaded_tool_format, render_chat, template_supports_tools
+from mlxd.worker.sequence import MediaPrefill, Output, Sequence
 
 log = logging.getLogger("mlxd.engine")
 

@@ -10,21 +10,18 @@ strings and keeps one sequence's failure from failing the batch.
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from mlxd import kernels
-from mlxd.cache.lease import PrefixLease
 from mlxd.config import BatchConfig, SpeculativeConfig
 from mlxd.executor.batch import BatchExecutor, NewRow
+from mlxd.executor.decode_batch import TokenOut
 from mlxd.executor.prefill import SkipPrefillLogits
 from mlxd.executor.sampling import (
     make_sequence_processors,
@@ -32,83 +29,19 @@ from mlxd.executor.sampling import (
     token_logprob,
 )
 from mlxd.executor.speculative import make_speculator
-from mlxd.executor.stops import StopMatcher
 from mlxd.models.lora import MultiLoRA
 from mlxd.scheduler import Budget, Running, StepPlan, Waiting, schedule
-from mlxd.types import Delta, Event, Finished, FinishReason, GenerationRequest
+from mlxd.types import Delta, Finished, FinishReason
+from mlxd.worker.sequence import (
+    FINAL_STATUS,
+    CoreStats,
+    Output,
+    Sequence,
+    SequenceStatus,
+    guarded,
+)
 
 log = logging.getLogger("mlxd.scheduler")
-
-# A VLM's image prompt, prefilled by the model itself on the model thread (the token-only
-# executor cannot take its input embeddings): returns the filled KV cache and the prompt ids
-# still to feed (the last one), so the sequence then decodes in the shared batch.
-MediaPrefill = Callable[[], tuple[list[Any], list[int]]]
-
-
-class SequenceStatus(enum.IntEnum):
-    """A sequence's life; every status from FINISHED_STOPPED on is final."""
-
-    WAITING = 0  # queued for admission
-    PREFILLING = 1  # in the executor, no token yet
-    DECODING = 2
-    FINISHED_STOPPED = 3  # end of sequence token or stop string
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
-
-    @property
-    def finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
-
-
-FINAL_STATUS = {
-    "stop": SequenceStatus.FINISHED_STOPPED,
-    "length": SequenceStatus.FINISHED_LENGTH,
-    "cancelled": SequenceStatus.FINISHED_ABORTED,
-    "error": SequenceStatus.FINISHED_ERROR,
-}
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request inside the core. `reply` is where its events go: opaque to the core."""
-
-    request: GenerationRequest
-    prompt_ids: list[int]
-    reply: Any = None
-    status: SequenceStatus = SequenceStatus.WAITING
-    uid: int = -1  # the core's id for it, from `add` on
-    computed: int = 0  # prompt tokens in its KV cache, once admitted
-    completion_tokens: int = 0
-    stops: StopMatcher = field(init=False)
-    detokenizer: Any = None
-    # Extra per-sequence logits processors (constrained decoding), built off the model thread.
-    processors: list[Any] = field(default_factory=list)
-    # Set when this sequence's own work (logits processors, detokenizer, stops) raised: it
-    # alone fails, after the step.
-    fault: str | None = None
-    prefill: MediaPrefill | None = None  # image prompts bypass the prefix cache
-    lease: PrefixLease | None = None
-    slot: int = 0  # its LoRA adapter's slot in a multi-LoRA model (0: the base)
-
-    def __post_init__(self) -> None:
-        self.stops = StopMatcher(self.request.stop)
-
-
-Output = tuple[Sequence, Event]
-
-
-@dataclass
-class CoreStats:
-    steps: int = 0
-    # Decode steps that carried more than one sequence: proof the batching batches.
-    multi_sequence_steps: int = 0
-    max_batch_seen: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    failed: int = 0
 
 
 class LLMCore:
@@ -131,7 +64,7 @@ class LLMCore:
         self._running: dict[int, Sequence] = {}  # by uid, in admission order
         self._uids = itertools.count()
         # First responses whose prompt blocks the prefix cache keeps next step (_store_prompts).
-        self._unstored: list[tuple[Sequence, Any]] = []
+        self._unstored: list[tuple[Sequence, TokenOut]] = []
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
         self._executor: BatchExecutor | None = None
@@ -270,7 +203,7 @@ class LLMCore:
                     cache=cache,
                     held=sequence.prompt_ids[:offset] if sequence.lease else [],
                     sampler=make_sequence_sampler(sequence.request.sampling, self._vocab_size),
-                    logits_processors=_guarded(
+                    logits_processors=guarded(
                         sequence,
                         make_sequence_processors(
                             sequence.request.sampling, sequence.request.max_tokens
@@ -352,7 +285,7 @@ class LLMCore:
         for sequence in [s for s in self._running.values() if s.fault is not None]:
             self._fail(sequence, outputs)
 
-    def _advance(self, sequence: Sequence, response: Any, outputs: list[Output]) -> None:
+    def _advance(self, sequence: Sequence, response: TokenOut, outputs: list[Output]) -> None:
         token, finish = response.token, response.finish_reason
         sequence.status = SequenceStatus.DECODING
         sequence.completion_tokens += 1
@@ -366,13 +299,16 @@ class LLMCore:
         logprobs = None
         top = sequence.request.sampling.top_logprobs
         if top is not None:
+            assert (
+                response.logprobs is not None
+            )  # its sampler computes them (make_sequence_sampler)
             logprobs = [token_logprob(response.logprobs, token, top, self._decode_one)]
         if stop is None and finish:
             text += sequence.stops.flush()
         if text or logprobs:
             outputs.append((sequence, Delta(text, [token], logprobs)))
         if stop is not None or finish:
-            reason: FinishReason = "stop" if stop is not None else finish
+            reason: FinishReason = finish if stop is None and finish is not None else "stop"
             done = Finished(reason, len(sequence.prompt_ids), sequence.completion_tokens, stop)
             self._finish(sequence, done, outputs, in_executor=finish is None)
             self.stats.finished += 1
@@ -419,11 +355,11 @@ class LLMCore:
             self._unstored.remove(entry)
             self._store_prompt(*entry)
 
-    def _store_prompt(self, sequence: Sequence, response: Any) -> None:
+    def _store_prompt(self, sequence: Sequence, response: TokenOut) -> None:
         if sequence.lease:
             sequence.lease.store(functools.partial(self._prompt_cache, response))
 
-    def _prompt_cache(self, response: Any) -> list[Any]:
+    def _prompt_cache(self, response: TokenOut) -> list[Any]:
         """A sequence's per-layer KV right after its prompt (set on the response when the
         sequence already finished)."""
         if response.prompt_cache is not None:
@@ -450,23 +386,3 @@ class LLMCore:
 
 def _slot(sequence: Sequence | None) -> int:
     return 0 if sequence is None else sequence.slot
-
-
-def _guarded(sequence: Sequence, processors: list[Any]) -> list[Any]:
-    """The sequence's logits processors as one that records an exception on the sequence
-    instead of raising it out of the batched step (which would fail every sequence)."""
-    if not processors:
-        return []  # no processors keeps mlx-lm's fast path
-
-    def process(tokens: Any, logits: Any) -> Any:
-        if sequence.fault is not None:
-            return logits
-        try:
-            for processor in processors:
-                logits = processor(tokens, logits)
-        except Exception as exc:
-            log.exception("logits processor of a sequence failed")
-            sequence.fault = f"{type(exc).__name__}: {exc}"
-        return logits
-
-    return [process]

@@ -35,7 +35,8 @@ from mlxd.distributed.broadcast import broadcast_object, gather_object, shared_s
 from mlxd.distributed.shard import load_rank
 from mlxd.types import GenerationRequest
 from mlxd.worker.llm import LLMEngine
-from mlxd.worker.llm_core import LLMCore, Output, Sequence
+from mlxd.worker.llm_core import LLMCore
+from mlxd.worker.sequence import Output, Sequence
 
 log = logging.getLogger("mlxd.worker")
 

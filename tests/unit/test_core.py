@@ -16,8 +16,9 @@ from mlxd.cache.prefix import PrefixCache
 from mlxd.config import BatchConfig, CacheConfig
 from mlxd.errors import Overloaded, Unavailable
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
-from mlxd.worker.llm_core import LLMCore, Output, Sequence, SequenceStatus
+from mlxd.worker.llm_core import LLMCore
 from mlxd.worker.loop import ModelLoop
+from mlxd.worker.sequence import Output, Sequence, SequenceStatus
 from tests.tiny_llama import tiny_llama
 
 S = SequenceStatus

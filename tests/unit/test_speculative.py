@@ -30,7 +30,8 @@ from mlxd.executor.speculative import (
 )
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
 from mlxd.worker.llm import _load_draft
-from mlxd.worker.llm_core import LLMCore, Sequence
+from mlxd.worker.llm_core import LLMCore
+from mlxd.worker.sequence import Sequence
 from tests.batch_loop import BatchLoop
 from tests.tiny_llama import tiny_llama
 from tests.unit.test_core import LetterTokenizer, run
