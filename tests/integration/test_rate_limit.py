@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from mlxd.api.middleware.auth_throttle import MAX_FAILURES
 from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 
 pytestmark = pytest.mark.integration
@@ -163,3 +164,37 @@ def test_tokens_of_every_sequence_are_charged(generating: Daemon):
     )
     remaining = int(raw.headers["x-ratelimit-remaining-tokens"])
     assert remaining <= 100_000 - first.usage.total_tokens
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    """A daemon of its own: the test locks this machine's address out of it."""
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir), "api_keys": ["the-key"]},
+        "models": {"minilm": {"kind": "embedding", "source": MINILM, "load": "lazy"}},
+    }
+    running = start_daemon(tmp_path_factory.mktemp("auth-throttle"), config)
+    yield running
+    running.stop()
+
+
+def test_failed_authentications_are_throttled_per_address(guarded: Daemon):
+    guesser = client(guarded, "guess")
+    for _ in range(MAX_FAILURES):
+        with pytest.raises(openai.AuthenticationError):
+            guesser.models.list()
+    with pytest.raises(openai.RateLimitError) as caught:
+        guesser.models.list()
+    assert 1 <= int(caught.value.response.headers["Retry-After"]) <= 60
+    assert "failed authentications" in caught.value.body["message"]
+    # The right key from the same address waits too; Anthropic's clients get their own shape.
+    anthropic_shape = httpx.post(
+        f"{guarded.url}/v1/messages",
+        json={"model": "minilm", "max_tokens": 1, "messages": []},
+        headers={"x-api-key": "the-key"},
+        timeout=30,
+    )
+    assert anthropic_shape.status_code in (429, 529)
+    assert anthropic_shape.json()["type"] == "error"
+    assert "Retry-After" in anthropic_shape.headers
+    assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
