@@ -141,7 +141,8 @@ class ServerConfig(Section):
         description="With allow_remote_media: the hosts (and their subdomains) images may be "
         "fetched from, e.g. `upload.wikimedia.org`; empty means any public host. Private, "
         "loopback and link-local addresses are refused unless their host is listed here. "
-        "Every redirect is checked again.",
+        "Every redirect is checked again, and each request goes to the address its check "
+        "resolved (a name that resolves differently the second time gets nothing).",
     )
     max_image_bytes: ByteSize = Field(
         20 * 1024**2, description="Largest accepted encoded image, inline or fetched."
