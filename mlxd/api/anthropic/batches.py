@@ -253,7 +253,7 @@ async def _run(batch: StoredBatch, app: Any, batches: Batches, charge: TokenChar
     pending = [(cid, params) for cid, params in batch.requests if cid not in batch.results]
     try:
         async with app.app_context():
-            g.caller = batch.caller()
+            g.caller, g.owner = batch.caller(), batch.owner
             while not app.daemon.ready:  # resumed at start: the models are still loading
                 await asyncio.sleep(READY_POLL_S)
             await asyncio.gather(*(one(cid, params) for cid, params in pending))

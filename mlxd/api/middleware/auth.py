@@ -96,10 +96,18 @@ def install(app: Quart) -> None:
             throttle.failed(address)
             raise
         g.caller = who
+        keyed = keys_required(daemon.config)
+        g.owner = owner_of(presented_key(request.headers)) if keyed else ""
         if request.path.startswith(ADMIN_PREFIXES) and not who.admin:
             raise Forbidden("this endpoint needs a server key (server.api_keys)")
         # Which models `who` may use is decided where a route resolves its model
         # (`RouteTable.entry(model_id, caller)`), however the request names it.
+
+
+def owner() -> str:
+    """Who the current request acts for, as `owner_of` its key: "" on an open daemon (any key
+    passes there, so a key names nobody)."""
+    return g.get("owner", "")
 
 
 def owner_of(key: str | None) -> str:
