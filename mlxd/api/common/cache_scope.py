@@ -21,10 +21,11 @@ SECRET_FILE = "cache-scope.secret"
 
 def cache_scope() -> str:
     """The current request's partition: "" (the shared one) on an open daemon."""
+    config = current_app.daemon.config
     owner = auth.owner()
-    if not owner:
+    if not owner or not auth.keys_required(config):  # open: a batch's owner names nobody
         return ""
-    secret = _secret(current_app.daemon.config.server.cache_dir)
+    secret = _secret(config.server.cache_dir)
     return hmac.new(secret, owner.encode(), hashlib.sha256).hexdigest()[:32]
 
 
