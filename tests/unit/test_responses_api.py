@@ -258,5 +258,8 @@ def test_the_quota_counts_what_one_owner_keeps(tmp_path: Path):
         store.admit("", quota)
     assert caught.value.param == "store"
     store.admit(owner_of("other"), quota)  # each key has its own
+    store.save(owner_of("other"), {"id": "resp_0f", "output": []}, [], None)
+    with pytest.raises(InvalidRequest):  # an open daemon's callers share one
+        store.admit(None, ResponseStoreConfig(max_responses=3, max_bytes=10**6))
     with pytest.raises(InvalidRequest, match="max_bytes"):
         store.admit("", ResponseStoreConfig(max_responses=10, max_bytes=100))

@@ -87,9 +87,10 @@ class Batches:
     def owned_by(self, owner: str) -> list[StoredBatch]:
         return [b for b in self.all.values() if b.owner == owner]
 
-    def admit(self, owner: str, new_bytes: int, quota: BatchStoreConfig) -> None:
-        """Refuse (400) a batch past `owner`'s quota of batches or bytes."""
-        kept = self.owned_by(owner)
+    def admit(self, owner: str | None, new_bytes: int, quota: BatchStoreConfig) -> None:
+        """Refuse (400) a batch past `owner`'s quota of batches or bytes (None: everyone's
+        together, as on an open daemon, where any key passes and so names nobody)."""
+        kept = list(self.all.values()) if owner is None else self.owned_by(owner)
         used = sum(self.store.size(b.id) for b in kept)
         if len(kept) >= quota.max_batches:
             limit = f"{len(kept)} batches (server.message_batches.max_batches)"
@@ -213,7 +214,8 @@ async def create() -> Any:
     scope = None if caller.models is None else sorted(caller.models)
     quota = current_app.daemon.config.server.message_batches
     batches = _batches()
-    batches.admit(_caller(), len(await request.get_data()), quota)
+    keyed = auth.keys_required(current_app.daemon.config)
+    batches.admit(_caller() if keyed else None, len(await request.get_data()), quota)
     created = datetime.now(UTC)
     batch = StoredBatch(
         new_id("msgbatch_"),

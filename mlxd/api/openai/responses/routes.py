@@ -32,7 +32,7 @@ from mlxd.api.common.generation import (
     tool_choice,
 )
 from mlxd.api.common.parts import Part
-from mlxd.api.middleware.auth import owner_of, presented_key
+from mlxd.api.middleware.auth import keys_required, owner_of, presented_key
 from mlxd.api.openai.responses.input import input_items, messages
 from mlxd.api.openai.responses.output import OutputItems, outcome, usage
 from mlxd.api.openai.responses.protocol import ResponseCreateRequest
@@ -204,8 +204,11 @@ async def create_response() -> Any:
             raise
         items = [*earlier, *own_items]
     if body.store:
-        quota = current_app.daemon.config.server.stored_responses
-        await asyncio.to_thread(store.admit, owner, quota)
+        config = current_app.daemon.config
+        keyed = keys_required(config)
+        await asyncio.to_thread(
+            store.admit, owner if keyed else None, config.server.stored_responses
+        )
     entry, engine = await generation_engine(body.model)
     generation = _generation(body, entry, items)  # every check before the sequence starts
     response = initial_response(body, generation, new_id("resp_"))

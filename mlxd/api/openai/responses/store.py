@@ -37,9 +37,11 @@ class ResponseStore:
         self.folder = folder
         self.ttl_s = ttl_s
 
-    def admit(self, owner: str, quota: ResponseStoreConfig) -> None:
-        """Refuse (400) a request that would store one more response past `owner`'s quota."""
-        sizes = list(self._live_sizes(self._owner_dir(owner)))
+    def admit(self, owner: str | None, quota: ResponseStoreConfig) -> None:
+        """Refuse (400) a request that would store one more response past `owner`'s quota
+        (None: everyone's together, as on an open daemon, where any key passes)."""
+        pattern = "*/resp_*.json" if owner is None else f"{_dir_name(owner)}/resp_*.json"
+        sizes = list(self._live_sizes(pattern))
         count, size = len(sizes), sum(sizes)
         if count >= quota.max_responses:
             limit = f"{count} stored responses (server.stored_responses.max_responses)"
@@ -128,9 +130,9 @@ class ResponseStore:
         except (OSError, ValueError, KeyError, TypeError):
             path.unlink(missing_ok=True)  # unreadable: no owner could ever read it
 
-    def _live_sizes(self, folder: Path) -> Iterator[int]:
-        """The size of each unexpired response in `folder`."""
-        for path in folder.glob("resp_*.json"):
+    def _live_sizes(self, pattern: str) -> Iterator[int]:
+        """The size of each unexpired response whose path matches `pattern`."""
+        for path in self.folder.glob(pattern):
             try:
                 stat = path.stat()
             except FileNotFoundError:
