@@ -245,6 +245,7 @@ def test_a_flat_file_of_an_older_mlxd_moves_to_its_owners_folder(tmp_path: Path)
     store = ResponseStore(tmp_path, ttl_s=60)
     store.prune()
     assert store.load(owner_of("k"), "resp_0a")["input"] == []
+    assert store.input_of(owner_of("k"), "resp_0a") == []
     assert not (tmp_path / "resp_0a.json").exists()
 
 

@@ -15,6 +15,7 @@ bytes); at the quota a request that would store is refused before it runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -66,8 +67,9 @@ class ResponseStore:
         record = {"owner": owner, "response": response, "input": own_input, "previous": previous}
         write_atomic(folder / f"{response['id']}.json", json.dumps(record, ensure_ascii=False))
         now = time.time()
-        for turn in self._chain(owner, previous):
-            os.utime(self._path(owner, turn["response"]["id"]), (now, now))
+        with contextlib.suppress(NotFound):  # a turn deleted meanwhile: the chain is cut anyway
+            for turn in self._chain(owner, previous):
+                os.utime(self._path(owner, turn["response"]["id"]), (now, now))
 
     def load(self, owner: str, response_id: str) -> dict[str, Any]:
         """The stored record ({"response", "input", "previous"}), or NotFound if missing,
@@ -95,7 +97,8 @@ class ResponseStore:
     def input_of(self, owner: str, response_id: str) -> list[dict]:
         """The whole input response `response_id` answered, earlier turns included."""
         record = self.load(owner, response_id)
-        return [*self.conversation(owner, record["previous"] or ""), *record["input"]]
+        # Files of an older mlxd have no link: their input is the whole of it.
+        return [*self.conversation(owner, record.get("previous") or ""), *record["input"]]
 
     def delete(self, owner: str, response_id: str) -> None:
         self.load(owner, response_id)  # 404 unless this owner's
