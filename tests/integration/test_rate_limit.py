@@ -99,6 +99,20 @@ def test_a_multipart_upload_counts_against_its_models_limit(daemon: Daemon):
         d.audio.transcriptions.create(model="whisper", file=upload)
     assert "1 requests per minute" in caught.value.body["message"]
     assert caught.value.response.headers["x-ratelimit-limit-requests"] == "1"
+    # A form that cannot be parsed is the route's 400, never a 500 from the limiter.
+    for content_type, body in (
+        ("multipart/form-data", b"--x\r\nContent-Disposition: form-data; name=model\r\n"),
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; nam"),
+        ("multipart/form-data; boundary=x", b"\xff" * 100),
+    ):
+        reply = httpx.post(
+            f"{daemon.url}/v1/audio/transcriptions",
+            content=body,
+            headers={"Content-Type": content_type, "Authorization": "Bearer key-a"},
+            timeout=30,
+        )
+        assert reply.status_code == 400, (content_type, body, reply.text)
+        assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_health_is_never_limited(daemon: Daemon):
