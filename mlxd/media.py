@@ -15,7 +15,8 @@ import binascii
 import io
 import ipaddress
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,13 +195,7 @@ async def _fetch_hops(url: str, policy: MediaPolicy, param: str) -> bytes:
     async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
             target = httpx.URL(url)
-            await _check_host(target, policy)
-            async with client.stream("GET", target) as response:
-                # Again on the address actually connected to: DNS may answer differently twice.
-                stream = response.extensions.get("network_stream")
-                peer = stream.get_extra_info("server_addr") if stream is not None else None
-                if peer is None or not _address_ok(peer[0], target.host, policy):
-                    raise _Refused()
+            async with _pinned_get(client, target, policy) as response:
                 if response.is_redirect:
                     url = str(target.join(response.headers.get("location", "")))
                     continue
@@ -215,20 +210,46 @@ async def _fetch_hops(url: str, policy: MediaPolicy, param: str) -> bytes:
     raise httpx.TooManyRedirects("too many redirects")
 
 
-async def _check_host(target: httpx.URL, policy: MediaPolicy) -> None:
-    """Before connecting: an http(s) URL to a listed host, or (none listed) to a host every
-    address of which is public."""
+@asynccontextmanager
+async def _pinned_get(
+    client: httpx.AsyncClient, target: httpx.URL, policy: MediaPolicy
+) -> AsyncIterator[httpx.Response]:
+    """GET `target` from the addresses just checked (the next one if one refuses the
+    connection), never from the name: resolving it again could answer differently (DNS
+    rebinding). The Host header and TLS (SNI and the certificate) still use the name."""
+    headers = {"Host": target.netloc.decode("ascii")}
+    sni = {"sni_hostname": target.host} if target.scheme == "https" else {}
+    addresses = await _checked_addresses(target, policy)
+    for address in addresses:
+        pinned = target.copy_with(host=address)
+        request = client.build_request("GET", pinned, headers=headers, extensions=sni)
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.ConnectError:
+            if address == addresses[-1]:
+                raise
+            continue
+        try:
+            yield response
+        finally:
+            await response.aclose()
+        return
+
+
+async def _checked_addresses(target: httpx.URL, policy: MediaPolicy) -> list[str]:
+    """`target`'s addresses, resolved once: of an http(s) URL to a listed host (any address),
+    or, none listed, to a host every address of which is public."""
     host = target.host.lower()
     if target.scheme not in ("http", "https") or not host:
         raise _Refused()
     if policy.domains and not policy.listed(host):
         raise _Refused()
-    if policy.listed(host):
-        return
     port = target.port or (443 if target.scheme == "https" else 80)
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    if not infos or not all(_address_ok(str(info[4][0]), host, policy) for info in infos):
+    addresses = [str(info[4][0]) for info in infos]
+    if not addresses or not all(_address_ok(address, host, policy) for address in addresses):
         raise _Refused()
+    return addresses
 
 
 def _address_ok(address: str, host: str, policy: MediaPolicy) -> bool:

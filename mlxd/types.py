@@ -90,6 +90,9 @@ class GenerationRequest:
     # The LoRA adapter to run with, for a model that shares its base's engine (set by its
     # view, runtime/shared_pool.py; the engine's key for the attached adapter). None: the base.
     adapter: str | None = None
+    # The prefix-cache partition (a salted digest of the caller's API key, never the key; ""
+    # on an open daemon): cached prompts are shared only within one.
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         # Here, not in each dialect: every way of building a request meets the same caps.

@@ -34,10 +34,11 @@ def block_key(model: str, parent: str, tokens: list[int] | tuple[int, ...]) -> s
     return digest.hexdigest()
 
 
-def block_keys(model: str, tokens: list[int], block_size: int) -> list[str]:
-    """Keys of the full blocks of `tokens`, each chained on the one before."""
+def block_keys(model: str, tokens: list[int], block_size: int, root: str = ROOT) -> list[str]:
+    """Keys of the full blocks of `tokens`, each chained on the one before, the first on
+    `root` (a partition's own root keeps its blocks apart from every other partition's)."""
     keys: list[str] = []
-    parent = ROOT
+    parent = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = block_key(model, parent, tokens[start : start + block_size])
         keys.append(parent)

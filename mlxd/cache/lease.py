@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxd.cache.blocks import ROOT
 from mlxd.cache.prefix import Match, PrefixCache
 
 log = logging.getLogger("mlxd.cache")
@@ -22,12 +23,13 @@ class PrefixLease:
     cache: PrefixCache
     prompt_ids: list[int]
     keys: list[str]  # the prompt's block keys, computed off the model thread
+    root: str = ROOT  # the root of the request's partition (`PrefixCache.root`)
     match: Match = field(default_factory=Match)
     _held: bool = False
 
     def lookup(self) -> int:
         """Cached prompt tokens right now (the uncached rest is what admission budgets)."""
-        self.match = self.cache.match(self.prompt_ids, self.keys)
+        self.match = self.cache.match(self.prompt_ids, self.keys, self.root)
         return self.match.tokens
 
     def acquire(self) -> list[Any] | None:
@@ -42,7 +44,7 @@ class PrefixLease:
         if not self.cache.missing(self.keys):
             return
         try:
-            self.cache.store(self.prompt_ids, self.keys, layers())
+            self.cache.store(self.prompt_ids, self.keys, layers(), self.root)
         except Exception:  # a cache failure costs future hits, never this request
             log.exception("storing prompt blocks failed")
 

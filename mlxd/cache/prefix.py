@@ -1,6 +1,11 @@
 """The prefix cache of one engine: which leading blocks of a prompt are cached, where, and the
 KV to start its prefill from.
 
+Partitions: a request names its `scope` (an opaque digest of the API key that sent it; "" on
+an open daemon, where everyone shares one partition). A scope's blocks chain from a root of its
+own, so lookups, partial-block matches and stores only ever meet blocks made under the same
+scope: one key cannot time its prompts against another key's cached ones.
+
 A prompt's last token is never cached: the generator needs at least one token to compute the
 logits of the first generated one. Lookups (model thread) use the RAM tier only; SSD blocks are
 promoted into RAM beforehand by `prefetch` on the request's own worker thread, so reading the
@@ -17,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxd.cache.blocks import ROOT, Block, block_keys, fingerprint
+from mlxd.cache.blocks import ROOT, Block, block_key, block_keys, fingerprint
 from mlxd.cache.kv import KVCodec, supports_prefix_cache
 from mlxd.cache.ram import RamTier
 from mlxd.cache.ssd import SsdTier
@@ -68,17 +73,23 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.ram.budget > 0
 
-    def keys(self, prompt_ids: list[int]) -> list[str]:
-        """Block keys of the cacheable part of a prompt (all but its last token)."""
-        return block_keys(self.fingerprint, prompt_ids[:-1], self.block_size)
+    def keys(self, prompt_ids: list[int], root: str = ROOT) -> list[str]:
+        """Block keys of the cacheable part of a prompt (all but its last token), in the
+        partition whose root is `root` (see `root`)."""
+        return block_keys(self.fingerprint, prompt_ids[:-1], self.block_size, root)
+
+    def root(self, scope: str) -> str:
+        """The root of `scope`'s partition: the shared one's for "", else a key no block of
+        another scope can chain from."""
+        return block_key(self.fingerprint, ROOT, list(scope.encode())) if scope else ROOT
 
     # -- request threads -------------------------------------------------------------------
 
-    def prefetch(self, prompt_ids: list[int], keys: list[str]) -> None:
+    def prefetch(self, prompt_ids: list[int], keys: list[str], root: str = ROOT) -> None:
         """Promote the prompt's leading blocks found only on disk into RAM."""
         if self.ssd is None or not self.enabled:
             return
-        parent = ROOT
+        parent = root
         for index, key in enumerate(keys):
             if key not in self.ram:
                 block = self.ssd.load(key, parent, self._tokens(prompt_ids, index))
@@ -89,14 +100,14 @@ class PrefixCache:
 
     # -- model thread ----------------------------------------------------------------------
 
-    def match(self, prompt_ids: list[int], keys: list[str]) -> Match:
+    def match(self, prompt_ids: list[int], keys: list[str], root: str = ROOT) -> Match:
         """The longest run of leading blocks in RAM that really hold this prompt's tokens,
         then the leading positions of a block that went on from there with some of the
         prompt's next tokens (a position's KV depends on the tokens up to it alone): prompts
         that share a system prompt and part of a block after it do not compute those
         positions again (llama.cpp's slots do not either)."""
         found = Match()
-        parent = ROOT
+        parent = root
         for index, key in enumerate(keys):
             block = self.ram.get(key)
             if block is None:
@@ -148,10 +159,12 @@ class PrefixCache:
     def missing(self, keys: list[str]) -> bool:
         return self.enabled and any(key not in self.ram for key in keys)
 
-    def store(self, prompt_ids: list[int], keys: list[str], layers: list[Any]) -> None:
+    def store(
+        self, prompt_ids: list[int], keys: list[str], layers: list[Any], root: str = ROOT
+    ) -> None:
         """Keep the blocks of a prefilled prompt that are not cached yet (RAM, and SSD behind
         it so that they survive restarts). `layers` is the sequence's own per-layer cache."""
-        parent = ROOT
+        parent = root
         new: list[Block] = []
         for index, key in enumerate(keys):
             if key not in self.ram:

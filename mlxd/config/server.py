@@ -9,6 +9,7 @@ import psutil
 from pydantic import Field, field_validator
 
 from mlxd.config.fields import ApiKeys, Section
+from mlxd.config.stores import BatchStoreConfig, ResponseStoreConfig
 from mlxd.config.units import ByteSize, Duration
 
 # An unset server.memory_budget: this share of physical memory (the rest for the OS, the
@@ -83,7 +84,16 @@ class ServerConfig(Section):
         30 * 86400.0,
         gt=0,
         description="How long stored Responses API answers (`store: true`, kept under "
-        "cache_dir/responses/ for retrieval and `previous_response_id`) are kept.",
+        "cache_dir/responses/ for retrieval and `previous_response_id`) are kept; a turn "
+        "continued by a later one is kept as long as that one.",
+    )
+    stored_responses: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig,
+        description="Per-key quotas of stored Responses API answers.",
+    )
+    message_batches: BatchStoreConfig = Field(
+        default_factory=BatchStoreConfig,
+        description="Per-key quotas, expiry and retention of Anthropic Message Batches.",
     )
     memory_budget: ByteSize | None = Field(
         None,
@@ -131,7 +141,8 @@ class ServerConfig(Section):
         description="With allow_remote_media: the hosts (and their subdomains) images may be "
         "fetched from, e.g. `upload.wikimedia.org`; empty means any public host. Private, "
         "loopback and link-local addresses are refused unless their host is listed here. "
-        "Every redirect is checked again.",
+        "Every redirect is checked again, and each request goes to the address its check "
+        "resolved (a name that resolves differently the second time gets nothing).",
     )
     max_image_bytes: ByteSize = Field(
         20 * 1024**2, description="Largest accepted encoded image, inline or fetched."

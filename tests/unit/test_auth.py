@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mlxd.api.middleware.auth import OPEN, identify, presented_key
+from mlxd.api.middleware.auth_throttle import MAX_FAILURES, FailedAuthentications
 from mlxd.config import ModelConfig
-from mlxd.errors import NotFound, Unauthorized
+from mlxd.errors import NotFound, Overloaded, Unauthorized
 
 MODELS = {
     "a": ModelConfig(source="/m/a", api_keys=["key-a"]),
@@ -116,3 +117,28 @@ def test_cors_origins_match_exactly_and_star_needs_keys():
         Config.model_validate({"server": {"cors_origins": ["*"]}})
     keyed = Config.model_validate({"server": {"cors_origins": ["*"], "api_keys": ["k"]}})
     assert approved_origin("http://anything.test", keyed)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_address_that_keeps_failing_is_throttled_for_a_while():
+    clock = Clock()
+    throttle = FailedAuthentications(clock)
+    for _ in range(MAX_FAILURES):
+        throttle.check("10.0.0.9")
+        throttle.failed("10.0.0.9")
+        clock.now += 1
+    with pytest.raises(Overloaded) as caught:
+        throttle.check("10.0.0.9")
+    assert caught.value.headers["Retry-After"] == str(60 - MAX_FAILURES)
+    throttle.check("10.0.0.7")  # another address is not affected
+    clock.now += 60
+    throttle.check("10.0.0.9")
+    throttle.failed("10.0.0.7")
+    assert throttle.tracked == 1  # the first address's stale failures were forgotten

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from mlxd.api.anthropic.batch_store import BatchStore, StoredBatch
+from mlxd.api.anthropic.batches import Batches, to_json
 from mlxd.api.middleware.auth import owner_of
 
 PARAMS = {"model": "smol", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -74,3 +77,44 @@ def test_batches_are_private_to_the_daemons_user(tmp_path: Path):
     assert (root.stat().st_mode & 0o777, folder.stat().st_mode & 0o777) == (0o700, 0o700)
     for name in ("batch.json", "results.jsonl"):
         assert (folder / name).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_running_batch_past_expires_at_is_stopped_and_its_rest_expired(tmp_path: Path):
+    async def scenario() -> tuple[Batches, StoredBatch, StoredBatch, asyncio.Task]:
+        batches = Batches(BatchStore(tmp_path))
+        now = datetime.now(UTC)
+        running = StoredBatch(
+            "msgbatch_run", owner_of("k"), [("a", PARAMS), ("b", PARAMS)], now - timedelta(hours=2)
+        )
+        running.expires_at = now - timedelta(hours=1)
+        fresh = StoredBatch("msgbatch_new", owner_of("k"), [("a", PARAMS)], now)
+        for batch in (running, fresh):
+            batches.store.save(batch)
+            batches.all[batch.id] = batch
+        batches.store.add_result(running, "a", {"type": "succeeded", "message": {}})
+        # What `Batches.run` starts: a task working through the requests, here still on "b".
+        work = batches.tasks[running.id] = asyncio.create_task(asyncio.sleep(3600))
+        await batches.sweep(now, retention=timedelta(days=29))
+        return batches, running, fresh, work
+
+    batches, running, fresh, work = asyncio.run(scenario())
+    assert work.cancelled() and running.id not in batches.tasks
+    assert running.status == "ended"
+    assert {cid: r["type"] for cid, r in running.results.items()} == {
+        "a": "succeeded",
+        "b": "expired",
+    }
+    assert to_json(running)["request_counts"]["expired"] == 1
+    assert fresh.status == "in_progress"
+    (reloaded,) = [b for b in BatchStore(tmp_path).load() if b.id == running.id]
+    assert reloaded.status == "ended" and reloaded.results["b"] == {"type": "expired"}
+
+
+def test_a_batch_past_its_retention_is_deleted(tmp_path: Path):
+    batches = Batches(BatchStore(tmp_path))
+    old = StoredBatch("msgbatch_old", owner_of("k"), [("a", PARAMS)])
+    batches.store.save(old)
+    batches.all[old.id] = old
+    later = old.created_at + timedelta(days=30)
+    asyncio.run(batches.sweep(later, retention=timedelta(days=29)))
+    assert batches.all == {} and not (tmp_path / "msgbatch_old").exists()

@@ -123,6 +123,21 @@ def test_a_prompt_sharing_part_of_a_block_reuses_those_positions() -> None:
         assert cache.match(head, cache.keys(head)).tokens == cached
 
 
+def test_a_scope_matches_only_its_own_blocks_whole_or_partial() -> None:
+    """Blocks stored under one key's scope are neither a hit nor a partial hit (a shared first
+    block's head) for another scope, nor for the shared partition."""
+    cache = prefix_cache()
+    prompt = list(range(13))
+    mine, theirs = cache.root("scope-a"), cache.root("scope-b")
+    cache.store(prompt, cache.keys(prompt, mine), layers_for(len(prompt)), mine)
+    partial = [*prompt[:2], 70, 71, 72]  # only the first block's head in common
+    for root in (theirs, cache.root("")):
+        assert cache.match(prompt, cache.keys(prompt, root), root).tokens == 0
+        assert cache.match(partial, cache.keys(partial, root), root).tokens == 0
+    assert cache.match(prompt, cache.keys(prompt, mine), mine).tokens == 12
+    assert cache.match(partial, cache.keys(partial, mine), mine).tokens == 2
+
+
 def test_a_few_shared_positions_are_not_worth_a_partial_hit() -> None:
     """Under a quarter block in common (a chat template's first tokens) is a miss."""
     cache = PrefixCache({"model": "m"}, CacheConfig(block_size=16), None)

@@ -3,6 +3,11 @@ connection is made."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -35,3 +40,48 @@ def test_listing_a_domain_covers_its_subdomains_only():
     policy = MediaPolicy(True, (), 1024, 2, domains=("example.org",))
     assert policy.listed("example.org") and policy.listed("img.example.org")
     assert not policy.listed("badexample.org") and not policy.listed("example.org.evil.test")
+
+
+class _Echo(BaseHTTPRequestHandler):
+    """Answers every GET with the Host header it was sent."""
+
+    def do_GET(self) -> None:
+        body = self.headers["Host"].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def echo_port() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_the_fetch_connects_to_the_address_it_checked(
+    echo_port: int, monkeypatch: pytest.MonkeyPatch
+):
+    """A name only the check's resolution knows (a DNS that answers differently each time
+    would look the same to the fetch): the GET goes to the checked address, and the server
+    still sees the name in Host."""
+    resolve = asyncio.base_events.BaseEventLoop.getaddrinfo
+    resolved = []
+
+    async def rebinding_dns(loop, host, port, **kwargs):  # type: ignore[no-untyped-def]
+        resolved.append(host)
+        if host == "nas.home.invalid":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        return await resolve(loop, host, port, **kwargs)
+
+    monkeypatch.setattr(asyncio.base_events.BaseEventLoop, "getaddrinfo", rebinding_dns)
+    policy = MediaPolicy(True, (), 1024, 5, domains=("nas.home.invalid",))
+    url = f"http://nas.home.invalid:{echo_port}/cat.png"
+    assert load_bytes(url, policy, "image") == f"nas.home.invalid:{echo_port}".encode()
+    assert resolved == ["nas.home.invalid"]  # once, by the check; never by the connection

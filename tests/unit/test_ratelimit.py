@@ -58,3 +58,18 @@ def test_the_tightest_of_several_limits_is_reported_and_enforced():
         limiter.admit("a", limits)
     # The refused request was not counted against the server-wide limit.
     assert limiter.remaining("a", {"*": limits["*"]}).requests == (10, 9)
+
+
+def test_idle_clients_are_forgotten_and_late_tokens_still_count():
+    clock, limit = Clock(), {"*": RateLimitConfig(tokens_per_minute=100)}
+    limiter = RateLimiter(clock)
+    for client in range(1000):  # a stream of fresh addresses
+        limiter.admit(f"addr:{client}", limit)
+    long_running = limiter.admit("a", limit)
+    assert limiter.tracked == 1001
+    clock.now += 61
+    limiter.admit("b", limit)
+    assert limiter.tracked == 1  # only b's
+    long_running(150)  # finished after its budget was swept: charged all the same
+    with pytest.raises(Overloaded):
+        limiter.admit("a", limit)

@@ -5,6 +5,7 @@ on-disk store (owner scoping, TTL)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import typing
@@ -21,6 +22,7 @@ from mlxd.api.openai.responses.input import input_items, messages
 from mlxd.api.openai.responses.protocol import ResponseCreateRequest
 from mlxd.api.openai.responses.routes import initial_response, response_events
 from mlxd.api.openai.responses.store import ResponseStore
+from mlxd.config.stores import ResponseStoreConfig
 from mlxd.errors import InvalidRequest, NotFound
 from mlxd.parsers.base import ReasoningPart, TextPart, ToolCallArgs, ToolCallEnd, ToolCallStart
 from mlxd.types import Finished, GenerationRequest
@@ -174,12 +176,14 @@ def test_unusable_items_are_400s_naming_the_item(items: list, param: str):
 def test_the_store_keeps_responses_per_owner(tmp_path: Path):
     store = ResponseStore(tmp_path / "responses", ttl_s=60)
     alice, bob = owner_of("key-a"), owner_of("key-b")
-    store.save(alice, {"id": "resp_ab12", "output": []}, [{"role": "user", "content": "hi"}])
+    store.save(alice, {"id": "resp_ab12", "output": []}, [{"role": "user", "content": "hi"}], None)
     assert store.load(alice, "resp_ab12")["input"] == [{"role": "user", "content": "hi"}]
-    assert "key-a" not in (tmp_path / "responses" / "resp_ab12.json").read_text()
+    path = tmp_path / "responses" / alice / "resp_ab12.json"
+    assert "key-a" not in path.read_text()
     # Conversations: readable by the daemon's user only.
     assert (tmp_path / "responses").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "responses" / "resp_ab12.json").stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert path.stat().st_mode & 0o777 == 0o600
     for owner, response_id in [(bob, "resp_ab12"), (alice, "resp_ffff"), (alice, "../x")]:
         with pytest.raises(NotFound):
             store.load(owner, response_id)
@@ -190,13 +194,73 @@ def test_the_store_keeps_responses_per_owner(tmp_path: Path):
         store.load(alice, "resp_ab12")
 
 
-def test_expired_responses_are_gone_and_pruned_on_a_later_write(tmp_path: Path):
+def _turn(store: ResponseStore, number: int, previous: str | None) -> str:
+    response_id = f"resp_{number:02d}"
+    output = [{"role": "assistant", "content": f"answer {number}"}]
+    question = [{"role": "user", "content": f"question {number}"}]
+    store.save("", {"id": response_id, "output": output}, question, previous)
+    return response_id
+
+
+def test_each_turn_stores_only_its_own_input(tmp_path: Path):
     store = ResponseStore(tmp_path, ttl_s=60)
-    store.save("", {"id": "resp_01", "output": []}, [])
+    previous = None
+    for number in range(1, 4):
+        previous = _turn(store, number, previous)
+    record = store.load("", "resp_03")
+    assert record["input"] == [{"role": "user", "content": "question 3"}]
+    assert record["previous"] == "resp_02"
+    said = [item["content"] for item in store.conversation("", "resp_03")]
+    assert said == [f"{kind} {n}" for n in (1, 2, 3) for kind in ("question", "answer")]
+    assert [item["content"] for item in store.input_of("", "resp_03")] == said[:-1]
+    store.delete("", "resp_01")  # a turn the conversation needs
+    with pytest.raises(NotFound, match="resp_01"):
+        store.conversation("", "resp_03")
+
+
+def test_expired_responses_are_gone_and_pruned(tmp_path: Path):
+    store = ResponseStore(tmp_path, ttl_s=60)
+    _turn(store, 1, None)
     old = time.time() - 120
-    os.utime(tmp_path / "resp_01.json", (old, old))
+    os.utime(tmp_path / "open" / "resp_01.json", (old, old))
     with pytest.raises(NotFound):
         store.load("", "resp_01")
-    store._pruned_at = float("-inf")  # the hourly prune is due
-    store.save("", {"id": "resp_02", "output": []}, [])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["resp_02.json"]
+    _turn(store, 2, None)
+    store.prune()
+    assert sorted(p.name for p in (tmp_path / "open").iterdir()) == ["resp_02.json"]
+
+
+def test_continuing_a_turn_renews_the_turns_before_it(tmp_path: Path):
+    store = ResponseStore(tmp_path, ttl_s=60)
+    _turn(store, 1, None)
+    aging = time.time() - 50
+    os.utime(tmp_path / "open" / "resp_01.json", (aging, aging))
+    _turn(store, 2, "resp_01")
+    assert time.time() - (tmp_path / "open" / "resp_01.json").stat().st_mtime < 10
+
+
+def test_a_flat_file_of_an_older_mlxd_moves_to_its_owners_folder(tmp_path: Path):
+    record = {"owner": owner_of("k"), "response": {"id": "resp_0a", "output": []}, "input": []}
+    (tmp_path / "resp_0a.json").write_text(json.dumps(record))
+    store = ResponseStore(tmp_path, ttl_s=60)
+    store.prune()
+    assert store.load(owner_of("k"), "resp_0a")["input"] == []
+    assert store.input_of(owner_of("k"), "resp_0a") == []
+    assert not (tmp_path / "resp_0a.json").exists()
+
+
+def test_the_quota_counts_what_one_owner_keeps(tmp_path: Path):
+    store = ResponseStore(tmp_path, ttl_s=60)
+    quota = ResponseStoreConfig(max_responses=2, max_bytes=10**6)
+    _turn(store, 1, None)
+    store.admit("", quota)
+    _turn(store, 2, None)
+    with pytest.raises(InvalidRequest, match="max_responses") as caught:
+        store.admit("", quota)
+    assert caught.value.param == "store"
+    store.admit(owner_of("other"), quota)  # each key has its own
+    store.save(owner_of("other"), {"id": "resp_0f", "output": []}, [], None)
+    with pytest.raises(InvalidRequest):  # an open daemon's callers share one
+        store.admit(None, ResponseStoreConfig(max_responses=3, max_bytes=10**6))
+    with pytest.raises(InvalidRequest, match="max_bytes"):
+        store.admit("", ResponseStoreConfig(max_responses=10, max_bytes=100))

@@ -14,7 +14,7 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +24,8 @@ from mlxd.control.routes import OPEN, Caller
 log = logging.getLogger("mlxd.batches")
 
 Status = Literal["in_progress", "canceling", "ended"]
+# What a batch written before `expires_at` was stored expires after (Anthropic's 24 hours).
+DEFAULT_EXPIRY = timedelta(hours=24)
 
 
 @dataclass
@@ -39,6 +41,11 @@ class StoredBatch:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The models the creating key may use (None: every model); its requests run as that key.
     scope: list[str] | None = None
+    expires_at: datetime | None = None  # set at creation: created_at + the configured expiry
+
+    def __post_init__(self) -> None:
+        if self.expires_at is None:
+            self.expires_at = self.created_at + DEFAULT_EXPIRY
 
     def caller(self) -> Caller:
         if self.scope is None:
@@ -55,6 +62,7 @@ class StoredBatch:
             "cancel_initiated_at": _iso(self.cancel_initiated_at),
             "ended_at": _iso(self.ended_at),
             "scope": self.scope,
+            "expires_at": _iso(self.expires_at),
         }
 
     @classmethod
@@ -69,6 +77,7 @@ class StoredBatch:
             ended_at=_time(meta["ended_at"]),
             results=results,
             scope=meta.get("scope"),
+            expires_at=_time(meta.get("expires_at")),
         )
 
 
@@ -97,6 +106,10 @@ class BatchStore:
         batch.results[custom_id] = result
         line = json.dumps({"custom_id": custom_id, "result": result}, ensure_ascii=False)
         append_line(self._dir(batch.id) / "results.jsonl", line)
+
+    def size(self, batch_id: str) -> int:
+        """Bytes the batch takes on disk (its description and results)."""
+        return sum(path.stat().st_size for path in self._dir(batch_id).glob("*") if path.is_file())
 
     def delete(self, batch_id: str) -> None:
         shutil.rmtree(self._dir(batch_id), ignore_errors=True)

@@ -23,6 +23,10 @@ ROUTES = (
     Route("delete", "/v1/messages/batches/{batch_id}", "Delete an ended batch", "anthropic"),
     Route("get", "/v1/messages/batches/{batch_id}/results", "Batch results (JSONL)", "anthropic",
           content_type="application/x-jsonl"),
+    Route("get", "/admin/message-batches", "Every key's message batches (server key)",
+          "operations"),
+    Route("post", "/admin/message-batches/{batch_id}/cancel", "Cancel any key's batch (server "
+          "key)", "operations"),
 )  # fmt: skip
 
 ERROR_SCHEMA = {

@@ -81,7 +81,8 @@ class Dialect:
     name: str
     blueprints: tuple[Blueprint, ...]
     render_error: ErrorRenderer = default_error
-    # The model ids a request's parsed JSON body names (rate limits are admitted by them).
+    # The model ids a request's parsed body names (rate limits are admitted by them): a JSON
+    # body, or a multipart form's fields as one object.
     model_ids: Callable[[Any], list[str]] = body_model
     # `GenerationRequest` field → the name this dialect's callers know it by, for errors.
     field_names: Mapping[str, str] = field(default_factory=dict)
@@ -147,15 +148,20 @@ def render_error(error: MlxdError) -> ResponseReturnValue:
 
 
 async def requested_models() -> list[str]:
-    """Model ids the request names: its path's `<model_id>` and, for a POST with a JSON body,
-    what its dialect finds there. A body that is not JSON is the route's 400."""
+    """Model ids the request names: its path's `<model_id>` and, for a POST, what its dialect
+    finds in the body: a JSON body, or a multipart form's fields (audio uploads) taken as one
+    object. A body that is neither is the route's 400."""
     path_args = request.view_args or {}
     ids = [path_args["model_id"]] if isinstance(path_args.get("model_id"), str) else []
     dialect = current()
     if request.method != "POST" or dialect is None:
         return ids
-    try:
-        body = json.loads(await request.get_data())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return ids
+    body: Any
+    if request.mimetype == "multipart/form-data":
+        body = (await request.form).to_dict()  # parsed once: the route reads the same form
+    else:
+        try:
+            body = json.loads(await request.get_data())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return ids
     return ids + [model_id for model_id in dialect.model_ids(body) if isinstance(model_id, str)]

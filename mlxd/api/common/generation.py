@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 from pydantic import BaseModel, ValidationError
 from quart import Response, request
 
+from mlxd.api.common.cache_scope import cache_scope
 from mlxd.api.common.context import current_app
 from mlxd.api.common.error_shapes import from_validation_error
 from mlxd.api.common.event_flow import in_runs, until
@@ -205,6 +206,7 @@ async def start(
     refuse_tools_when_off(entry, request)
     if not request.stop and entry.config.defaults.stop:
         request = dataclasses.replace(request, stop=list(entry.config.defaults.stop))
+    request.cache_scope = cache_scope()
     stream = await engine.submit(request)
     try:
         # This task reads the events and writes the response (streamed or not).

@@ -19,6 +19,7 @@ from quart import Quart, g, request
 from werkzeug.datastructures import Headers
 
 from mlxd.api.common.context import current_app
+from mlxd.api.middleware.auth_throttle import FailedAuthentications
 from mlxd.config import Config, ModelConfig
 from mlxd.control.routes import OPEN, Caller
 from mlxd.errors import Forbidden, Unauthorized
@@ -77,20 +78,36 @@ def caller() -> Caller:
 
 
 def install(app: Quart) -> None:
-    """Check every request except OPEN_PATHS before it reaches a route."""
+    """Check every request except OPEN_PATHS before it reaches a route; an address that keeps
+    failing is throttled (`auth_throttle`)."""
+    throttle = FailedAuthentications()
 
     @app.before_request
     async def authenticate() -> None:
         if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             return
+        address = request.remote_addr or ""
+        throttle.check(address)
         daemon = current_app.daemon
         models = {name: entry.config for name, entry in daemon.routes.models.items()}
-        who = identify(daemon.config.server.api_keys, models, presented_key(request.headers))
+        try:
+            who = identify(daemon.config.server.api_keys, models, presented_key(request.headers))
+        except Unauthorized:
+            throttle.failed(address)
+            raise
         g.caller = who
+        keyed = keys_required(daemon.config)
+        g.owner = owner_of(presented_key(request.headers)) if keyed else ""
         if request.path.startswith(ADMIN_PREFIXES) and not who.admin:
             raise Forbidden("this endpoint needs a server key (server.api_keys)")
         # Which models `who` may use is decided where a route resolves its model
         # (`RouteTable.entry(model_id, caller)`), however the request names it.
+
+
+def owner() -> str:
+    """Who the current request acts for, as `owner_of` its key: "" on an open daemon (any key
+    passes there, so a key names nobody)."""
+    return g.get("owner", "")
 
 
 def owner_of(key: str | None) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,36 +21,9 @@ from quart import Quart, Response, g, request
 from mlxd.api.common.context import current_app
 from mlxd.api.common.dialect import requested_models
 from mlxd.api.middleware.auth import OPEN_PATHS, presented_key
+from mlxd.api.middleware.window import IdleSweep, Window
 from mlxd.config.server import RateLimitConfig
 from mlxd.errors import Overloaded
-
-WINDOW_S = 60.0
-
-
-@dataclass
-class Window:
-    """Amounts (1 per request, or tokens) spent in the last WINDOW_S seconds."""
-
-    spent: deque[tuple[float, int]] = field(default_factory=deque)
-    total: int = 0
-
-    def prune(self, now: float) -> None:
-        while self.spent and self.spent[0][0] <= now - WINDOW_S:
-            self.total -= self.spent.popleft()[1]
-
-    def add(self, now: float, amount: int) -> None:
-        if amount > 0:
-            self.spent.append((now, amount))
-            self.total += amount
-
-    def free_in(self, now: float, limit: int) -> float:
-        """Seconds until the total drops below `limit` again."""
-        total = self.total
-        for at, amount in self.spent:
-            total -= amount
-            if total < limit:
-                return max(at + WINDOW_S - now, 0.0)
-        return 0.0
 
 
 @dataclass
@@ -61,6 +33,9 @@ class Budget:
     limit: RateLimitConfig
     requests: Window = field(default_factory=Window)
     tokens: Window = field(default_factory=Window)
+
+    def idle(self, now: float) -> bool:
+        return self.requests.idle(now) and self.tokens.idle(now)
 
 
 @dataclass(frozen=True)
@@ -73,6 +48,12 @@ class RateLimiter:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._budgets: dict[tuple[str, str], Budget] = {}
+        self._sweep = IdleSweep()
+
+    @property
+    def tracked(self) -> int:
+        """How many (limit, client) budgets are held."""
+        return len(self._budgets)
 
     def admit(
         self, client: str, limits: dict[str, RateLimitConfig], count: int = 1
@@ -80,6 +61,7 @@ class RateLimiter:
         """Count `count` requests against each of `limits` ({scope: limit}) or raise
         Overloaded. Returns the function that charges their tokens when they are done."""
         now = self.clock()
+        self._sweep(self._budgets, now, lambda budget: budget.idle(now))
         budgets = [self._budget(scope, client, limit) for scope, limit in limits.items()]
         for budget in budgets:
             budget.requests.prune(now)
@@ -89,8 +71,9 @@ class RateLimiter:
             budget.requests.add(now, count)
 
         def charge(tokens: int) -> None:
-            for budget in budgets:
-                budget.tokens.add(self.clock(), tokens)
+            # Looked up again: a request that ran past the window may find its budget swept.
+            for scope, limit in limits.items():
+                self._budget(scope, client, limit).tokens.add(self.clock(), tokens)
 
         return charge
 

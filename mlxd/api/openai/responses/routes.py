@@ -18,6 +18,7 @@ from typing import Any
 
 from quart import Blueprint, request
 
+from mlxd.api.common import housekeeping
 from mlxd.api.common.context import current_app
 from mlxd.api.common.error_shapes import openai_error
 from mlxd.api.common.generation import (
@@ -31,7 +32,7 @@ from mlxd.api.common.generation import (
     tool_choice,
 )
 from mlxd.api.common.parts import Part
-from mlxd.api.middleware.auth import owner_of, presented_key
+from mlxd.api.middleware.auth import keys_required, owner_of, presented_key
 from mlxd.api.openai.responses.input import input_items, messages
 from mlxd.api.openai.responses.output import OutputItems, outcome, usage
 from mlxd.api.openai.responses.protocol import ResponseCreateRequest
@@ -43,6 +44,7 @@ from mlxd.types import Finished, GenerationRequest
 blueprint = Blueprint("responses", __name__)
 
 Event = dict[str, Any]
+PRUNE_INTERVAL_S = 600.0
 
 
 def _store() -> ResponseStore:
@@ -54,6 +56,22 @@ def _store() -> ResponseStore:
         store = current_app.extensions["response_store"] = ResponseStore(folder, 0)
     store.ttl_s = server.responses_ttl
     return store
+
+
+@blueprint.before_app_serving
+async def start_pruning() -> None:
+    """Expired responses are deleted at start and every PRUNE_INTERVAL_S."""
+    app: Any = current_app._get_current_object()  # type: ignore[attr-defined]
+
+    async def prune() -> None:
+        await asyncio.to_thread(_store().prune)
+
+    app.extensions["response_pruning"] = housekeeping.every(app, PRUNE_INTERVAL_S, prune)
+
+
+@blueprint.after_app_serving
+async def stop_pruning() -> None:
+    await housekeeping.stop(current_app.extensions.pop("response_pruning", None))
 
 
 def _owner() -> str:
@@ -176,21 +194,29 @@ async def response_events(
 async def create_response() -> Any:
     body = await parse_body(ResponseCreateRequest)
     store, owner = _store(), _owner()
-    items = input_items(body.input)
+    own_items = input_items(body.input)
+    items = own_items
     if body.previous_response_id:
         try:
-            previous = await asyncio.to_thread(store.load, owner, body.previous_response_id)
+            earlier = await asyncio.to_thread(store.conversation, owner, body.previous_response_id)
         except NotFound as exc:
             exc.param = "previous_response_id"
             raise
-        items = [*previous["input"], *previous["response"]["output"], *items]
+        items = [*earlier, *own_items]
+    if body.store:
+        config = current_app.daemon.config
+        keyed = keys_required(config)
+        await asyncio.to_thread(
+            store.admit, owner if keyed else None, config.server.stored_responses
+        )
     entry, engine = await generation_engine(body.model)
     generation = _generation(body, entry, items)  # every check before the sequence starts
     response = initial_response(body, generation, new_id("resp_"))
 
     async def save(final: dict[str, Any]) -> None:
         if body.store:
-            await asyncio.to_thread(store.save, owner, final, items)
+            previous = body.previous_response_id
+            await asyncio.to_thread(store.save, owner, final, own_items, previous)
 
     parts = await start(entry, engine, generation)
     events = response_events(parts, response, save)
@@ -241,8 +267,8 @@ async def retrieve_response(response_id: str) -> Any:
 async def list_input_items(response_id: str) -> Any:
     """The whole input a stored response answered (earlier turns of a `previous_response_id`
     chain included), newest first unless `order=asc`, `limit` per page, `after` an item id."""
-    record = await asyncio.to_thread(_store().load, _owner(), response_id)
-    items = [_listed(item, response_id, index) for index, item in enumerate(record["input"])]
+    stored = await asyncio.to_thread(_store().input_of, _owner(), response_id)
+    items = [_listed(item, response_id, index) for index, item in enumerate(stored)]
     order, after = request.args.get("order", "desc"), request.args.get("after")
     limit = request.args.get("limit", "20")
     if order not in ("asc", "desc"):
