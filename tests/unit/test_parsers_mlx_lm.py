@@ -3,6 +3,8 @@ whole text, split in two at every position, and one char at a time give the same
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mlxd.parsers.registry import (
@@ -114,8 +116,21 @@ def test_text_without_markers_streams_through() -> None:
         ("<tool_call>{{ tool_call.name }}</tool_call>", "hermes"),  # mlx-lm's json_tools
     ],
 )
-def test_auto_recognises_the_mlx_lm_formats(template: str, name: str) -> None:
-    assert detect_tool_format(template) == name
+def test_auto_recognises_the_mlx_lm_formats(template: str, name: str, tmp_path: Path) -> None:
+    """The format mlx-lm's tokenizer loader infers from the template, read from its wrapper
+    as the worker reads it (worker.prompt.loaded_tool_format)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxd.models.gguf import build_tokenizer
+    from mlxd.worker.prompt import loaded_tool_format
+    from tests.unit.test_gguf import tiny_metadata
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(tiny_metadata()))
+    fast.chat_template = template
+    fast.save_pretrained(tmp_path)
+    loaded = loaded_tool_format(load_tokenizer(tmp_path))
+    assert detect_tool_format(template, loaded) == name
 
 
 THINKING = "<think>Paris is in France.</think>The capital is Paris."
