@@ -176,8 +176,9 @@ def _ps(args: argparse.Namespace) -> int:
     for name, row in status["models"].items():
         if cpu_path := row.get("cpu_path"):  # the weights' CPU path and the timings behind it
             print(f"{name}: {cpu_path['summary']}")
-        if float32_layers := row.get("float32_layers"):
-            print(f"{name}: {float32_layers}")
+        for layers in ("float32_layers", "mlx_quantized_layers"):  # what runs off the kernels
+            if row.get(layers):
+                print(f"{name}: {row[layers]}")
         if row.get("error"):
             print(f"{name}: {row['error']} ({_retry(row)})")
         for rank in (row.get("distributed") or {}).get("ranks", []):

@@ -33,6 +33,7 @@ from mlxd.models.layer_eval import evaluate_per_layer
 from mlxd.models.packed import (
     can_pack,
     dequantize_layers,
+    experts_summary,
     float32_summary,
     pack_model,
     unpackable_layers,
@@ -55,6 +56,7 @@ class LoadedModel:
     cpu_path: Choice | None = None  # the CPU path taken and the timings behind it
     # Quantized layers of a packed model the kernels do not take, run float32: name → why.
     float32_layers: dict[str, str] = field(default_factory=dict)
+    experts: str = ""  # which quantized expert layers run on MLX's quantized matmul, if any
 
 
 def _target_dtype(dtype: str) -> str | None:
@@ -166,6 +168,9 @@ def load_llm(
                 "running float32 on BLAS",
                 model_name,
             )
+        experts = experts_summary(model) if packed else ""
+        if experts:
+            log.info("model '%s': %s", model_name, experts)
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
@@ -214,4 +219,5 @@ def load_llm(
         config=config,
         cpu_path=cpu_path if plan is not None else None,
         float32_layers=unpackable,
+        experts=experts,
     )

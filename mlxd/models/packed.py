@@ -121,6 +121,23 @@ def unpackable_layers(model: nn.Module) -> dict[str, str]:
     }
 
 
+def experts_summary(model: nn.Module) -> str:
+    """Quantized layers of other kinds (mlx-lm's `QuantizedSwitchLinear`: a mixture of
+    experts' stacked expert matrices) run on MLX's own quantized matmul: "" for none, else a
+    line for the log and status."""
+    experts = [
+        name
+        for name, module in model.named_modules()
+        if "scales" in module and not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    ]
+    if not experts:
+        return ""
+    return (
+        f"{len(experts)} quantized expert layers run on MLX's own quantized matmul (the "
+        f"kernels take one matrix a layer, not stacked experts): {', '.join(experts[:2])}, …"
+    )
+
+
 def float32_summary(unpackable: dict[str, str]) -> str:
     """For the log and status ("" for none), e.g. "2 quantized layers run float32 on BLAS,
     the kernels do not take them: 6-bit (the kernels take 4 and 8): lm_head, …"."""

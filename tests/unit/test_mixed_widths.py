@@ -80,3 +80,21 @@ def test_the_kernels_take_the_4_bit_layers_and_blas_the_6_bit_one(mixed_dir: Pat
     tokens = mx.array([[1, 5, 9, 13, 2, 7]])
     ours, theirs = packed.model(tokens), reference.model(tokens)
     assert mx.allclose(ours, theirs, rtol=1e-3, atol=1e-3).item()
+
+
+def test_quantized_experts_are_said_to_run_on_mlxs_quantized_matmul(tmp_path: Path):
+    from mlxd import kernels
+    from mlxd.models.gguf import convert_gguf
+    from mlxd.models.loader import load_llm
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    config = tiny_config("qwen3_moe", hidden_size=128, intermediate_size=256)
+    write_gguf(tmp_path / "moe.gguf", config, tiny_weights(config), Q.Q4_0)
+    (tmp_path / "model").mkdir()
+    convert_gguf(tmp_path / "moe.gguf", tmp_path / "model")
+    loaded = load_llm(tmp_path / "model", dtype="auto", model_name="moe")
+    layers = config["num_hidden_layers"]
+    assert loaded.experts.startswith(
+        f"{3 * layers} quantized expert layers run on MLX's own quantized matmul"
+    )
