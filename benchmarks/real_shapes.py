@@ -103,7 +103,8 @@ def sweep_level(url: str, level: int, args: argparse.Namespace) -> LevelResult:
 
 
 def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
-    """The Q4_K_M GGUF and the MLX 4-bit directory, written unless already there."""
+    """The Q4_K_M GGUF and the MLX 4-bit directory, written unless already there (the
+    directory only where mlxd-mlx runs)."""
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     gguf = workdir / f"{args.shape}.Q4_K_M.gguf"
@@ -115,7 +116,7 @@ def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
         quantize(quantizer, f16, gguf, args.threads)
         f16.unlink()
     mlx_dir = workdir / f"{args.shape}.mlx-4bit"
-    if not (mlx_dir / "config.json").exists():
+    if "mlxd-mlx" in args.only and not (mlx_dir / "config.json").exists():
         print(f"writing {mlx_dir} …", flush=True)
         write_mlx_4bit(mlx_dir, args.shape, gguf)
     return gguf, mlx_dir
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     env = server_env()
     print(f"CPU: {cpu_model()}; flags: {cpu_flags()}; {os.cpu_count()} cores")
-    print(f"shape {args.shape}: {gguf} ({gguf.stat().st_size / GIB:.2f} GiB), {mlx_dir}")
+    print(f"shape {args.shape}: {gguf} ({gguf.stat().st_size / GIB:.2f} GiB)")
     print(f"LD_PRELOAD (both): {env.get('LD_PRELOAD', '(none)')}")
     print(f"levels {args.levels}, max_tokens {args.max_tokens}, greedy, threads {args.threads}")
 
