@@ -90,17 +90,21 @@ def _packed_bytes(
 ) -> int | None:
     """Bytes once models/packed.py packs every quantized module, or None when it would not.
 
-    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32;
-    an embedding keeps its stored table for lookups beside the packed copy.
+    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32. An
+    embedding that is also the output head (no `lm_head`) is held packed only; one beside a
+    head of its own stays as stored, its scales and biases float32.
     """
     packable = all(kernels.packable(out, group, bits) for out, _, group, bits in modules.values())
     if not (modules and packable and kernels.available()):
         return None
+    tied = "lm_head.weight" not in tensors
     total = 0
     for name, entry in tensors.items():
         module, _, leaf = name.rpartition(".")
         begin, end = entry["data_offsets"]
-        if module in modules:
+        if module in modules and module.endswith("embed_tokens") and not tied:
+            total += end - begin if leaf == "weight" else math.prod(entry["shape"]) * 4
+        elif module in modules:
             if leaf == "weight":
                 out, in_dims, _, _ = modules[module]
                 # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
@@ -109,10 +113,6 @@ def _packed_bytes(
                     tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases")
                 )
                 total += (end - begin) + out * in_dims // kernels.BLOCK * (4 if halves else 8)
-                if module.endswith("embed_tokens"):
-                    total += end - begin  # the lookup table
-            elif module.endswith("embed_tokens"):
-                total += math.prod(entry["shape"]) * 4  # the lookup table's scales and biases
         elif entry["dtype"] in _FLOAT_DTYPES:
             total += math.prod(entry["shape"]) * 4
         else:
