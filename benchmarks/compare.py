@@ -106,10 +106,16 @@ def server_env() -> dict[str, str]:
 
 
 def mlxd_command(
-    model_dir: Path, port: int, workdir: Path, speculative_tokens: int = 0
+    model_dir: Path,
+    port: int,
+    workdir: Path,
+    speculative_tokens: int = 0,
+    model_options: Mapping[str, object] | None = None,
 ) -> list[str]:
+    """`model_options`: more keys of the model's YAML entry (replacing these defaults)."""
     # 32 matches mlx_lm.server's default --decode-concurrency.
     model: dict[str, object] = {"source": str(model_dir), "batch": {"max_batch_size": 32}}
+    model |= model_options or {}
     if speculative_tokens:
         model["speculative"] = {"mode": "ngram", "num_tokens": speculative_tokens}
     config = {
@@ -151,12 +157,19 @@ def find_llama_server(explicit: Path | None) -> Path | None:
 
 
 def llama_command(
-    binary: Path, gguf: Path, port: int, slots: int, slot_tokens: int = LLAMA_SLOT_TOKENS
+    binary: Path,
+    gguf: Path,
+    port: int,
+    slots: int,
+    slot_tokens: int = LLAMA_SLOT_TOKENS,
+    threads: int | None = None,
 ) -> list[str]:
-    return [
+    """`threads`: for generation and batches (-t, -tb); llama.cpp's own default otherwise."""
+    command = [
         str(binary), "-m", str(gguf), "-np", str(slots), "-c", str(slot_tokens * slots),
         "--jinja", "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    return command + (["-t", str(threads), "-tb", str(threads)] if threads else [])
 
 
 def editing_prompts() -> Iterator[str]:
@@ -225,6 +238,20 @@ def running_server(
 ) -> Iterator[str]:
     """Start a server, wait for GET `health_path` to answer 200, yield its base URL, always
     stop it."""
+    with started_server(cmd, port, env, log_path, startup_timeout_s, health_path) as (url, _):
+        yield url
+
+
+@contextmanager
+def started_server(
+    cmd: list[str],
+    port: int,
+    env: dict[str, str],
+    log_path: Path,
+    startup_timeout_s: float,
+    health_path: str = "/health",
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`running_server`, yielding the process too (for its memory figures)."""
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         # Own session: a Ctrl-C meant for the benchmark reaches the server only through stop().
@@ -238,7 +265,7 @@ def running_server(
         )
         try:
             wait_healthy(proc, url, startup_timeout_s, health_path)
-            yield url
+            yield url, proc
         finally:
             stop(proc)
 

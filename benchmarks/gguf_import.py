@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
@@ -30,17 +31,15 @@ SHAPES = {
 }
 
 
-def write_q4_k_m(path: Path, shape: tuple[int, ...]) -> None:
-    import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
+def add_llama3_metadata(writer: Any, shape: tuple[int, ...]) -> Any:
+    """A Llama 3's hyperparameters and 128k byte-level BPE vocabulary on a `gguf.GGUFWriter`;
+    returns its llama3 `rope_freqs` tensor, which llama.cpp's converter writes first."""
     from tokenizers import pre_tokenizers
 
-    from tests.tiny_gguf import llama3_rope_freqs, random_blocks
+    from tests.tiny_gguf import llama3_rope_freqs
 
     hidden, layers, heads, kv, ffn, vocab = shape
     head_dim = hidden // heads
-    writer = gguf.GGUFWriter(path, "llama")
     writer.add_context_length(131072)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
@@ -66,7 +65,20 @@ def write_q4_k_m(path: Path, shape: tuple[int, ...]) -> None:
     rope = llama3_rope_freqs(
         {"rope_theta": 500000.0, "head_dim": head_dim, "rope_scaling": scaling}
     )
-    writer.add_tensor("rope_freqs.weight", rope)
+    return rope
+
+
+def write_q4_k_m(path: Path, shape: tuple[int, ...]) -> None:
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.tiny_gguf import random_blocks
+
+    hidden, layers, heads, kv, ffn, vocab = shape
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("rope_freqs.weight", add_llama3_metadata(writer, shape))
     writer.add_tensor("token_embd.weight", random_blocks(Q.Q6_K, vocab, hidden), raw_dtype=Q.Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):

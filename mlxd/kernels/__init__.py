@@ -144,6 +144,24 @@ def pack(
     return packed
 
 
+def take_rows(packed: Packed, ids: mx.array) -> mx.array:
+    """Rows `ids` (any shape) of the dequantized matrix, float32 [*ids.shape, K], read from
+    the packed layout with MLX ops: an embedding lookup from the table `pack` made."""
+    rows, inputs = packed.shape
+    flat = ids.reshape(-1)
+    tile, lane = flat // LANES, (flat % LANES)[:, None, None]
+    # [tiles, bytes per row, 16 rows] (see `pack`) → the tile of each id, then its lane.
+    data = packed.weight.reshape(rows // LANES, -1, LANES)[tile]
+    values = mx.take_along_axis(data, lane, axis=2)[..., 0]
+    if packed.bits == 4:  # the earlier input in the low nibble
+        values = mx.stack([values & 0xF, values >> 4], axis=-1)
+    values = values.reshape(flat.shape[0], inputs // BLOCK, BLOCK).astype(mx.float32)
+    both = packed.scale_bias[tile]  # [n, blocks, 2, 16]
+    both = mx.take_along_axis(both, lane[..., None], axis=3)[..., 0].astype(mx.float32)
+    out = values * both[..., 0:1] + both[..., 1:2]
+    return out.reshape(*ids.shape, inputs)
+
+
 def _packed_values(weight: mx.array, bits: int) -> np.ndarray:
     """Rows of MLX's uint32 words in the kernel's tiled byte layout (see `pack`)."""
     raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest

@@ -91,11 +91,12 @@ def _packed_bytes(
     """Bytes once models/packed.py packs the quantized modules it takes, or None when it
     would take none.
 
-    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32; a tied
-    embedding keeps its stored table for lookups beside the packed copy. A module the kernels
-    do not take runs float32 (out × in), except an untied embedding, kept as stored.
+    Packed: the stored bits, a scale and a bias per 32 inputs, other tensors float32. An
+    embedding that is also the output head (no `lm_head`) is held packed only; one beside a
+    head of its own stays as stored, its scales and biases float32. A module the kernels do
+    not take runs float32 (out × in), except such an embedding, kept as stored.
     """
-    tied = not any(name.endswith("lm_head.weight") for name in tensors)
+    tied = "lm_head.weight" not in tensors
     unpacked = {module for module in modules if not _packs(tensors, module, modules[module])}
     if not (kernels.available() and len(unpacked) < len(modules)):
         return None
@@ -111,21 +112,15 @@ def _packed_bytes(
             total += as_loaded
             continue
         out, in_dims, _, _ = modules[module]
-        embedding = module.endswith("embed_tokens")
-        if embedding and not tied:  # lookups only: the stored table
+        if module.endswith("embed_tokens") and not tied:  # lookups only: the stored table
             total += as_loaded
-        elif module in unpacked:  # float32 for BLAS (a tied table serves lookups too)
+        elif module in unpacked:  # float32 for BLAS
             total += out * in_dims * 4 if leaf == "weight" else 0
-        else:
-            if embedding:  # the stored table for lookups, beside the packed copy
-                total += as_loaded
-            if leaf == "weight":
-                # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
-                # float32 (kernels.pack keeps float16 only where it is exact).
-                halves = all(
-                    tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases")
-                )
-                total += (end - begin) + out * in_dims // kernels.BLOCK * (4 if halves else 8)
+        elif leaf == "weight":
+            # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
+            # float32 (kernels.pack keeps float16 only where it is exact).
+            halves = all(tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases"))
+            total += (end - begin) + out * in_dims // kernels.BLOCK * (4 if halves else 8)
     return total
 
 

@@ -4,8 +4,8 @@ On the CPU backend a quantized model used to be dequantized to float32 at load: 
 quantized matmul is slower still. With the kernel the weights stay as stored (a Q4_1 GGUF: 4.5
 bits a weight instead of 32), which is what bounds a decode step at small batches, and the
 kernel also beats float32 BLAS at batch 32 (docs/performance.md). `pack_model` swaps every
-`nn.QuantizedLinear` for a `PackedLinear`; a quantized embedding keeps its table for lookups
-and, where it is also the output projection (tied), gains a packed copy for it (`as_linear`).
+`nn.QuantizedLinear` for a `PackedLinear`; a quantized embedding that is also the output
+projection (tied) becomes a `PackedEmbedding`, one packed table for both.
 
 A model may mix widths (mlx-community's `mixed_*` recipes, a 6-bit head over a 4-bit body, a
 GGUF's IQ4 tensors imported at 6 bits): the layers the kernels take run packed and the others
@@ -66,17 +66,23 @@ class SplitLinear(nn.Module):
         return y + self.packed_linear["bias"] if "bias" in self.packed_linear else y
 
 
-class PackedEmbedding(nn.QuantizedEmbedding):
-    """A quantized embedding whose `as_linear` (tied output projection) runs packed."""
+class PackedEmbedding(nn.Module):
+    """A quantized embedding that is also the output projection (tied), held once: packed,
+    `as_linear` on the kernel and lookups dequantizing their rows from the packed table
+    (kernels.take_rows), or from the float32 copy where the plan keeps one (mixed)."""
 
     def __init__(
         self, embedding: nn.QuantizedEmbedding, path_for: Callable[[int], str] | None = None
     ) -> None:
-        nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = embedding.group_size, embedding.bits, "affine"
+        super().__init__()
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
-        self.weight, self.scales, self.biases = embedding.weight, embedding.scales, embedding.biases
         self.output = _packed_linear(embedding, None, path_for)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        if isinstance(self.output, SplitLinear):
+            return self.output.dense[ids]
+        assert isinstance(self.output, PackedLinear)
+        return kernels.take_rows(self.output.packed, ids)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.output(x)

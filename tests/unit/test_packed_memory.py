@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 
 def test_packing_releases_each_stored_layer_as_it_goes(tmp_path: Path):
-    import mlx.core as mx
-    import mlx.nn as nn
-
     from mlxd import kernels
     from mlxd.models.loader import flat_parameters
     from mlxd.models.packed import PackedLinear, pack_model
@@ -46,21 +45,44 @@ def test_packing_releases_each_stored_layer_as_it_goes(tmp_path: Path):
 
 
 def test_an_embedding_gets_a_packed_copy_only_when_it_is_the_output_head():
-    import mlx.nn as nn
-
     from mlxd.models.packed import PackedEmbedding, PackedLinear, pack_model
 
-    class Model(nn.Module):
-        def __init__(self, separate_head: bool) -> None:
-            super().__init__()
-            self.embed_tokens = nn.Embedding(256, 64)
-            if separate_head:
-                self.lm_head = nn.Linear(64, 256, bias=False)
-
-    tied, untied = Model(separate_head=False), Model(separate_head=True)
+    tied, untied = _Model(separate_head=False), _Model(separate_head=True)
     for model in (tied, untied):
         nn.quantize(model, group_size=32, bits=4)
         pack_model(model)
     assert isinstance(tied.embed_tokens, PackedEmbedding)
     assert isinstance(untied.lm_head, PackedLinear)
     assert type(untied.embed_tokens) is nn.QuantizedEmbedding  # lookups only: no packed copy
+
+
+class _Model(nn.Module):
+    def __init__(self, separate_head: bool, vocab: int = 256, dims: int = 64) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dims)
+        if separate_head:
+            self.lm_head = nn.Linear(dims, vocab, bias=False)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (8, 32)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_tied_embedding_looks_up_from_its_packed_table(bits, group_size, mixed):
+    from mlxd.models.loader import flat_parameters
+    from mlxd.models.packed import PackedEmbedding, pack_model
+
+    model = _Model(separate_head=False, vocab=96, dims=128)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    stored = model.embed_tokens
+    stored.set_dtype(mx.float32)  # as the loader has it: scales and biases in float32
+    ids = mx.array([[0, 17, 95, 16], [15, 31, 32, 64]])
+    expected, x = stored(ids), mx.random.normal((3, 128))
+    expected_logits = stored.as_linear(x)
+    pack_model(model, (lambda rows: "float32") if mixed else None)
+    embedding = model.embed_tokens
+    assert isinstance(embedding, PackedEmbedding)
+    got = embedding(ids)
+    assert got.dtype == mx.float32 and got.shape == (2, 4, 128)
+    assert mx.array_equal(got, expected).item()
+    assert mx.allclose(embedding.as_linear(x), expected_logits, atol=1e-4).item()
+    names = [name for name, _ in flat_parameters(embedding)]
+    assert all(name.startswith("output.") for name in names)  # no stored table beside it

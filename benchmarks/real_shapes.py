@@ -1,0 +1,286 @@
+"""mlxd and llama.cpp's server on random-weight models shaped like the ones people run.
+
+python -m benchmarks.real_shapes [--shape llama-3.2-1b|llama-3.1-8b] [--levels 1,4,16]
+
+Writes (once, under --workdir) an F16 GGUF shaped like Llama-3.2-1B or Llama-3.1-8B, the Q4_K_M
+that llama.cpp's own `llama-quantize` makes of it, and an MLX 4-bit directory of the same shape
+(benchmarks/random_llama.py). Then, one server at a time on the same machine:
+
+- llama.cpp: `llama-server` on the Q4_K_M, one server per level C (`-np C`, 512 tokens a slot,
+  as benchmarks.compare runs it), with -t/-tb set to the threads mlxd uses (every core);
+- mlxd on that Q4_K_M: a first start with an empty cache dir (conversion, CPU path timing,
+  load), then a cached start (the converted weights and timings reused) that serves the sweep;
+- mlxd on the MLX 4-bit directory: the same two starts.
+
+It reports each one's load time (process start to GET /health answering 200), the peak RSS
+(VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
+load and after each level, and tok/s and TTFT at each level from mlxd's load generator (same
+prompts, greedy, same max_tokens for every server). llama-server maps the GGUF, so its RSS
+counts the file's pages it touched; mlxd's worker holds its weights in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO_ROOT))
+
+import httpx2 as httpx  # noqa: E402
+
+from benchmarks.compare import (  # noqa: E402
+    LLAMA_SLOT_TOKENS,
+    MODEL_NAME,
+    ServerFailed,
+    cpu_model,
+    find_llama_server,
+    free_port,
+    llama_command,
+    mlxd_command,
+    server_env,
+    started_server,
+)
+from benchmarks.gguf_import import SHAPES  # noqa: E402
+from benchmarks.random_llama import quantize, write_f16_gguf, write_mlx_4bit  # noqa: E402
+from mlxd.cli.loadgen import LevelResult, parse_levels, print_results, run_sweep  # noqa: E402
+
+GIB = 2**30
+
+
+@dataclass
+class PeerRun:
+    """One server's figures: load times, peak RSS after load and per level, results."""
+
+    first_load_s: float | None = None
+    cached_load_s: float | None = None
+    load_rss: int | None = None  # VmHWM right after the load
+    level_rss: dict[int, int] = field(default_factory=dict)  # VmHWM after each level
+    results: dict[int, LevelResult] = field(default_factory=dict)
+    note: str = ""
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM of process `pid`, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def cpu_flags() -> str:
+    """The lscpu flags that matter to these kernels."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return " ".join(flag for flag in wanted if flag in have)
+    return "unknown"
+
+
+@contextmanager
+def timed_start(
+    cmd: list[str], port: int, log: Path, timeout_s: float
+) -> Iterator[tuple[str, int, float]]:
+    """A started server: its URL, pid and seconds from launch to healthy."""
+    started = time.perf_counter()
+    with started_server(cmd, port, server_env(), log, timeout_s) as (url, proc):
+        yield url, proc.pid, time.perf_counter() - started
+
+
+def sweep_level(url: str, level: int, args: argparse.Namespace) -> LevelResult:
+    results = asyncio.run(run_sweep(url, MODEL_NAME, [level], args.max_tokens, args.requests))
+    return results[0]
+
+
+def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
+    """The Q4_K_M GGUF and the MLX 4-bit directory, written unless already there (the
+    directory only where mlxd-mlx runs)."""
+    workdir: Path = args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    gguf = workdir / f"{args.shape}.Q4_K_M.gguf"
+    if not gguf.exists():
+        f16 = workdir / f"{args.shape}.F16.gguf"
+        print(f"writing {f16} …", flush=True)
+        write_f16_gguf(f16, args.shape)
+        print(f"{quantizer.name} → {gguf.name} ({args.threads} threads) …", flush=True)
+        quantize(quantizer, f16, gguf, args.threads)
+        f16.unlink()
+    mlx_dir = workdir / f"{args.shape}.mlx-4bit"
+    if "mlxd-mlx" in args.only and not (mlx_dir / "config.json").exists():
+        print(f"writing {mlx_dir} …", flush=True)
+        write_mlx_4bit(mlx_dir, args.shape, gguf)
+    return gguf, mlx_dir
+
+
+def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) -> PeerRun:
+    """llama-server sized per level (-np C): a start per level; the first is the first load."""
+    run, loads = PeerRun(), []
+    for level in args.levels:
+        port = free_port()
+        cmd = llama_command(binary, gguf, port, level, threads=args.threads)
+        print(f"== llama.cpp C={level}: {' '.join(cmd)}", flush=True)
+        with timed_start(cmd, port, logs / f"llama-{level}.log", args.startup_timeout) as (
+            url,
+            pid,
+            load_s,
+        ):
+            loads.append(load_s)
+            run.load_rss = run.load_rss or peak_rss(pid)
+            run.results[level] = sweep_level(url, level, args)
+            run.level_rss[level] = peak_rss(pid)
+    run.first_load_s = loads[0]
+    run.cached_load_s = min(loads[1:]) if len(loads) > 1 else None
+    run.note = "cached load: the fastest later start (nothing to convert; file in page cache)"
+    return run
+
+
+def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> PeerRun:
+    """A first start on an empty cache dir, then a cached start that serves the sweep."""
+    run = PeerRun()
+    workdir = logs / name
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir()
+    # llama.cpp's sizing at the top level: that many sequences of LLAMA_SLOT_TOKENS each.
+    options = {
+        "batch": {"max_batch_size": max(args.levels)},
+        "context_length": LLAMA_SLOT_TOKENS,
+    }
+    for phase in ("first", "cached"):
+        port = free_port()
+        cmd = mlxd_command(source, port, workdir, model_options=options)
+        print(f"== {name} ({phase} load): {' '.join(cmd)}", flush=True)
+        with timed_start(cmd, port, logs / f"{name}-{phase}.log", args.startup_timeout) as (
+            url,
+            _,
+            load_s,
+        ):
+            status = httpx.get(f"{url}/v1/status", timeout=30, trust_env=False).json()
+            model = status["models"][MODEL_NAME]
+            if model.get("state") != "loaded":
+                raise RuntimeError(f"{name}: model not loaded: {model.get('error')}")
+            if phase == "first":
+                run.first_load_s = load_s
+                continue
+            run.cached_load_s, pid = load_s, model["pid"]
+            run.load_rss = peak_rss(pid)
+            path = model.get("cpu_path") or {}
+            run.note = f"weights {model.get('dtype')}, CPU path: {path.get('summary', '-')}"
+            for level in args.levels:
+                run.results[level] = sweep_level(url, level, args)
+                run.level_rss[level] = peak_rss(pid)
+    return run
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
+    print(f"\n{'server':<12} {'first load':>11} {'cached load':>12} {'RSS after load':>15}")
+    for name, run in runs.items():
+        print(
+            f"{name:<12} {_seconds(run.first_load_s):>11} {_seconds(run.cached_load_s):>12} "
+            f"{_gib(run.load_rss):>11} GiB"
+        )
+    print(f"\n{'server':<12} {'C':>3} {'tok/s':>7} {'TTFT p50':>9} {'fail':>5} {'peak RSS':>12}")
+    for name, run in runs.items():
+        for level in levels:
+            r = run.results.get(level)
+            ttft = "-" if r is None or r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}s"
+            print(
+                f"{name:<12} {level:>3} {f'{r.tokens_per_s:.1f}' if r else '-':>7} {ttft:>9} "
+                f"{f'{r.failed}/{r.requests}' if r else '-':>5} "
+                f"{_gib(run.level_rss.get(level)):>8} GiB"
+            )
+    peer = runs.get("llama.cpp")
+    for name, run in runs.items():
+        if peer is None or name == "llama.cpp":
+            continue
+        for level in levels:
+            ours, theirs = run.level_rss.get(level), peer.level_rss.get(level)
+            a, b = run.results.get(level), peer.results.get(level)
+            if ours and theirs and a and b and b.tokens_per_s:
+                print(
+                    f"{name} / llama.cpp at C={level}: peak RSS {ours / theirs:.2f}x, "
+                    f"tok/s {a.tokens_per_s / b.tokens_per_s:.2f}x"
+                )
+    for name, run in runs.items():
+        if run.note:
+            print(f"{name}: {run.note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("~/.cache/mlxd-bench/real-shapes").expanduser(),
+        help="where the models are written once and the servers' logs go",
+    )
+    parser.add_argument("--levels", type=parse_levels, default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=None, help="per level (default 2×C)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--only",
+        type=lambda text: text.split(","),
+        default=["llama.cpp", "mlxd-gguf", "mlxd-mlx"],
+        help="comma-separated, of llama.cpp, mlxd-gguf, mlxd-mlx (default: all)",
+    )
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
+    args = parser.parse_args(argv)
+
+    binary = find_llama_server(args.llama_server)
+    if binary is None or not (quantizer := binary.parent / "llama-quantize").exists():
+        print("no llama-server and llama-quantize (../shared/tools/build-llama-server)")
+        return 1
+    gguf, mlx_dir = prepare(args, quantizer)
+    logs = args.workdir / "runs"
+    logs.mkdir(exist_ok=True)
+    env = server_env()
+    print(f"CPU: {cpu_model()}; flags: {cpu_flags()}; {os.cpu_count()} cores")
+    print(f"shape {args.shape}: {gguf} ({gguf.stat().st_size / GIB:.2f} GiB)")
+    print(f"LD_PRELOAD (both): {env.get('LD_PRELOAD', '(none)')}")
+    print(f"levels {args.levels}, max_tokens {args.max_tokens}, greedy, threads {args.threads}")
+
+    runs: dict[str, PeerRun] = {}
+    failed = False
+    peers = {
+        "llama.cpp": lambda: run_llama(binary, gguf, args, logs),
+        "mlxd-gguf": lambda: run_mlxd(gguf, "mlxd-gguf", args, logs),
+        "mlxd-mlx": lambda: run_mlxd(mlx_dir, "mlxd-mlx", args, logs),
+    }
+    for name, run in peers.items():
+        if name not in args.only:
+            continue
+        try:
+            runs[name] = run()
+        except (ServerFailed, RuntimeError) as exc:  # the other servers still run
+            print(f"{name} failed: {exc} (logs: {logs})", file=sys.stderr, flush=True)
+            failed = True
+            continue
+        print(f"-- {name}")
+        print_results(list(runs[name].results.values()))
+    report(runs, args.levels)
+    print(f"server logs: {logs}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
