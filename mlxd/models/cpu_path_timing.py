@@ -44,6 +44,7 @@ from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
 from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
+from mlxd.models.packed import pack, why_not_packable
 
 Shape = tuple[int, int, int, int]  # out, in, group size, bits
 HEAD_ROWS = 8192
@@ -66,7 +67,7 @@ def model_shapes(model_dir: Path) -> ModelShapes | None:
     modules = {
         name: shape
         for name, shape in quantized_shapes(model_dir).items()
-        if kernels.packable(shape[0], shape[2], shape[3])
+        if why_not_packable(shape[0], shape[2], shape[3]) is None
     }
     layer_of = {name: m.group(1) for name in modules if (m := _LAYER.search(name))}
     if not layer_of:
@@ -121,7 +122,7 @@ def _matrix(shape: Shape) -> _Matrix:
     weight, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     dense = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
     mx.eval(dense)
-    return _Matrix(kernels.pack(weight, scales, biases, group, bits), dense, out / rows)
+    return _Matrix(pack(weight, scales, biases, group, bits), dense, out / rows)
 
 
 def _best_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:

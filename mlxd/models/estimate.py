@@ -16,6 +16,7 @@ from typing import Any
 from mlxd import kernels
 from mlxd.errors import ModelLoadError
 from mlxd.models.loader import DTYPES, _target_dtype
+from mlxd.models.packed import KERNEL_BITS, why_not_packable
 
 # Bytes per element of each target dtype of a cast (loader.FLOAT_DTYPES).
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -111,7 +112,7 @@ def _packed_bytes(
         if module not in modules or leaf not in ("weight", "scales", "biases"):
             total += as_loaded
             continue
-        out, in_dims, _, _ = modules[module]
+        out, in_dims, _, bits = modules[module]
         if module.endswith("embed_tokens") and not tied:  # lookups only: the stored table
             total += as_loaded
         elif module in unpacked:  # float32 for BLAS
@@ -120,7 +121,8 @@ def _packed_bytes(
             # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
             # float32 (kernels.pack keeps float16 only where it is exact).
             halves = all(tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases"))
-            total += (end - begin) + out * in_dims // kernels.BLOCK * (4 if halves else 8)
+            weights = out * in_dims * KERNEL_BITS[bits] // 8  # as widened (packed.KERNEL_BITS)
+            total += weights + out * in_dims // kernels.BLOCK * (4 if halves else 8)
     return total
 
 
@@ -129,7 +131,7 @@ def _packs(
 ) -> bool:
     """Whether the kernels take this quantized module (affine quantization has biases)."""
     out, _, group, bits = shape
-    return f"{module}.biases" in tensors and kernels.packable(out, group, bits)
+    return f"{module}.biases" in tensors and why_not_packable(out, group, bits) is None
 
 
 def _tensors(model_dir: Path) -> dict[str, dict[str, Any]]:

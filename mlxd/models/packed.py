@@ -20,10 +20,17 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
 from mlxd import kernels
 from mlxd.kernels import Packed
+
+# The width the kernels run each width MLX stores at: a 2- or 3-bit value fits a nibble and a
+# 5- or 6-bit one a byte, with the same scale and bias, so widening is exact (a Q5_K GGUF
+# imports at 5 bits; mlx-community's 3- and 6-bit recipes). Memory: 4 or 8 bits a weight.
+KERNEL_BITS = {2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 8: 8}
+WIDEN_ROWS = 1024
 
 
 class PackedLinear(nn.Module):
@@ -90,13 +97,47 @@ class PackedEmbedding(nn.Module):
 
 def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> Packed:
     assert module.biases is not None  # affine quantization (see _why_not_packable)
-    return kernels.pack(module.weight, module.scales, module.biases, module.group_size, module.bits)
+    return pack(module.weight, module.scales, module.biases, module.group_size, module.bits)
+
+
+def pack(
+    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> Packed:
+    """`kernels.pack` of any width MLX stores, at the width the kernels run it (KERNEL_BITS)."""
+    width = KERNEL_BITS[bits]
+    if width != bits:
+        weight = _widened(weight, bits, width)
+    return kernels.pack(weight, scales, biases, group_size, width)
+
+
+def why_not_packable(rows: int, group_size: int, bits: int) -> str | None:
+    """What keeps the kernels from an affine matrix of this shape and width (None: nothing)."""
+    if bits not in KERNEL_BITS:
+        return f"{bits}-bit (the kernels take 2 to 6 and 8)"
+    return kernels.why_not_packable(rows, group_size, KERNEL_BITS[bits])
 
 
 def _why_not_packable(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> str | None:
     if module.mode != "affine":
         return f"{module.mode} quantization (the kernels take affine)"
-    return kernels.why_not_packable(module.weight.shape[0], module.group_size, module.bits)
+    return why_not_packable(module.weight.shape[0], module.group_size, module.bits)
+
+
+def _widened(weight: mx.array, bits: int, width: int) -> mx.array:
+    """MLX's packed `bits`-bit values (a little-endian bit stream along each row) as MLX's
+    packed `width`-bit words holding the same values. `WIDEN_ROWS` rows at a time: the bit
+    arrays are a byte per bit."""
+    raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)
+    rows, values = raw.shape[0], raw.shape[1] * 8 // bits
+    out = np.empty((rows, values * width // 8), np.uint8)
+    for start in range(0, rows, WIDEN_ROWS):
+        chunk = np.unpackbits(raw[start : start + WIDEN_ROWS], axis=1, bitorder="little")
+        chunk = chunk.reshape(chunk.shape[0], values, bits)
+        chunk = np.pad(chunk, ((0, 0), (0, 0), (0, width - bits)))  # zero high bits
+        out[start : start + WIDEN_ROWS] = np.packbits(
+            chunk.reshape(chunk.shape[0], -1), axis=1, bitorder="little"
+        )
+    return mx.array(out.view(np.uint32))
 
 
 def _quantized(model: nn.Module) -> dict[str, nn.QuantizedLinear | nn.QuantizedEmbedding]:

@@ -1,6 +1,6 @@
-"""A model of mixed widths (mlx-community's `mixed_*` recipes, a 6-bit layer over a 4-bit body)
-runs its 4-bit layers packed and the others float32, says which and why, and is sized so
-before any weight is read (issue 26)."""
+"""A model of mixed widths (mlx-community's `mixed_*` recipes, a 6-bit layer over a 4-bit body,
+an mxfp4 layer) runs what the kernels take packed (2-6 bits widened exactly to 4 or 8) and the
+rest float32, says which and why, and is sized so before any weight is read (issue 26)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,30 @@ from gguf import GGMLQuantizationType as Q
 from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
 
 SIX_BIT = "model.layers.0.mlp.down_proj"
+MXFP4 = "model.layers.1.mlp.down_proj"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_widths_the_kernels_widen_multiply_exactly(bits: int):
+    import mlx.core as mx
+
+    from mlxd import kernels
+    from mlxd.models.packed import pack
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    w = mx.random.normal((64, 256), key=mx.random.key(bits))
+    quantized = mx.quantize(w, group_size=64, bits=bits)
+    x = mx.random.normal((3, 256), key=mx.random.key(9))
+    reference = x @ mx.dequantize(*quantized, group_size=64, bits=bits).T
+    ours = kernels.qmatmul(x, pack(*quantized, 64, bits))
+    assert mx.allclose(ours, reference, rtol=1e-4, atol=1e-4).item()
 
 
 @pytest.fixture(scope="module")
 def mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama imported from a Q4_0 GGUF, then one layer requantized to 6 bits with the
-    per-module override mlx-lm writes into config.json."""
+    """A tiny llama imported from a Q4_0 GGUF, then one layer requantized to 6 bits and one to
+    mxfp4, with the per-module overrides mlx-lm writes into config.json."""
     import mlx.core as mx
 
     from mlxd.models.gguf import convert_gguf
@@ -31,28 +49,26 @@ def mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out.mkdir()
     convert_gguf(root / "m.gguf", out)
     weights = mx.load(str(out / "model.safetensors"))
-    quant = json.loads((out / "config.json").read_text())["quantization"]
-    dense = mx.dequantize(
-        weights[f"{SIX_BIT}.weight"],
-        weights[f"{SIX_BIT}.scales"],
-        weights[f"{SIX_BIT}.biases"],
-        quant["group_size"],
-        quant["bits"],
-    )
-    six = mx.quantize(dense, group_size=32, bits=6)
-    weights.update(
-        zip((f"{SIX_BIT}.{n}" for n in ("weight", "scales", "biases")), six, strict=True)
-    )
+    config_json = json.loads((out / "config.json").read_text())
+    quant = config_json["quantization"]
+    for name, override in (
+        (SIX_BIT, {"group_size": 32, "bits": 6}),
+        (MXFP4, {"group_size": 32, "bits": 4, "mode": "mxfp4"}),
+    ):
+        stored = [weights.pop(f"{name}.{n}") for n in ("weight", "scales", "biases")]
+        dense = mx.dequantize(*stored, quant["group_size"], quant["bits"])
+        requantized = mx.quantize(dense, **override)
+        names = (f"{name}.{n}" for n in ("weight", "scales", "biases"))
+        weights.update(zip(names, requantized, strict=False))  # mxfp4 has no biases
+        for key in ("quantization", "quantization_config"):
+            if key in config_json:
+                config_json[key][name] = override
     mx.save_safetensors(str(out / "model.safetensors"), weights)
-    for key in ("quantization", "quantization_config"):
-        config_json = json.loads((out / "config.json").read_text())
-        if key in config_json:
-            config_json[key][SIX_BIT] = {"group_size": 32, "bits": 6}
-            (out / "config.json").write_text(json.dumps(config_json))
+    (out / "config.json").write_text(json.dumps(config_json))
     return out
 
 
-def test_the_kernels_take_the_4_bit_layers_and_blas_the_6_bit_one(mixed_dir: Path, caplog):
+def test_the_kernels_take_the_affine_layers_and_blas_the_mxfp4_one(mixed_dir: Path, caplog):
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -65,14 +81,15 @@ def test_the_kernels_take_the_4_bit_layers_and_blas_the_6_bit_one(mixed_dir: Pat
         pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
     with caplog.at_level(logging.INFO, logger="mlxd"):
         packed = load_llm(mixed_dir, dtype="auto", model_name="mixed")
-    assert packed.float32_layers == {SIX_BIT: "6-bit (the kernels take 4 and 8)"}
-    assert "1 quantized layer runs float32 on BLAS, the kernels do not take them: 6-bit" in (
+    why = "mxfp4 quantization (the kernels take affine)"
+    assert packed.float32_layers == {MXFP4: why}
+    assert f"1 quantized layer runs float32 on BLAS, the kernels do not take them: {why}" in (
         caplog.text
     )
     layers = dict(packed.model.named_modules())
-    assert type(layers[SIX_BIT]) is nn.Linear and layers[SIX_BIT].weight.dtype == mx.float32
+    assert type(layers[MXFP4]) is nn.Linear and layers[MXFP4].weight.dtype == mx.float32
+    assert isinstance(layers[SIX_BIT], PackedLinear) and layers[SIX_BIT].bits == 8
     assert isinstance(layers["model.layers.0.mlp.up_proj"], PackedLinear)
-    assert isinstance(layers["model.layers.1.mlp.down_proj"], PackedLinear)
     # Sized before loading, as it runs.
     assert packed_weight_bytes(mixed_dir) == pytest.approx(packed.nbytes, rel=0.02)
     # The same function as every layer dequantized to float32.
