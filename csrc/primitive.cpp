@@ -14,7 +14,8 @@ mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scale_bias,
-    int bits) {
+    int bits,
+    bool dot) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("qmatmul: bits must be 4 or 8");
   }
@@ -35,7 +36,7 @@ mx::array qmatmul(
   return mx::array(
       shape,
       mx::float32,
-      std::make_shared<QMatmul>(stream, bits),
+      std::make_shared<QMatmul>(stream, bits, dot),
       {mx::astype(x, mx::float32, stream), w, scale_bias});
 }
 
@@ -57,11 +58,13 @@ void QMatmul::eval_cpu(
   const int threads = threads_on(stream());
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
-    encoder.dispatch([=, f = run.qmatmul_f16, sp = rows<uint16_t>(scale_bias, encoder)]() {
+    auto* f16 = dot_ ? run.qdot_f16 : run.qmatmul_f16;
+    encoder.dispatch([=, f = f16, sp = rows<uint16_t>(scale_bias, encoder)]() {
       f(xp, wp, sp, yp, M, N, K, bits, threads);
     });
   } else {
-    encoder.dispatch([=, f = run.qmatmul_f32, sp = rows<float>(scale_bias, encoder)]() {
+    auto* f32 = dot_ ? run.qdot_f32 : run.qmatmul_f32;
+    encoder.dispatch([=, f = f32, sp = rows<float>(scale_bias, encoder)]() {
       f(xp, wp, sp, yp, M, N, K, bits, threads);
     });
   }

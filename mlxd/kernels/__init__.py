@@ -4,11 +4,12 @@
 at the speed the CPU's vector units allow, which MLX 0.32's CPU backend does not: its quantized
 matmul is 2-4x slower than float32 BLAS. `pack` rearranges MLX's quantized layout (uint32 words,
 groups of 32/64/128) once into the kernel's (bytes in tiles of 16 output rows, scales and
-biases per block of 32 inputs).
+biases per block of 32 inputs); `pack_dot` into the integer dot-product kernel's, which
+quantizes x to int8 per block of 32 as llama.cpp does (csrc/qdot.cpp).
 
-The module holds the kernels once per ISA variant (generic, avx2, avx512 on x86-64; generic,
-neon on aarch64) and runs the best one the CPU supports; `MLXD_KERNELS_ISA` (or `use_isa`)
-forces one, `isa()` says which runs.
+The module holds the kernels once per ISA variant (generic, avx2, avxvnni, avx512, avx512vnni
+on x86-64; generic, neon, neondot on aarch64) and runs the best one the CPU supports;
+`MLXD_KERNELS_ISA` (or `use_isa`) forces one, `isa()` says which runs.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Packed:
     weight: mx.array  # uint8 [N, K * bits / 8], tiled
     scale_bias: mx.array  # float16 or float32 [N / 16, K / 32, 2 (scale, bias), 16]
     bits: int
+    dot: bool = False  # pack_dot's layout: multiplied by integer dot products
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -115,22 +117,59 @@ def pack(
     """
     if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
-    raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest
-    rows = raw.shape[0]
-    # Values as one byte each, [rows, K]: 4-bit words hold the earlier value in the low nibble.
-    q = raw if bits == 8 else np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(rows, -1)
-    tiles = q.reshape(rows // LANES, LANES, -1)
+    tiles = _values(weight, bits)
     if bits == 4:  # inputs k and k + 1 of a row share a byte
         tiles = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
-    packed_weight = np.ascontiguousarray(tiles.transpose(0, 2, 1)).reshape(rows, -1)
+    packed_weight = np.ascontiguousarray(tiles.transpose(0, 2, 1))
+    return _packed(packed_weight, scales, biases, group_size, bits, dot=False)
 
+
+def pack_dot(
+    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> Packed:
+    """MLX's quantized layout → `Packed` for the integer dot-product kernel (csrc/qdot.cpp):
+    output rows in tiles of 16, each row's values of 4 consecutive inputs in one 32-bit lane:
+    per tile and 4 inputs (8 bits) 64 bytes, bytes 4j..4j+3 row j's; per tile and 8 inputs
+    (4 bits) 64 bytes, byte 4j+i = q[j][k+i] | q[j][k+4+i] << 4. Scales and biases as `pack`'s.
+    """
+    if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
+        raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
+    tiles = _values(weight, bits)  # [tiles, 16, K]
+    count, _, k = tiles.shape
+    if bits == 4:  # [tiles, 16, K / 8, 2 halves, 4]: the second half in the high nibbles
+        halves = tiles.reshape(count, LANES, k // 8, 2, 4)
+        tiles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+    else:
+        tiles = tiles.reshape(count, LANES, k // 4, 4)
+    packed_weight = np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
+    return _packed(packed_weight, scales, biases, group_size, bits, dot=True)
+
+
+def _values(weight: mx.array, bits: int) -> np.ndarray:
+    """The quantized values one byte each, [N / 16 tiles, 16, K]."""
+    raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest
+    rows = raw.shape[0]
+    # 4-bit words hold the earlier value in the low nibble.
+    q = raw if bits == 8 else np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(rows, -1)
+    return q.reshape(rows // LANES, LANES, -1)
+
+
+def _packed(
+    packed_weight: np.ndarray,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    dot: bool,
+) -> Packed:
+    rows = scales.shape[0]
     # [rows, K / group] → [tiles, K / 32 blocks, 2, 16]: the tile's 16 scales, then biases.
     both = np.stack([np.asarray(scales.astype(mx.float32)), np.asarray(biases.astype(mx.float32))])
     both = np.repeat(both, group_size // BLOCK, axis=2).reshape(2, rows // LANES, LANES, -1)
     both = np.ascontiguousarray(both.transpose(1, 3, 0, 2))
     if np.array_equal(both.astype(np.float16).astype(np.float32), both):
         both = both.astype(np.float16)
-    packed = Packed(mx.array(packed_weight), mx.array(both), bits)
+    packed = Packed(mx.array(packed_weight.reshape(rows, -1)), mx.array(both), bits, dot)
     mx.eval(packed.weight, packed.scale_bias)
     return packed
 
@@ -146,8 +185,16 @@ def _module() -> ModuleType:
 
 def qmatmul(x: mx.array, packed: Packed) -> mx.array:
     """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
-    result: mx.array = _module().qmatmul(x, packed.weight, packed.scale_bias, packed.bits)
+    result: mx.array = _module().qmatmul(
+        x, packed.weight, packed.scale_bias, packed.bits, packed.dot
+    )
     return result
+
+
+def integer_dot() -> bool:
+    """Whether the ISA variant in use multiplies `pack_dot`'s layout by integer dot products
+    (VNNI, vpmaddubsw, sdot); the generic variant's scalar loop is for correctness only."""
+    return _cpu is not None and bool(_cpu.integer_dot())
 
 
 def rope(
