@@ -34,22 +34,30 @@ SHAPES = [
 ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 31, 32, 33, 64, 70)
 
 
-def _case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int):
-    """x [rows, K], the packed weights and the float32 truth x @ dequantize(w).T."""
+def _case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int, pack=None):
+    """x [rows, K], the weights packed by `pack` (kernels.pack by default) and the float32 truth
+    x @ dequantize(w).T."""
+    x, packed, expected, _ = _dot_case(n, k, group_size, bits, dtype, rows, seed, pack)
+    return x, packed, expected
+
+
+def _dot_case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int, pack=None):
+    """`_case`'s, and the weights' scaled values s * q [N, K] without the bias (float64): what
+    the integer dot product multiplies with the int8 x."""
     mx.random.seed(seed)
     weight, scales, biases = mx.quantize(
         mx.random.normal((n, k)) * 0.05, group_size=group_size, bits=bits
     )
     scales, biases = scales.astype(dtype), biases.astype(dtype)
-    packed = kernels.pack(weight, scales, biases, group_size, bits)
+    packed = (pack or kernels.pack)(weight, scales, biases, group_size, bits)
     assert packed.scale_bias.dtype == dtype
-    dense = mx.dequantize(
-        weight, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits
-    )
+    scales = scales.astype(mx.float32)
+    dense = mx.dequantize(weight, scales, biases.astype(mx.float32), group_size, bits)
+    scaled = mx.dequantize(weight, scales, mx.zeros_like(scales), group_size, bits)
     x = mx.random.normal((rows, k))
     expected = x @ dense.T
-    mx.eval(packed.weight, packed.scale_bias, x, expected)
-    return x, packed, np.array(expected)
+    mx.eval(packed.weight, packed.scale_bias, x, expected, scaled)
+    return x, packed, np.array(expected), np.array(scaled).astype(np.float64)
 
 
 def _assert_close(got: mx.array, expected: np.ndarray, what: object) -> None:
@@ -126,3 +134,77 @@ def _python(script: str, env: dict[str, str]) -> str:
         check=True,
     )
     return done.stdout.strip()
+
+
+# Rows for the integer dot-product path (decode): one pass of 1-8 rows (AVX-512: 8 per pass,
+# AVX2 and NEON 4, generic 2), several passes with a remainder, a short prefill chunk.
+DOT_ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 33)
+
+
+def _int8_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as csrc/qdot.cpp quantizes it (llama.cpp's Q8): per row and block of 32 d = max |x| /
+    127 and x8 = round(x * 127 / max |x|), in float32 as the kernel; (x8, d) [rows, K / 32, 32]."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.maximum(largest, 1e-30), 0)
+    return np.rint(blocks * inverse.astype(np.float32)), largest / np.float32(127)
+
+
+def _assert_dot_close(got: mx.array, x: mx.array, scaled: np.ndarray, expected: np.ndarray, what):
+    """The integer path against (1) its own arithmetic in float64: x rounded to int8 per block
+    with the bias term's sum of x exact, held to float32's tolerance, and (2) MLX's float32
+    truth within the rounding's worst case: each x_k moves at most d/2 (half a step of its
+    block's scale), so output n moves at most sum_k |s_k q_k| d_k / 2."""
+    got_np, x_np = np.array(got), np.array(x).astype(np.float64)
+    x8, d = _int8_x(np.array(x))
+    rounded = (x8 * d).reshape(x_np.shape)
+    bias_part = expected.astype(np.float64) - x_np @ scaled.T  # sum_k b_k x_k, exact x
+    own = rounded @ scaled.T + bias_part
+    _assert_close(got, own, what)
+    worst = np.abs(scaled) @ np.broadcast_to(d / 2, x8.shape).reshape(x_np.shape).T
+    excess = np.abs(got_np - expected) - worst.T - 2e-5 * np.abs(expected).max()
+    assert excess.max() <= 0, (what, excess.max())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
+def test_integer_dot_product_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape):
+    n, k, group_size, bits, dtype = shape
+    x, packed, expected, scaled = _dot_case(
+        n, k, group_size, bits, dtype, max(DOT_ROWS), k + bits, kernels.pack_dot
+    )
+    assert packed.dot and kernels.integer_dot() == (kernel_isa not in ("generic", "neon"))
+    for rows in DOT_ROWS:
+        got = kernels.qmatmul(x[:rows], packed)
+        assert got.shape == (rows, n)
+        _assert_dot_close(got, x[:rows], scaled, expected[:rows], (kernel_isa, shape, rows))
+
+
+def test_integer_dot_product_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str):
+    """Llama 3's vocabulary at Llama-3.2-1B's width, 4 bits as a Q4 GGUF's head."""
+    x, packed, expected, scaled = _dot_case(
+        128_256, 2048, 32, 4, mx.float16, 8, 11, kernels.pack_dot
+    )
+    for rows in (1, 8):
+        got = kernels.qmatmul(x[:rows], packed)
+        _assert_dot_close(got, x[:rows], scaled, expected[:rows], (kernel_isa, rows))
+
+
+def test_a_zero_block_of_x_and_the_extreme_weights_stay_exact() -> None:
+    """x with an all-zero block (d = 0) and weights at 0 and 2^bits - 1, where maddubs's pair
+    sums would saturate without the offset (csrc/qdot.cpp)."""
+    for bits in (4, 8):
+        top = 2**bits - 1
+        q = mx.array(np.where(np.arange(64 * 64).reshape(64, 64) % 3 == 0, top, 0), mx.float32)
+        weight, scales, biases = mx.quantize(q, group_size=32, bits=bits)
+        packed = kernels.pack_dot(weight, scales, biases, 32, bits)
+        x = mx.concatenate([mx.zeros((2, 32)), mx.full((2, 32), 127.0)], axis=1)
+        x = x * mx.array([[1.0], [-1.0]])  # every product at +-top x 127
+        expected = np.array(x @ mx.dequantize(weight, scales, biases, 32, bits).T)
+        before = kernels.isa() or "generic"
+        try:
+            for isa in kernels.isas():
+                kernels.use_isa(isa)
+                got = np.array(kernels.qmatmul(x, packed))
+                assert np.allclose(got, expected, rtol=1e-5, atol=1e-3), (isa, bits)
+        finally:
+            kernels.use_isa(before)
