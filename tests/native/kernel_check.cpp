@@ -55,7 +55,7 @@ int check(const Kernels& k) {
     k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, 2);
     worst = 0;
     for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
-      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += double(sc[n*(K/32)+kk/32]) * q[n*K+kk] * xr[m*K+kk] + double(bi[n*(K/32)+kk/32]) * x[m*K+kk];
+      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]) * xr[m*K+kk];
       worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
     }
     if (worst > 1e-3) { printf("%s qdot bits %d K %d M %d: error %g\n", k.isa, bits, K, M, worst); ++bad; }

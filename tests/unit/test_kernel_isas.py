@@ -35,15 +35,8 @@ ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 31, 32, 33, 64, 70)
 
 
 def _case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int, pack=None):
-    """x [rows, K], the weights packed by `pack` (kernels.pack by default) and the float32 truth
-    x @ dequantize(w).T."""
-    x, packed, expected, _ = _dot_case(n, k, group_size, bits, dtype, rows, seed, pack)
-    return x, packed, expected
-
-
-def _dot_case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int, pack=None):
-    """`_case`'s, and the weights' scaled values s * q [N, K] without the bias (float64): what
-    the integer dot product multiplies with the int8 x."""
+    """x [rows, K], the weights packed by `pack` (kernels.pack by default), the float32 truth
+    x @ dequantize(w).T and dequantize(w)."""
     mx.random.seed(seed)
     weight, scales, biases = mx.quantize(
         mx.random.normal((n, k)) * 0.05, group_size=group_size, bits=bits
@@ -51,13 +44,13 @@ def _dot_case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed
     scales, biases = scales.astype(dtype), biases.astype(dtype)
     packed = (pack or kernels.pack)(weight, scales, biases, group_size, bits)
     assert packed.scale_bias.dtype == dtype
-    scales = scales.astype(mx.float32)
-    dense = mx.dequantize(weight, scales, biases.astype(mx.float32), group_size, bits)
-    scaled = mx.dequantize(weight, scales, mx.zeros_like(scales), group_size, bits)
+    dense = mx.dequantize(
+        weight, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits
+    )
     x = mx.random.normal((rows, k))
     expected = x @ dense.T
-    mx.eval(packed.weight, packed.scale_bias, x, expected, scaled)
-    return x, packed, np.array(expected), np.array(scaled).astype(np.float64)
+    mx.eval(packed.weight, packed.scale_bias, x, expected, dense)
+    return x, packed, np.array(expected), np.array(dense)
 
 
 def _assert_close(got: mx.array, expected: np.ndarray, what: object) -> None:
@@ -70,7 +63,7 @@ def _assert_close(got: mx.array, expected: np.ndarray, what: object) -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
 def test_qmatmul_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape) -> None:
     n, k, group_size, bits, dtype = shape
-    x, packed, expected = _case(n, k, group_size, bits, dtype, max(ROWS), seed=k + bits)
+    x, packed, expected, _ = _case(n, k, group_size, bits, dtype, max(ROWS), seed=k + bits)
     for rows in ROWS:
         got = kernels.qmatmul(x[:rows], packed)
         assert got.shape == (rows, n)
@@ -81,7 +74,7 @@ def test_qmatmul_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape) 
 def lm_head():
     """Llama 3's vocabulary as the tied output projection of a 576-wide model (8 bits, as
     SmolLM2's embedding): 128,256 outputs, 8,016 tiles."""
-    return _case(128_256, 576, 32, 8, mx.float16, 40, seed=7)
+    return _case(128_256, 576, 32, 8, mx.float16, 40, seed=7)[:3]
 
 
 def test_qmatmul_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str, lm_head) -> None:
@@ -150,43 +143,38 @@ def _int8_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(blocks * inverse.astype(np.float32)), largest / np.float32(127)
 
 
-def _assert_dot_close(got: mx.array, x: mx.array, scaled: np.ndarray, expected: np.ndarray, what):
+def _assert_dot_close(got: mx.array, x: mx.array, dense: np.ndarray, expected: np.ndarray, what):
     """The integer path against (1) its own arithmetic in float64: x rounded to int8 per block
-    with the bias term's sum of x exact, held to float32's tolerance, and (2) MLX's float32
-    truth within the rounding's worst case: each x_k moves at most d/2 (half a step of its
-    block's scale), so output n moves at most sum_k |s_k q_k| d_k / 2."""
-    got_np, x_np = np.array(got), np.array(x).astype(np.float64)
+    times the weights, held to float32's tolerance, and (2) MLX's float32 truth within the
+    rounding's worst case: each x_k moves at most d/2 (half a step of its block's scale), so
+    output n moves at most sum_k |w_nk| d_k / 2."""
     x8, d = _int8_x(np.array(x))
-    rounded = (x8 * d).reshape(x_np.shape)
-    bias_part = expected.astype(np.float64) - x_np @ scaled.T  # sum_k b_k x_k, exact x
-    own = rounded @ scaled.T + bias_part
-    _assert_close(got, own, what)
-    worst = np.abs(scaled) @ np.broadcast_to(d / 2, x8.shape).reshape(x_np.shape).T
-    excess = np.abs(got_np - expected) - worst.T - 2e-5 * np.abs(expected).max()
+    rounded = (x8 * d).reshape(x.shape).astype(np.float64)
+    _assert_close(got, rounded @ dense.astype(np.float64).T, what)
+    worst = np.abs(dense) @ np.broadcast_to(d / 2, x8.shape).reshape(x.shape).T
+    excess = np.abs(np.array(got) - expected) - worst.T - 2e-5 * np.abs(expected).max()
     assert excess.max() <= 0, (what, excess.max())
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
 def test_integer_dot_product_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape):
     n, k, group_size, bits, dtype = shape
-    x, packed, expected, scaled = _dot_case(
+    x, packed, expected, dense = _case(
         n, k, group_size, bits, dtype, max(DOT_ROWS), k + bits, kernels.pack_dot
     )
     assert packed.dot and kernels.integer_dot() == (kernel_isa not in ("generic", "neon"))
     for rows in DOT_ROWS:
         got = kernels.qmatmul(x[:rows], packed)
         assert got.shape == (rows, n)
-        _assert_dot_close(got, x[:rows], scaled, expected[:rows], (kernel_isa, shape, rows))
+        _assert_dot_close(got, x[:rows], dense, expected[:rows], (kernel_isa, shape, rows))
 
 
 def test_integer_dot_product_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str):
     """Llama 3's vocabulary at Llama-3.2-1B's width, 4 bits as a Q4 GGUF's head."""
-    x, packed, expected, scaled = _dot_case(
-        128_256, 2048, 32, 4, mx.float16, 8, 11, kernels.pack_dot
-    )
+    x, packed, expected, dense = _case(128_256, 2048, 32, 4, mx.float16, 8, 11, kernels.pack_dot)
     for rows in (1, 8):
         got = kernels.qmatmul(x[:rows], packed)
-        _assert_dot_close(got, x[:rows], scaled, expected[:rows], (kernel_isa, rows))
+        _assert_dot_close(got, x[:rows], dense, expected[:rows], (kernel_isa, rows))
 
 
 def test_a_zero_block_of_x_and_the_extreme_weights_stay_exact() -> None:
