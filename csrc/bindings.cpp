@@ -54,8 +54,9 @@ NB_MODULE(_cpu, m) {
       "scale_bias"_a,
       "bits"_a,
       "dot"_a = false,
+      "precise"_a = false,
       "x @ dequantize(w).T for weights packed by mlxd.kernels.pack, or by pack_dot with dot "
-      "(integer dot products; float32 result).");
+      "(integer dot products, x as one int8 term or, precise, two; float32 result).");
   m.def(
       "integer_dot",
       []() { return mlxd::kernels().integer_dot; },

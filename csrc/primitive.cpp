@@ -15,7 +15,8 @@ mx::array qmatmul(
     const mx::array& w,
     const mx::array& scale_bias,
     int bits,
-    bool dot) {
+    bool dot,
+    bool precise) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("qmatmul: bits must be 4 or 8");
   }
@@ -36,7 +37,7 @@ mx::array qmatmul(
   return mx::array(
       shape,
       mx::float32,
-      std::make_shared<QMatmul>(stream, bits, dot),
+      std::make_shared<QMatmul>(stream, bits, dot, precise),
       {mx::astype(x, mx::float32, stream), w, scale_bias});
 }
 
@@ -56,16 +57,23 @@ void QMatmul::eval_cpu(
   float* yp = y.data<float>();
   const int bits = bits_;
   const int threads = threads_on(stream());
+  const bool dot = dot_, precise = precise_;
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
-    auto* f16 = dot_ ? run.qdot_f16 : run.qmatmul_f16;
-    encoder.dispatch([=, f = f16, sp = rows<uint16_t>(scale_bias, encoder)]() {
-      f(xp, wp, sp, yp, M, N, K, bits, threads);
+    encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
+      if (dot) {
+        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, precise, threads);
+      } else {
+        run.qmatmul_f16(xp, wp, sp, yp, M, N, K, bits, threads);
+      }
     });
   } else {
-    auto* f32 = dot_ ? run.qdot_f32 : run.qmatmul_f32;
-    encoder.dispatch([=, f = f32, sp = rows<float>(scale_bias, encoder)]() {
-      f(xp, wp, sp, yp, M, N, K, bits, threads);
+    encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
+      if (dot) {
+        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, precise, threads);
+      } else {
+        run.qmatmul_f32(xp, wp, sp, yp, M, N, K, bits, threads);
+      }
     });
   }
 }

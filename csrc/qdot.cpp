@@ -135,10 +135,11 @@ inline vi broadcast4(const int8_t* p) {  // 4 bytes of x8 in every 32-bit lane
   return vi{} + word;
 }
 
-// x quantized per row and block: x8 [M, K], and per block its scale d and the sum of x8.
+// x quantized per row and block: x8 [M * TERMS, K], and per block its scale d and the sum of
+// x8 (see quantize_rows).
 struct Quantized {
   const int8_t* x8;
-  const float *d, *sum8;  // [M, K / 32] each
+  const float *d, *sum8;  // [M * TERMS, K / 32] each
 };
 
 template <typename S>
@@ -147,7 +148,7 @@ struct Problem {
   const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes] (pack_dot's layout)
   const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
   float* y;  // [M, N]
-  int M, N, K;
+  int M, N, K;  // M: rows of x (of y)
 
   // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W), 4-byte
   // lanes.
@@ -177,10 +178,11 @@ inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
   }
 }
 
-// y[m0 .. m0 + MB, work item g]: per block the int32 sums of SPLIT partial accumulators, then
-// scaled in float.
-template <int BITS, int MB, typename S>
+// y[m0 .. m0 + MB / TERMS, work item g] from int8 rows m0 * TERMS .. + MB: per block the int32
+// sums of SPLIT partial accumulators, scaled in float and summed over a row's TERMS.
+template <int BITS, int MB, int TERMS, typename S>
 void rows_dot(const Problem<S>& p, int g, int m0) {
+  static_assert(MB % TERMS == 0, "whole rows of x per pass");
   constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS);
   constexpr int STEPS = SPLIT > 2 ? SPLIT / 2 : 1;  // steps of 8 inputs per iteration
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
@@ -203,7 +205,7 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
           load_eight<BITS>(p.template weights<BITS>(g, v), kk, lo[v], hi[v]);
         }
         for (int i = 0; i < MB; ++i) {
-          const int8_t* xr = p.x.x8 + size_t(m0 + i) * p.K + kk;
+          const int8_t* xr = p.x.x8 + (size_t(m0) * TERMS + i) * p.K + kk;
           const vi x0 = broadcast4(xr), x1 = broadcast4(xr + 4);
           for (int v = 0; v < NV; ++v) {
             part[i][v][(2 * u) % SPLIT] = dot<BITS>(part[i][v][(2 * u) % SPLIT], lo[v], x0);
@@ -215,30 +217,38 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
     for (int v = 0; v < NV; ++v) {
       const vf scale = load_scales(p.scales(g, v, b));
       const vf bias = load_scales(p.scales(g, v, b) + LANES) + OFFSET * scale;
-      for (int i = 0; i < MB; ++i) {
-        vi sum = part[i][v][0];
-        for (int s = 1; s < SPLIT; ++s) {
-          sum += part[i][v][s];
+      for (int i = 0; i < MB / TERMS; ++i) {
+        vf block_y = {};
+        for (int t = 0; t < TERMS; ++t) {
+          const int r = i * TERMS + t;
+          vi sum = part[r][v][0];
+          for (int s = 1; s < SPLIT; ++s) {
+            sum += part[r][v][s];
+          }
+          const size_t at = (size_t(m0) * TERMS + r) * blocks + b;
+          // Exact in float: |sum| <= 32 * 255 * 127 < 2^24.
+          const vf q_x8 = __builtin_convertvector(sum, vf);
+          block_y += (q_x8 * scale + bias * p.x.sum8[at]) * p.x.d[at];
         }
-        const size_t at = size_t(m0 + i) * blocks + b;
-        // Exact in float: |sum| <= 32 * 255 * 127 < 2^24.
-        const vf q_x8 = __builtin_convertvector(sum, vf);
         float* out = p.out(m0 + i, g, v);
-        const vf block_y = (q_x8 * scale + bias * p.x.sum8[at]) * p.x.d[at];
         store(out, b == 0 ? block_y : load(out) + block_y);
       }
     }
   }
 }
 
-// x's rows to int8 per block of 32, round to nearest, as llama.cpp's quantize_row_q8_1.
+// x's rows to int8 per block of 32, round to nearest, as llama.cpp's quantize_row_q8_1: int8
+// row m * TERMS. With TERMS = 2, row m * 2 + 1 holds what the rounding left, e = x - d x8, in
+// steps of d / 254 (|e| <= d / 2): x to 1 / 64,516 of its block's largest |x| instead of 1 / 254,
+// for twice the dot products.
+template <int TERMS>
 void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float* d, float* sum8) {
   const int blocks = K / BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
   for (int m = 0; m < M; ++m) {
     for (int b = 0; b < blocks; ++b) {
       const float* xb = x + size_t(m) * K + b * BLOCK;
-      int8_t* qb = x8 + size_t(m) * K + b * BLOCK;
+      int8_t* qb = x8 + size_t(m) * TERMS * K + b * BLOCK;
       vf largest = {};
       for (int k = 0; k < BLOCK; k += W) {
         const vf v = load(xb + k);
@@ -246,44 +256,65 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
         largest = largest > -v ? largest : -v;
       }
       const float amax = hmax(largest), inverse = amax > 0 ? 127 / amax : 0;
-      int32_t total8 = 0;
+      const float step = amax / 127;
+      int32_t total8 = 0, rest8 = 0;
       for (int k = 0; k < BLOCK; ++k) {
         qb[k] = int8_t(__builtin_lrintf(xb[k] * inverse));
         total8 += qb[k];
+        if constexpr (TERMS == 2) {
+          const float rest = (xb[k] - qb[k] * step) * inverse * 254;
+          qb[K + k] = int8_t(imax(-127, imin(127, int(__builtin_lrintf(rest)))));
+          rest8 += qb[K + k];
+        }
       }
-      const size_t at = size_t(m) * blocks + b;
-      d[at] = amax / 127;
+      const size_t at = size_t(m) * TERMS * blocks + b;
+      d[at] = step;
       sum8[at] = float(total8);
+      if constexpr (TERMS == 2) {
+        d[at + blocks] = step / 254;
+        sum8[at + blocks] = float(rest8);
+      }
     }
   }
 }
 
-template <int BITS, typename S>
+template <int BITS, int TERMS, typename S>
 void run(const Problem<S>& p, int threads) {
+  constexpr int PASS = MAX_ROWS / TERMS;  // rows of x per pass
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int g = 0; g < p.N / GROUP; ++g) {
-    for (int m = 0; m < p.M; m += MAX_ROWS) {
-      with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
-        rows_dot<BITS, decltype(mb)::value, S>(p, g, m);
+    for (int m = 0; m < p.M; m += PASS) {
+      with_rows<PASS>(imin(PASS, p.M - m), [&](auto mb) {
+        rows_dot<BITS, decltype(mb)::value * TERMS, TERMS, S>(p, g, m);
       });
     }
   }
 }
 
-template <typename S>
+template <int TERMS, typename S>
 void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
           int bits, int threads) {
-  const size_t per_block = size_t(M) * (K / BLOCK);
-  // One allocation: x8 (K / 4 floats' bytes per row), then d and sum8 per block.
-  Scratch scratch(size_t(M) * K / 4 + 2 * per_block);
+  const size_t per_block = size_t(M) * TERMS * (K / BLOCK);
+  // One allocation: x8 (K / 4 floats' bytes per int8 row), then d and sum8 per block.
+  Scratch scratch(size_t(M) * TERMS * K / 4 + 2 * per_block);
   int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
-  float* d = scratch.data() + size_t(M) * K / 4;
-  quantize_rows(x, M, K, threads, x8, d, d + per_block);
+  float* d = scratch.data() + size_t(M) * TERMS * K / 4;
+  quantize_rows<TERMS>(x, M, K, threads, x8, d, d + per_block);
   const Problem<S> p{{x8, d, d + per_block}, w, scale_bias, y, M, N, K};
   if (bits == 4) {
-    run<4, S>(p, threads);
+    run<4, TERMS, S>(p, threads);
   } else {
-    run<8, S>(p, threads);  // the op checked: 4 or 8
+    run<8, TERMS, S>(p, threads);  // the op checked: 4 or 8
+  }
+}
+
+template <typename S>
+void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
+          int bits, bool precise, int threads) {
+  if (precise) {
+    qdot<2, S>(x, w, scale_bias, y, M, N, K, bits, threads);
+  } else {
+    qdot<1, S>(x, w, scale_bias, y, M, N, K, bits, threads);
   }
 }
 
@@ -296,13 +327,13 @@ const bool integer_dot = true;
 #endif
 
 void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-              int K, int bits, int threads) {
-  qdot(x, w, scale_bias, y, M, N, K, bits, threads);
+              int K, int bits, bool precise, int threads) {
+  qdot(x, w, scale_bias, y, M, N, K, bits, precise, threads);
 }
 
 void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
-              int K, int bits, int threads) {
-  qdot(x, w, scale_bias, y, M, N, K, bits, threads);
+              int K, int bits, bool precise, int threads) {
+  qdot(x, w, scale_bias, y, M, N, K, bits, precise, threads);
 }
 
 }  // namespace MLXD_ISA

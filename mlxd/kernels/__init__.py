@@ -93,6 +93,7 @@ class Packed:
     scale_bias: mx.array  # float16 or float32 [N / 16, K / 32, 2 (scale, bias), 16]
     bits: int
     dot: bool = False  # pack_dot's layout: multiplied by integer dot products
+    precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -125,12 +126,20 @@ def pack(
 
 
 def pack_dot(
-    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    precise: bool = False,
 ) -> Packed:
     """MLX's quantized layout → `Packed` for the integer dot-product kernel (csrc/qdot.cpp):
     output rows in tiles of 16, each row's values of 4 consecutive inputs in one 32-bit lane:
     per tile and 4 inputs (8 bits) 64 bytes, bytes 4j..4j+3 row j's; per tile and 8 inputs
     (4 bits) 64 bytes, byte 4j+i = q[j][k+i] | q[j][k+4+i] << 4. Scales and biases as `pack`'s.
+    The kernel rounds x to int8 per block of 32 (llama.cpp's Q8: relative error up to 1/254 of
+    the block's largest |x|), or with `precise` to two int8 terms (1/64,516) for twice the
+    dot products.
     """
     if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
@@ -142,7 +151,7 @@ def pack_dot(
     else:
         tiles = tiles.reshape(count, LANES, k // 4, 4)
     packed_weight = np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
-    return _packed(packed_weight, scales, biases, group_size, bits, dot=True)
+    return _packed(packed_weight, scales, biases, group_size, bits, dot=True, precise=precise)
 
 
 def _values(weight: mx.array, bits: int) -> np.ndarray:
@@ -161,6 +170,7 @@ def _packed(
     group_size: int,
     bits: int,
     dot: bool,
+    precise: bool = False,
 ) -> Packed:
     rows = scales.shape[0]
     # [rows, K / group] → [tiles, K / 32 blocks, 2, 16]: the tile's 16 scales, then biases.
@@ -169,7 +179,7 @@ def _packed(
     both = np.ascontiguousarray(both.transpose(1, 3, 0, 2))
     if np.array_equal(both.astype(np.float16).astype(np.float32), both):
         both = both.astype(np.float16)
-    packed = Packed(mx.array(packed_weight.reshape(rows, -1)), mx.array(both), bits, dot)
+    packed = Packed(mx.array(packed_weight.reshape(rows, -1)), mx.array(both), bits, dot, precise)
     mx.eval(packed.weight, packed.scale_bias)
     return packed
 
@@ -186,7 +196,7 @@ def _module() -> ModuleType:
 def qmatmul(x: mx.array, packed: Packed) -> mx.array:
     """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
     result: mx.array = _module().qmatmul(
-        x, packed.weight, packed.scale_bias, packed.bits, packed.dot
+        x, packed.weight, packed.scale_bias, packed.bits, packed.dot, packed.precise
     )
     return result
 

@@ -46,19 +46,25 @@ int check(const Kernels& k) {
       if (bits == 8) for (int kk = 0; kk < K; kk += 4) for (int j = 0; j < 16; ++j) for (int i = 0; i < 4; ++i) wd[at++] = q[(t*16+j)*K+kk+i];
       else for (int kk = 0; kk < K; kk += 8) for (int j = 0; j < 16; ++j) for (int i = 0; i < 4; ++i) wd[at++] = q[(t*16+j)*K+kk+i] | q[(t*16+j)*K+kk+4+i] << 4;
     }
-    std::vector<double> xr(M * K);
-    for (int m = 0; m < M; ++m) for (int b = 0; b < K / 32; ++b) {
-      float amax = 0; for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[m*K+b*32+i]));
-      const float inverse = amax > 0 ? 127 / amax : 0;
-      for (int i = 0; i < 32; ++i) xr[m*K+b*32+i] = std::lrint(x[m*K+b*32+i] * inverse) * double(amax / 127);
+    for (bool precise : {false, true}) {  // x as one int8 term, or two (the rest in steps of d / 254)
+      std::vector<double> xr(M * K);
+      for (int m = 0; m < M; ++m) for (int b = 0; b < K / 32; ++b) {
+        float amax = 0; for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[m*K+b*32+i]));
+        const float inverse = amax > 0 ? 127 / amax : 0, step = amax / 127;
+        for (int i = 0; i < 32; ++i) {
+          const float v = x[m*K+b*32+i], x8 = std::lrint(v * inverse);
+          const double rest = precise ? std::fmax(-127, std::fmin(127, std::lrint((v - x8 * step) * inverse * 254))) : 0;
+          xr[m*K+b*32+i] = x8 * double(step) + rest * double(step / 254);
+        }
+      }
+      k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, precise, 2);
+      worst = 0;
+      for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
+        double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]) * xr[m*K+kk];
+        worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
+      }
+      if (worst > 1e-3) { printf("%s qdot bits %d K %d M %d precise %d: error %g\n", k.isa, bits, K, M, precise, worst); ++bad; }
     }
-    k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, 2);
-    worst = 0;
-    for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
-      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]) * xr[m*K+kk];
-      worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
-    }
-    if (worst > 1e-3) { printf("%s qdot bits %d K %d M %d: error %g\n", k.isa, bits, K, M, worst); ++bad; }
   }
   // attention: decode and tiled prefill, causal, D 64
   for (int Lq : {1, 12}) {

@@ -134,57 +134,75 @@ def _python(script: str, env: dict[str, str]) -> str:
 DOT_ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 33)
 
 
-def _int8_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x as csrc/qdot.cpp quantizes it (llama.cpp's Q8): per row and block of 32 d = max |x| /
-    127 and x8 = round(x * 127 / max |x|), in float32 as the kernel; (x8, d) [rows, K / 32, 32]."""
+def _int8_x(x: np.ndarray, precise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """x as csrc/qdot.cpp rounds it, per row and block of 32 in float32 as the kernel: llama.cpp's
+    Q8 (d = max |x| / 127, x8 = round(x / d)) and, precise, the rest in steps of d / 254; the
+    rounded x [rows, K] and the step of its last term [rows, K / 32, 1]."""
     blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
     largest = np.abs(blocks).max(axis=-1, keepdims=True)
     inverse = np.where(largest > 0, np.float32(127) / np.maximum(largest, 1e-30), 0)
-    return np.rint(blocks * inverse.astype(np.float32)), largest / np.float32(127)
+    inverse = inverse.astype(np.float32)
+    step = largest / np.float32(127)
+    x8 = np.rint(blocks * inverse)
+    rounded = x8.astype(np.float64) * step
+    if precise:
+        rest = np.clip(np.rint((blocks - x8 * step) * inverse * np.float32(254)), -127, 127)
+        step = step / np.float32(254)
+        rounded += rest * step
+    return rounded.reshape(x.shape), step
 
 
-def _assert_dot_close(got: mx.array, x: mx.array, dense: np.ndarray, expected: np.ndarray, what):
-    """The integer path against (1) its own arithmetic in float64: x rounded to int8 per block
-    times the weights, held to float32's tolerance, and (2) MLX's float32 truth within the
-    rounding's worst case: each x_k moves at most d/2 (half a step of its block's scale), so
-    output n moves at most sum_k |w_nk| d_k / 2."""
-    x8, d = _int8_x(np.array(x))
-    rounded = (x8 * d).reshape(x.shape).astype(np.float64)
+def _assert_dot_close(got, x: mx.array, dense: np.ndarray, expected: np.ndarray, precise, what):
+    """The integer path against (1) its own arithmetic in float64: x rounded as the kernel
+    rounds it times the weights, held to float32's tolerance, and (2) MLX's float32 truth
+    within the rounding's worst case: each x_k moves at most half a step of its last term
+    (d / 2, or d / 508 when precise), so output n moves at most sum_k |w_nk| step_k / 2."""
+    rounded, step = _int8_x(np.array(x), precise)
     _assert_close(got, rounded @ dense.astype(np.float64).T, what)
-    worst = np.abs(dense) @ np.broadcast_to(d / 2, x8.shape).reshape(x.shape).T
+    steps = np.broadcast_to(step / 2, (*step.shape[:2], 32)).reshape(x.shape)
+    worst = np.abs(dense) @ steps.T
     excess = np.abs(np.array(got) - expected) - worst.T - 2e-5 * np.abs(expected).max()
     assert excess.max() <= 0, (what, excess.max())
 
 
+@pytest.mark.parametrize("precise", [False, True], ids=["int8", "precise"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
-def test_integer_dot_product_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape):
+def test_integer_dot_product_on_each_isa_equals_mlx_at_model_shapes(
+    kernel_isa: str, shape, precise: bool
+) -> None:
     n, k, group_size, bits, dtype = shape
-    x, packed, expected, dense = _case(
-        n, k, group_size, bits, dtype, max(DOT_ROWS), k + bits, kernels.pack_dot
-    )
+
+    def pack(*args) -> kernels.Packed:
+        return kernels.pack_dot(*args, precise=precise)
+
+    x, packed, expected, dense = _case(n, k, group_size, bits, dtype, max(DOT_ROWS), k + bits, pack)
     assert packed.dot and kernels.integer_dot() == (kernel_isa not in ("generic", "neon"))
     for rows in DOT_ROWS:
         got = kernels.qmatmul(x[:rows], packed)
         assert got.shape == (rows, n)
-        _assert_dot_close(got, x[:rows], dense, expected[:rows], (kernel_isa, shape, rows))
+        what = (kernel_isa, shape, rows)
+        _assert_dot_close(got, x[:rows], dense, expected[:rows], precise, what)
 
 
 def test_integer_dot_product_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str):
     """Llama 3's vocabulary at Llama-3.2-1B's width, 4 bits as a Q4 GGUF's head."""
     x, packed, expected, dense = _case(128_256, 2048, 32, 4, mx.float16, 8, 11, kernels.pack_dot)
+    precise = kernels.Packed(packed.weight, packed.scale_bias, 4, dot=True, precise=True)
     for rows in (1, 8):
-        got = kernels.qmatmul(x[:rows], packed)
-        _assert_dot_close(got, x[:rows], dense, expected[:rows], (kernel_isa, rows))
+        for layout in (packed, precise):
+            got = kernels.qmatmul(x[:rows], layout)
+            what = (kernel_isa, rows, layout.precise)
+            _assert_dot_close(got, x[:rows], dense, expected[:rows], layout.precise, what)
 
 
 def test_a_zero_block_of_x_and_the_extreme_weights_stay_exact() -> None:
     """x with an all-zero block (d = 0) and weights at 0 and 2^bits - 1, where maddubs's pair
-    sums would saturate without the offset (csrc/qdot.cpp)."""
+    sums would saturate without the offset (csrc/qdot.cpp); x exact in int8 (a rest of 0)."""
     for bits in (4, 8):
         top = 2**bits - 1
         q = mx.array(np.where(np.arange(64 * 64).reshape(64, 64) % 3 == 0, top, 0), mx.float32)
         weight, scales, biases = mx.quantize(q, group_size=32, bits=bits)
-        packed = kernels.pack_dot(weight, scales, biases, 32, bits)
+        packed = kernels.pack_dot(weight, scales, biases, 32, bits, precise=True)
         x = mx.concatenate([mx.zeros((2, 32)), mx.full((2, 32), 127.0)], axis=1)
         x = x * mx.array([[1.0], [-1.0]])  # every product at +-top x 127
         expected = np.array(x @ mx.dequantize(weight, scales, biases, 32, bits).T)
