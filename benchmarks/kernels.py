@@ -151,9 +151,13 @@ DOT_ROWS = (1, 4, 8)
 
 
 def dot_ms(isas: list[str], threads: int | None) -> None:
-    """Per op and row count: float32 BLAS, then per ISA the float path and the int8 path (ms
-    per call, fastest round), and the int8 path's speed-up over both."""
-    print("\nquantized matmul, ms per call: float32 BLAS | per ISA packed float, int8 dot")
+    """Per op and row count: float32 BLAS, then per ISA the float path, the int8 path and the
+    precise int8 path (x as two int8 terms) in ms per call (fastest round), and the int8 and
+    precise paths' speed-ups over the float path (and the int8 path's over BLAS)."""
+    print(
+        "\nquantized matmul, ms per call: float32 BLAS | per ISA: packed float, int8 dot, "
+        "precise int8 dot (speed-ups over packed float; int8's over BLAS)"
+    )
     for name, n, k, bits in DOT_SHAPES:
         for line in dot_lines(name, n, k, bits, isas, threads):
             print(line, flush=True)
@@ -168,6 +172,7 @@ def dot_lines(name: str, n: int, k: int, bits: int, isas: list[str], threads: in
     weight, scales, biases = mx.quantize(dense, group_size=32, bits=bits)
     packed = kernels.pack(weight, scales, biases, 32, bits)
     dot = kernels.pack_dot(weight, scales, biases, 32, bits)
+    precise = kernels.Packed(dot.weight, dot.scale_bias, bits, dot=True, precise=True)
     mx.eval(dense)
     for rows in DOT_ROWS:
         x = mx.random.normal((rows, k))
@@ -180,9 +185,11 @@ def dot_lines(name: str, n: int, k: int, bits: int, isas: list[str], threads: in
                 kernels.set_threads(threads)
             float_path = best_ms(lambda: kernels.qmatmul(x, packed))  # noqa: B023
             int8_path = best_ms(lambda: kernels.qmatmul(x, dot))  # noqa: B023
+            precise_path = best_ms(lambda: kernels.qmatmul(x, precise))  # noqa: B023
             line += (
-                f" | {isa} {float_path:7.3f} {int8_path:7.3f}"
-                f" ({float_path / int8_path:.2f}x, BLAS {blas / int8_path:.2f}x)"
+                f" | {isa} {float_path:.3f} {int8_path:.3f} {precise_path:.3f}"
+                f" ({float_path / int8_path:.2f}x {float_path / precise_path:.2f}x,"
+                f" BLAS {blas / int8_path:.1f}x)"
             )
         yield line
 
