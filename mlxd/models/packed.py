@@ -28,13 +28,14 @@ class PackedLinear(nn.Module):
         self.weight = packed.weight
         self.scale_bias = packed.scale_bias
         self.bits = packed.bits
+        self.dot, self.precise = packed.dot, packed.precise
         if bias is not None:
             self.bias = bias
         self.output_dims, self.input_dims = packed.shape
 
     @property
     def packed(self) -> Packed:
-        return Packed(self.weight, self.scale_bias, self.bits)
+        return Packed(self.weight, self.scale_bias, self.bits, self.dot, self.precise)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = kernels.qmatmul(x, self.packed)
@@ -64,21 +65,25 @@ class PackedEmbedding(nn.QuantizedEmbedding):
     """A quantized embedding whose `as_linear` (tied output projection) runs packed."""
 
     def __init__(
-        self, embedding: nn.QuantizedEmbedding, path_for: Callable[[int], str] | None = None
+        self,
+        embedding: nn.QuantizedEmbedding,
+        path_for: Callable[[int], str] | None = None,
+        dot: bool = False,
     ) -> None:
         nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = embedding.group_size, embedding.bits, "affine"
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
         self.weight, self.scales, self.biases = embedding.weight, embedding.scales, embedding.biases
-        self.output = _packed_linear(embedding, None, path_for)
+        self.output = _packed_linear(embedding, None, path_for, dot)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.output(x)
 
 
-def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> Packed:
+def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool) -> Packed:
     assert module.biases is not None  # affine quantization (see _packable)
-    return kernels.pack(module.weight, module.scales, module.biases, module.group_size, module.bits)
+    args = (module.weight, module.scales, module.biases, module.group_size, module.bits)
+    return kernels.pack_dot(*args, precise=True) if dot else kernels.pack(*args)
 
 
 def _packable(module: nn.Module) -> bool:
@@ -103,8 +108,9 @@ def _packed_linear(
     module: nn.QuantizedLinear | nn.QuantizedEmbedding,
     bias: mx.array | None,
     path_for: Callable[[int], str] | None,
+    dot: bool = False,
 ) -> nn.Module:
-    packed = PackedLinear(_pack(module), bias)
+    packed = PackedLinear(_pack(module, dot), bias)
     if path_for is None:
         return packed
     assert module.biases is not None  # affine (see _packable)
@@ -114,14 +120,17 @@ def _packed_linear(
     return SplitLinear(packed, dense, path_for)
 
 
-def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -> None:
+def pack_model(
+    model: nn.Module, path_for: Callable[[int], str] | None = None, dot: bool = False
+) -> None:
     """Swap `model`'s quantized layers for packed ones in place (see `can_pack`); with
-    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32"."""
+    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32";
+    with `dot` the weights are multiplied as int8 dot products (kernels.pack_dot, precise)."""
     replacements: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
             bias = module.get("bias")
-            replacements.append((name, _packed_linear(module, bias, path_for)))
+            replacements.append((name, _packed_linear(module, bias, path_for, dot)))
         elif isinstance(module, nn.QuantizedEmbedding):
-            replacements.append((name, PackedEmbedding(module, path_for)))
+            replacements.append((name, PackedEmbedding(module, path_for, dot)))
     model.update_modules(tree_unflatten(replacements))
