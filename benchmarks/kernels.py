@@ -1,13 +1,17 @@
 """mlxd's CPU kernels against the MLX ops they replace, and whole SmolLM2 steps packed vs float32.
 
 python -m benchmarks.kernels [--batches 1,8,32] [--context 128] [--isas avx2,generic]
+                            [--int8-only]
 
 For each ISA variant of the kernels this CPU runs (csrc/simd.h; the dispatch's own choice
 first): each op at the shapes one SmolLM2 decode step uses (per call, ms, fastest round; the
 machine is shared), a 512-token prefill chunk's attention, and whole forward passes of the
 model loaded as the CPU engine loads it (packed 4/8-bit weights on the kernels); then the
 same model dequantized to float32 on OpenBLAS (what the engine ran before), in this one
-process, and a table of the packed/float32 ratios per ISA. Runs with mlxd.accel's
+process, and a table of the packed/float32 ratios per ISA. First, per ISA, the quantized
+matmul by integer dot products (int8 x, csrc/qdot.cpp) against the float path and float32
+BLAS at decode rows, on SmolLM2's and Llama-3.2-1B's matmul shapes (random weights;
+`--int8-only`: that table alone). Runs with mlxd.accel's
 environment (the script re-executes itself), as the engine does. Compare ratios: absolute
 figures depend on the CPU and on what else it runs.
 """
@@ -129,6 +133,67 @@ def cpu_flags() -> str:
     return "unknown"
 
 
+# (op, N outputs, K inputs, bits): SmolLM2-135M's matmuls (its tied head 8-bit, as its GGUF
+# and MLX quantization keep it) and Llama-3.2-1B's (MLP N = 8,192, head N = 128,256).
+DOT_SHAPES = [
+    ("SmolLM2 q/o 576 × 576", 576, 576, 4),
+    ("SmolLM2 k/v 192 × 576", 192, 576, 4),
+    ("SmolLM2 gate/up 1,536 × 576", 1536, 576, 4),
+    ("SmolLM2 down 576 × 1,536", 576, 1536, 4),
+    ("SmolLM2 head 49,152 × 576 (8-bit)", 49152, 576, 8),
+    ("Llama-1B q/o 2,048 × 2,048", 2048, 2048, 4),
+    ("Llama-1B k/v 512 × 2,048", 512, 2048, 4),
+    ("Llama-1B gate/up 8,192 × 2,048", 8192, 2048, 4),
+    ("Llama-1B down 2,048 × 8,192", 2048, 8192, 4),
+    ("Llama-1B head 128,256 × 2,048", 128256, 2048, 4),
+]
+DOT_ROWS = (1, 4, 8)
+
+
+def dot_ms(isas: list[str], threads: int | None) -> None:
+    """Per op and row count: float32 BLAS, then per ISA the float path, the int8 path and the
+    precise int8 path (x as two int8 terms) in ms per call (fastest round), and the int8 and
+    precise paths' speed-ups over the float path (and the int8 path's over BLAS)."""
+    print(
+        "\nquantized matmul, ms per call: float32 BLAS | per ISA: packed float, int8 dot, "
+        "precise int8 dot (speed-ups over packed float; int8's over BLAS)"
+    )
+    for name, n, k, bits in DOT_SHAPES:
+        for line in dot_lines(name, n, k, bits, isas, threads):
+            print(line, flush=True)
+
+
+def dot_lines(name: str, n: int, k: int, bits: int, isas: list[str], threads: int | None):
+    import mlx.core as mx
+
+    from mlxd import kernels
+
+    dense = mx.random.normal((n, k)) * 0.05
+    weight, scales, biases = mx.quantize(dense, group_size=32, bits=bits)
+    packed = kernels.pack(weight, scales, biases, 32, bits)
+    dot = kernels.pack_dot(weight, scales, biases, 32, bits)
+    precise = kernels.Packed(dot.weight, dot.scale_bias, bits, dot=True, precise=True)
+    mx.eval(dense)
+    for rows in DOT_ROWS:
+        x = mx.random.normal((rows, k))
+        mx.eval(x)
+        blas = best_ms(lambda: x @ dense.T)  # noqa: B023 (timed before x changes)
+        line = f"{name:<34} rows {rows}: BLAS {blas:7.3f}"
+        for isa in isas:
+            kernels.use_isa(isa)
+            if threads:
+                kernels.set_threads(threads)
+            float_path = best_ms(lambda: kernels.qmatmul(x, packed))  # noqa: B023
+            int8_path = best_ms(lambda: kernels.qmatmul(x, dot))  # noqa: B023
+            precise_path = best_ms(lambda: kernels.qmatmul(x, precise))  # noqa: B023
+            line += (
+                f" | {isa} {float_path:.3f} {int8_path:.3f} {precise_path:.3f}"
+                f" ({float_path / int8_path:.2f}x {float_path / precise_path:.2f}x,"
+                f" BLAS {blas / int8_path:.1f}x)"
+            )
+        yield line
+
+
 def op_ms(model, batch: int, context: int, layers: int) -> list[tuple[str, float, float]]:
     """(op, MLX's ms, the kernel's ms) per call, each timed as `layers` calls in one evaluation,
     as a step's layers run (alone, dispatch dominates)."""
@@ -153,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         help="kernel and OpenBLAS threads (default: every core; 1 gives steadier per-core "
         "figures on a busy shared machine, where threads wait on each other)",
     )
+    parser.add_argument(
+        "--int8-only", action="store_true", help="only the integer dot-product path's table"
+    )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
@@ -170,10 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     chosen = kernels.isa()
     isas = args.isas.split(",") if args.isas else kernels.isas()
-    model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
-    packed = load_llm(model_dir, dtype="auto", model_name="smol")
-    if args.threads:
-        kernels.set_threads(args.threads)
     print(describe())
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
     print(f"CPU flags: {cpu_flags()}; threads: {args.threads or 'every core'}")
@@ -181,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         f"kernel ISAs: built {kernels.built_isas()}, this CPU runs {kernels.isas()}; "
         f"the dispatch chose {chosen}"
     )
+    dot_ms(isas, args.threads)
+    if args.int8_only:
+        return 0
+    model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
+    packed = load_llm(model_dir, dtype="auto", model_name="smol")
+    kernels.use_isa(chosen or isas[0])
+    if args.threads:
+        kernels.set_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     layers = len(packed.model.model.layers)
     ops: dict[str, dict[int, list[tuple[str, float, float]]]] = {}

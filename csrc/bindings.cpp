@@ -53,7 +53,14 @@ NB_MODULE(_cpu, m) {
       "w"_a,
       "scale_bias"_a,
       "bits"_a,
-      "x @ dequantize(w).T for weights packed by mlxd.kernels.pack (float32 result).");
+      "dot"_a = false,
+      "precise"_a = false,
+      "x @ dequantize(w).T for weights packed by mlxd.kernels.pack, or by pack_dot with dot "
+      "(integer dot products, x as one int8 term or, precise, two; float32 result).");
+  m.def(
+      "integer_dot",
+      []() { return mlxd::kernels().integer_dot; },
+      "Whether the ISA variant in use multiplies pack_dot's layout by integer dot products.");
   m.def(
       "rms_norm",
       &mlxd::rms_norm,

@@ -4,6 +4,11 @@
 #include <atomic>
 #include <stdexcept>
 
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
 #include "kernels.h"
 
 namespace mlxd {
@@ -11,11 +16,20 @@ namespace mlxd {
 #if defined(MLXD_HAVE_AVX512)
 extern const Kernels kernels_avx512;
 #endif
+#if defined(MLXD_HAVE_AVX512VNNI)
+extern const Kernels kernels_avx512vnni;
+#endif
 #if defined(MLXD_HAVE_AVX2)
 extern const Kernels kernels_avx2;
 #endif
+#if defined(MLXD_HAVE_AVXVNNI)
+extern const Kernels kernels_avxvnni;
+#endif
 #if defined(MLXD_HAVE_NEON)
 extern const Kernels kernels_neon;
+#endif
+#if defined(MLXD_HAVE_NEONDOT)
+extern const Kernels kernels_neondot;
 #endif
 extern const Kernels kernels_generic;
 
@@ -33,6 +47,20 @@ bool runs_avx512() {
   return runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl");
 }
+
+bool runs_avx512vnni() {
+  return runs_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+bool runs_avxvnni() {
+  return runs_avx2() && __builtin_cpu_supports("avxvnni");
+}
+#endif
+
+#if defined(__aarch64__)
+bool runs_neondot() {  // sdot: ARMv8.2's optional dot product (the kernel's HWCAP)
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+}
 #endif
 
 bool runs_anywhere() {  // generic: no ISA flags; NEON: part of every aarch64 CPU
@@ -46,11 +74,20 @@ struct Variant {
 
 // Best first.
 const Variant VARIANTS[] = {
+#if defined(MLXD_HAVE_AVX512VNNI)
+    {&kernels_avx512vnni, runs_avx512vnni},
+#endif
 #if defined(MLXD_HAVE_AVX512)
     {&kernels_avx512, runs_avx512},
 #endif
+#if defined(MLXD_HAVE_AVXVNNI)
+    {&kernels_avxvnni, runs_avxvnni},
+#endif
 #if defined(MLXD_HAVE_AVX2)
     {&kernels_avx2, runs_avx2},
+#endif
+#if defined(MLXD_HAVE_NEONDOT)
+    {&kernels_neondot, runs_neondot},
 #endif
 #if defined(MLXD_HAVE_NEON)
     {&kernels_neon, runs_anywhere},

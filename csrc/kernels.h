@@ -30,6 +30,15 @@ struct Kernels {
                       int N, int K, int bits, int threads);
   void (*qmatmul_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
                       int M, int N, int K, int bits, int threads);
+  // The same product by integer dot products on pack_dot's layout (see qdot.cpp), x as int8
+  // or (precise) as int8 plus its rounding's rest in int8.
+  void (*qdot_f32)(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
+                   int N, int K, int bits, bool precise, int threads);
+  void (*qdot_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                   int N, int K, int bits, bool precise, int threads);
+  // Whether qdot runs on an integer dot-product instruction (VNNI, maddubs, sdot), not the
+  // generic variant's scalar loop.
+  bool integer_dot;
   void (*attention)(const AttentionArgs& args, int threads);
   void (*rms_norm)(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
   void (*swiglu)(const float* gate, const float* x, float* y, size_t n);

@@ -14,7 +14,9 @@ mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scale_bias,
-    int bits) {
+    int bits,
+    bool dot,
+    bool precise) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("qmatmul: bits must be 4 or 8");
   }
@@ -35,7 +37,7 @@ mx::array qmatmul(
   return mx::array(
       shape,
       mx::float32,
-      std::make_shared<QMatmul>(stream, bits),
+      std::make_shared<QMatmul>(stream, bits, dot, precise),
       {mx::astype(x, mx::float32, stream), w, scale_bias});
 }
 
@@ -55,14 +57,23 @@ void QMatmul::eval_cpu(
   float* yp = y.data<float>();
   const int bits = bits_;
   const int threads = threads_on(stream());
+  const bool dot = dot_, precise = precise_;
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
-    encoder.dispatch([=, f = run.qmatmul_f16, sp = rows<uint16_t>(scale_bias, encoder)]() {
-      f(xp, wp, sp, yp, M, N, K, bits, threads);
+    encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
+      if (dot) {
+        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, precise, threads);
+      } else {
+        run.qmatmul_f16(xp, wp, sp, yp, M, N, K, bits, threads);
+      }
     });
   } else {
-    encoder.dispatch([=, f = run.qmatmul_f32, sp = rows<float>(scale_bias, encoder)]() {
-      f(xp, wp, sp, yp, M, N, K, bits, threads);
+    encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
+      if (dot) {
+        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, precise, threads);
+      } else {
+        run.qmatmul_f32(xp, wp, sp, yp, M, N, K, bits, threads);
+      }
     });
   }
 }

@@ -22,8 +22,6 @@
 
 #include <omp.h>
 
-#include <type_traits>
-
 #include "simd.h"
 #include "variant.h"
 
@@ -79,16 +77,6 @@ constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weigh
 
 static_assert(CHUNK % BLOCK == 0, "chunks hold whole blocks");
 
-// W scales or biases as float32, from float32 or float16 (uint16_t bits).
-template <typename S>
-inline vf load_scales(const S* p) {
-  if constexpr (sizeof(S) == 4) {
-    return load(reinterpret_cast<const float*>(p));
-  } else {
-    return load_f16(p);
-  }
-}
-
 inline vf to_float(vi q) {
   return __builtin_convertvector(q, vf);
 }
@@ -128,33 +116,11 @@ inline void widen_pair(const uint8_t* at, int k, vf& q0, vf& q1) {
   }
 }
 
-// Calls f(std::integral_constant<int, count>) for 1 <= count <= MOST: kernels whose row count
-// is a compile-time constant keep their accumulators in registers.
-template <int MOST, typename F>
-inline void with_rows(int count, F&& f) {
-  if constexpr (MOST > 1) {
-    if (count < MOST) {
-      return with_rows<MOST - 1>(count, f);
-    }
-  }
-  f(std::integral_constant<int, MOST>{});
-}
-
-// Partial sums per accumulator for MB rows: with fewer than 8 independent FMA chains the FMAs
-// cannot hide their latency, so inputs alternate between 2 or 4 sums while registers allow.
-constexpr int split_for(int chains) {
-  int split = 1;
-  while (split < 4 && chains * split < 8 && chains * split * 2 <= ACCUMULATORS) {
-    split *= 2;
-  }
-  return split;
-}
-
 // y[m0 .. m0 + MB, work item g] with the weights widened in registers, inputs accumulating into
 // SPLIT partial sums summed per block.
 template <int BITS, int MB, typename S>
 void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
-  constexpr int SPLIT = split_for(MB * NV);
+  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS);
   constexpr int PAIRS = SPLIT > 2 ? SPLIT / 2 : 1;  // pairs of inputs per step
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;

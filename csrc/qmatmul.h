@@ -7,15 +7,20 @@
 namespace mlxd {
 
 // x [..., K]; w uint8 [N, K * bits / 8]; scale_bias float16 or float32 [N / 16, K / 32, 2, 16].
+// dot: w in pack_dot's layout, multiplied by integer dot products (qdot.cpp; precise: x as
+// two int8 terms), else in pack's.
 mlx::core::array qmatmul(
     const mlx::core::array& x,
     const mlx::core::array& w,
     const mlx::core::array& scale_bias,
-    int bits);
+    int bits,
+    bool dot,
+    bool precise);
 
 class QMatmul : public CpuPrimitive {
  public:
-  QMatmul(mlx::core::Stream stream, int bits) : CpuPrimitive(stream), bits_(bits) {}
+  QMatmul(mlx::core::Stream stream, int bits, bool dot, bool precise)
+      : CpuPrimitive(stream), bits_(bits), dot_(dot), precise_(precise) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -25,11 +30,14 @@ class QMatmul : public CpuPrimitive {
     return "QMatmulCPU";
   }
   bool is_equivalent(const mlx::core::Primitive& other) const override {
-    return bits_ == static_cast<const QMatmul&>(other).bits_;
+    const auto& same = static_cast<const QMatmul&>(other);
+    return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;
   }
 
  private:
   int bits_;
+  bool dot_;
+  bool precise_;
 };
 
 }  // namespace mlxd

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
 #include <immintrin.h>
@@ -164,6 +165,38 @@ class Scratch {
  private:
   float* data_;
 };
+
+// W scales or biases as float32, from float32 or float16 (uint16_t bits).
+template <typename S>
+inline vf load_scales(const S* p) {
+  if constexpr (sizeof(S) == 4) {
+    return load(reinterpret_cast<const float*>(p));
+  } else {
+    return load_f16(p);
+  }
+}
+
+// Calls f(std::integral_constant<int, count>) for 1 <= count <= MOST: kernels whose row count
+// is a compile-time constant keep their accumulators in registers.
+template <int MOST, typename F>
+inline void with_rows(int count, F&& f) {
+  if constexpr (MOST > 1) {
+    if (count < MOST) {
+      return with_rows<MOST - 1>(count, f);
+    }
+  }
+  f(std::integral_constant<int, MOST>{});
+}
+
+// Partial sums per accumulator: with fewer than 8 independent chains the multiply-adds cannot
+// hide their latency, so inputs alternate between 2 or 4 sums while the registers allow.
+constexpr int split_for(int chains, int accumulators) {
+  int split = 1;
+  while (split < 4 && chains * split < 8 && chains * split * 2 <= accumulators) {
+    split *= 2;
+  }
+  return split;
+}
 
 inline int imin(int a, int b) {
   return a < b ? a : b;

@@ -15,6 +15,11 @@ void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, floa
                  int K, int bits, int threads);
 void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
                  int N, int K, int bits, int threads);
+void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
+              int K, int bits, bool precise, int threads);
+void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
+              int K, int bits, bool precise, int threads);
+extern const bool integer_dot;
 void attention(const AttentionArgs& args, int threads);
 void rms_norm(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
 void swiglu(const float* gate, const float* x, float* y, size_t n);

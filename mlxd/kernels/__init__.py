@@ -4,17 +4,19 @@
 at the speed the CPU's vector units allow, which MLX 0.32's CPU backend does not: its quantized
 matmul is 2-4x slower than float32 BLAS. `pack` rearranges MLX's quantized layout (uint32 words,
 groups of 32/64/128) once into the kernel's (bytes in tiles of 16 output rows, scales and
-biases per block of 32 inputs).
+biases per block of 32 inputs); `pack_dot` into the integer dot-product kernel's, which
+quantizes x to int8 per block of 32 as llama.cpp does (csrc/qdot.cpp).
 
-The module holds the kernels once per ISA variant (generic, avx2, avx512 on x86-64; generic,
-neon on aarch64) and runs the best one the CPU supports; `MLXD_KERNELS_ISA` (or `use_isa`)
-forces one, `isa()` says which runs.
+The module holds the kernels once per ISA variant (generic, avx2, avxvnni, avx512, avx512vnni
+on x86-64; generic, neon, neondot on aarch64) and runs the best one the CPU supports;
+`MLXD_KERNELS_ISA` (or `use_isa`) forces one, `isa()` says which runs.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -92,6 +94,8 @@ class Packed:
     weight: mx.array  # uint8 [N, K * bits / 8], tiled
     scale_bias: mx.array  # float16 or float32 [N / 16, K / 32, 2 (scale, bias), 16]
     bits: int
+    dot: bool = False  # pack_dot's layout: multiplied by integer dot products
+    precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -123,30 +127,34 @@ def pack(
     The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
     for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
     per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
-    exactly (a GGUF's do), else float32. Repacked `PACK_ROWS` rows at a time into the result,
-    so the temporaries are a slice's, not a whole tensor's (an 8B's output head: 0.5 GiB).
+    exactly (a GGUF's do), else float32.
     """
-    if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
-        raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
-    rows, words = weight.shape
-    inputs = words * 32 // bits
-    packed_weight = np.empty((rows, words * 4), np.uint8)
-    both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
-    for start in range(0, rows, PACK_ROWS):
-        stop = min(start + PACK_ROWS, rows)
-        tiles = slice(start // LANES, stop // LANES)
-        packed_weight[start:stop] = _packed_values(weight[start:stop], bits)
-        both[tiles] = _scales_biases(scales[start:stop], biases[start:stop], group_size)
-    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
-        both = both.astype(np.float16)
-    packed = Packed(mx.array(packed_weight), mx.array(both), bits)
-    mx.eval(packed.weight, packed.scale_bias)
-    return packed
+    return _pack_rows(weight, scales, biases, group_size, bits, _float_layout)
+
+
+def pack_dot(
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    precise: bool = False,
+) -> Packed:
+    """MLX's quantized layout → `Packed` for the integer dot-product kernel (csrc/qdot.cpp):
+    output rows in tiles of 16, each row's values of 4 consecutive inputs in one 32-bit lane:
+    per tile and 4 inputs (8 bits) 64 bytes, bytes 4j..4j+3 row j's; per tile and 8 inputs
+    (4 bits) 64 bytes, byte 4j+i = q[j][k+i] | q[j][k+4+i] << 4. Scales and biases as `pack`'s.
+    The kernel rounds x to int8 per block of 32 (llama.cpp's Q8: relative error up to 1/254 of
+    the block's largest |x|), or with `precise` to two int8 terms (1/64,516) for twice the
+    dot products.
+    """
+    return _pack_rows(weight, scales, biases, group_size, bits, _dot_layout, True, precise)
 
 
 def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     """Rows `ids` (any shape) of the dequantized matrix, float32 [*ids.shape, K], read from
     the packed layout with MLX ops: an embedding lookup from the table `pack` made."""
+    assert not packed.dot  # pack's layout
     rows, inputs = packed.shape
     flat = ids.reshape(-1)
     tile, lane = flat // LANES, (flat % LANES)[:, None, None]
@@ -162,16 +170,63 @@ def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     return out.reshape(*ids.shape, inputs)
 
 
-def _packed_values(weight: mx.array, bits: int) -> np.ndarray:
-    """Rows of MLX's uint32 words in the kernel's tiled byte layout (see `pack`)."""
+Layout = Callable[[np.ndarray, int], np.ndarray]
+
+
+def _pack_rows(
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    layout: Layout,
+    dot: bool = False,
+    precise: bool = False,
+) -> Packed:
+    """`PACK_ROWS` rows at a time into the result, so the temporaries are a slice's, not a
+    whole tensor's (an 8B's output head: 0.5 GiB)."""
+    if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
+        raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
+    rows, words = weight.shape
+    inputs = words * 32 // bits
+    packed_weight = np.empty((rows, words * 4), np.uint8)
+    both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
+    for start in range(0, rows, PACK_ROWS):
+        stop = min(start + PACK_ROWS, rows)
+        values = _values(weight[start:stop], bits)
+        packed_weight[start:stop] = layout(values, bits).reshape(stop - start, -1)
+        tiles = slice(start // LANES, stop // LANES)
+        both[tiles] = _scales_biases(scales[start:stop], biases[start:stop], group_size)
+    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
+        both = both.astype(np.float16)
+    packed = Packed(mx.array(packed_weight), mx.array(both), bits, dot, precise)
+    mx.eval(packed.weight, packed.scale_bias)
+    return packed
+
+
+def _values(weight: mx.array, bits: int) -> np.ndarray:
+    """The quantized values one byte each, [N / 16 tiles, 16, K]."""
     raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest
     rows = raw.shape[0]
-    # Values as one byte each, [rows, K]: 4-bit words hold the earlier value in the low nibble.
+    # 4-bit words hold the earlier value in the low nibble.
     q = raw if bits == 8 else np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(rows, -1)
-    tiles = q.reshape(rows // LANES, LANES, -1)
+    return q.reshape(rows // LANES, LANES, -1)
+
+
+def _float_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
     if bits == 4:  # inputs k and k + 1 of a row share a byte
         tiles = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
-    return np.ascontiguousarray(tiles.transpose(0, 2, 1)).reshape(rows, -1)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1))
+
+
+def _dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
+    count, _, k = tiles.shape
+    if bits == 4:  # [tiles, 16, K / 8, 2 halves, 4]: the second half in the high nibbles
+        halves = tiles.reshape(count, LANES, k // 8, 2, 4)
+        tiles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+    else:
+        tiles = tiles.reshape(count, LANES, k // 4, 4)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
 
 
 def _scales_biases(scales: mx.array, biases: mx.array, group_size: int) -> np.ndarray:
@@ -193,8 +248,16 @@ def _module() -> ModuleType:
 
 def qmatmul(x: mx.array, packed: Packed) -> mx.array:
     """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
-    result: mx.array = _module().qmatmul(x, packed.weight, packed.scale_bias, packed.bits)
+    result: mx.array = _module().qmatmul(
+        x, packed.weight, packed.scale_bias, packed.bits, packed.dot, packed.precise
+    )
     return result
+
+
+def integer_dot() -> bool:
+    """Whether the ISA variant in use multiplies `pack_dot`'s layout by integer dot products
+    (VNNI, vpmaddubsw, sdot); the generic variant's scalar loop is for correctness only."""
+    return _cpu is not None and bool(_cpu.integer_dot())
 
 
 def rope(

@@ -56,6 +56,17 @@ class Timings:
     packed: tuple[float, ...]
     packed_shared: tuple[float, ...]
     float32: tuple[float, ...]
+    # `packed` with the weights multiplied as int8 dot products (csrc/qdot.cpp, precise: x as
+    # two int8 terms); empty where the kernels have no integer dot product.
+    packed_dot: tuple[float, ...] = ()
+
+    @property
+    def dot_faster(self) -> bool:
+        """Whether the int8 dot products ran faster over the phases than the float layout (by
+        the margin: the layouts hold the same bytes, so a tie keeps the float one)."""
+        return (
+            bool(self.packed_dot) and _geomean(self.packed_dot, self.packed) < 1 / MORE_BYTES_MARGIN
+        )
 
 
 @dataclass(frozen=True)
@@ -72,9 +83,23 @@ class Choice:
     one_thread: bool = False  # the kernels measured faster on one thread (a busy machine)
 
     @property
+    def dot(self) -> bool:
+        """Whether the packed weights run as int8 dot products: all packed on every core, where
+        that layout timed faster (decide compared the plans on the float layout's figures)."""
+        return (
+            self.plan == "packed"
+            and not self.one_thread
+            and self.timings is not None
+            and self.timings.dot_faster
+        )
+
+    @property
     def packed_ms(self) -> tuple[float, ...]:
-        """The packed figures that apply: on one thread under mixed or `one_thread`."""
+        """The packed figures that apply: on one thread under mixed or `one_thread`, the int8
+        dot products' under `dot`."""
         assert self.timings is not None
+        if self.dot:
+            return self.timings.packed_dot
         one = self.plan == "mixed" or self.one_thread
         return self.timings.packed_shared if one else self.timings.packed
 
@@ -103,6 +128,7 @@ class Choice:
             theirs = "/".join(_ms(by_path[other][i]) for i in indices)
             parts.append(f"{path} {label} ({rows}: {ours} ms vs {other} {theirs})")
         note = "; kernels on one thread" if self.one_thread else ""
+        note += "; int8 dot products" if self.dot else ""
         note += f"; {self.reason}" if self.reason else ""
         return ", ".join(parts) + note + (" [cached timings]" if self.cached else "")
 
@@ -126,6 +152,7 @@ class Choice:
             "weight_bytes": self.weight_bytes,
             "cached": self.cached,
             "one_thread": self.one_thread,
+            "dot": self.dot,
             "reason": self.reason or None,
         }
 

@@ -111,6 +111,7 @@ def cpu_model() -> str:
 @dataclass
 class _Matrix:
     packed: kernels.Packed
+    dot: kernels.Packed | None  # pack_dot's (precise), where the kernels have integer dot products
     dense: mx.array  # float32 [out, in]
     scale: float  # time multiplier (a head timed over a slice of its rows)
 
@@ -122,7 +123,9 @@ def _matrix(shape: Shape) -> _Matrix:
     weight, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     dense = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
     mx.eval(dense)
-    return _Matrix(pack(weight, scales, biases, group, bits), dense, out / rows)
+    packed = pack(weight, scales, biases, group, bits)
+    dot = pack(weight, scales, biases, group, bits, dot=True) if kernels.integer_dot() else None
+    return _Matrix(packed, dot, dense, out / rows)
 
 
 def _best_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:
@@ -136,8 +139,11 @@ def _best_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> 
     return min(times)
 
 
-def _time(matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = False) -> float:
-    """ms for one pass of `matrices` over `rows` input rows (each scaled)."""
+def _time(
+    matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = False, dot: bool = False
+) -> float:
+    """ms for one pass of `matrices` over `rows` input rows (each scaled); packed: in the
+    int8 dot products' layout with `dot`."""
     total = 0.0
     for scale, group in _by_scale(matrices).items():
         inputs = {m.dense.shape[1]: mx.random.normal((rows, m.dense.shape[1])) for m in group}
@@ -146,7 +152,8 @@ def _time(matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = Fals
         def run(group: list[_Matrix] = group, inputs: dict[int, mx.array] = inputs) -> list:
             x = inputs
             if packed:
-                return [kernels.qmatmul(x[m.dense.shape[1]], m.packed) for m in group]
+                layouts = [m.dot if dot and m.dot else m.packed for m in group]
+                return [kernels.qmatmul(x[p.shape[1]], p) for p in layouts]
             return [x[m.dense.shape[1]] @ m.dense.T for m in group]
 
         repeats = PREFILL_REPEATS if prefill else REPEATS
@@ -171,27 +178,29 @@ def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
 
 
 def time_paths_here(shapes: ModelShapes, phases: Phases) -> Timings:
-    """Each phase's step estimate packed on every core, packed on one thread, and float32."""
+    """Each phase's step estimate packed on every core, packed on one thread, float32, and
+    packed as int8 dot products on every core."""
     layer = [_matrix(s) for s in shapes.layer]
     head = [_matrix(shapes.head)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
 
-    def step(rows: int, packed: bool, decode: bool) -> float:
+    def step(rows: int, packed: bool, decode: bool, dot: bool) -> float:
         if decode:
-            ms = shapes.layers * _time(layer, rows, packed)
-            return ms + (_time(head, rows, packed) if head else 0.0)
+            ms = shapes.layers * _time(layer, rows, packed, dot=dot)
+            return ms + (_time(head, rows, packed, dot=dot) if head else 0.0)
         timed = min(rows, PREFILL_ROWS)
-        return shapes.layers * _time(layer, timed, packed, prefill=True) * rows / timed
+        return shapes.layers * _time(layer, timed, packed, prefill=True, dot=dot) * rows / timed
 
-    def phase_times(packed: bool) -> tuple[float, ...]:
-        decode = tuple(step(rows, packed, decode=True) for rows in phases.decode)
-        return (*decode, step(phases.prefill, packed, decode=False))
+    def phase_times(packed: bool, dot: bool = False) -> tuple[float, ...]:
+        decode = tuple(step(rows, packed, decode=True, dot=dot) for rows in phases.decode)
+        return (*decode, step(phases.prefill, packed, decode=False, dot=dot))
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)
+    packed_dot = phase_times(True, dot=True) if kernels.integer_dot() else ()
     kernels.set_threads(1)
     packed_one = phase_times(True) if cores > 1 else packed_all
-    return Timings(packed=packed_all, packed_shared=packed_one, float32=phase_times(False))
+    return Timings(packed_all, packed_one, phase_times(False), packed_dot)
 
 
 def machine_busy() -> bool:

@@ -186,7 +186,8 @@ def load_llm(
             # mlx-lm's LoRA layers wrap the quantized layers, whose insides are packed next.
             model = _with_adapter(model, adapter, "float32" if packed else target, model_name)
         if packed:
-            pack_model(model, cpu_path.path_for if cpu_path and plan == "mixed" else None)
+            path_for = cpu_path.path_for if cpu_path and plan == "mixed" else None
+            pack_model(model, path_for, dot=cpu_path is not None and cpu_path.dot)
         if before_eval is not None:
             model = before_eval(model, config)
         # Private arrays too (Llama 3's scaled rope frequencies): one left lazy holds the

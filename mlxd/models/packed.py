@@ -41,13 +41,14 @@ class PackedLinear(nn.Module):
         self.weight = packed.weight
         self.scale_bias = packed.scale_bias
         self.bits = packed.bits
+        self.dot, self.precise = packed.dot, packed.precise
         if bias is not None:
             self.bias = bias
         self.output_dims, self.input_dims = packed.shape
 
     @property
     def packed(self) -> Packed:
-        return Packed(self.weight, self.scale_bias, self.bits)
+        return Packed(self.weight, self.scale_bias, self.bits, self.dot, self.precise)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = kernels.qmatmul(x, self.packed)
@@ -83,7 +84,8 @@ class PackedEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
-        self.output = _packed_linear(embedding, None, path_for)
+        # The float layout, whatever the plan's: `take_rows` reads it.
+        self.output = _packed_linear(embedding, None, path_for, dot=False)
 
     def __call__(self, ids: mx.array) -> mx.array:
         if isinstance(self.output, SplitLinear):
@@ -95,18 +97,26 @@ class PackedEmbedding(nn.Module):
         return self.output(x)
 
 
-def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> Packed:
+def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool) -> Packed:
     assert module.biases is not None  # affine quantization (see _why_not_packable)
-    return pack(module.weight, module.scales, module.biases, module.group_size, module.bits)
+    return pack(module.weight, module.scales, module.biases, module.group_size, module.bits, dot)
 
 
 def pack(
-    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    dot: bool = False,
 ) -> Packed:
-    """`kernels.pack` of any width MLX stores, at the width the kernels run it (KERNEL_BITS)."""
+    """`kernels.pack` (or with `dot` `kernels.pack_dot`, precise) of any width MLX stores, at
+    the width the kernels run it (KERNEL_BITS)."""
     width = KERNEL_BITS[bits]
     if width != bits:
         weight = _widened(weight, bits, width)
+    if dot:
+        return kernels.pack_dot(weight, scales, biases, group_size, width, precise=True)
     return kernels.pack(weight, scales, biases, group_size, width)
 
 
@@ -232,8 +242,9 @@ def _packed_linear(
     module: nn.QuantizedLinear | nn.QuantizedEmbedding,
     bias: mx.array | None,
     path_for: Callable[[int], str] | None,
+    dot: bool = False,
 ) -> nn.Module:
-    packed = PackedLinear(_pack(module), bias)
+    packed = PackedLinear(_pack(module, dot), bias)
     if path_for is None:
         return packed
     assert module.biases is not None  # affine (see _why_not_packable)
@@ -253,9 +264,13 @@ def _module_at(model: nn.Module, name: str) -> nn.Module:
     return module
 
 
-def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -> None:
+def pack_model(
+    model: nn.Module, path_for: Callable[[int], str] | None = None, dot: bool = False
+) -> None:
     """Swap `model`'s quantized layers the kernels take for packed ones in place; with
-    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32".
+    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32";
+    with `dot` the linears are multiplied as int8 dot products (kernels.pack_dot, precise).
+    A tied embedding keeps the float layout, which its lookups read (kernels.take_rows).
 
     One layer at a time: packing reads the stored arrays, and each layer's are released (and
     MLX's buffer cache emptied) as soon as its packed one is in place, so a load holds the
@@ -268,7 +283,7 @@ def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -
         module = _module_at(model, name)
         replacement: nn.Module
         if isinstance(module, nn.QuantizedLinear):
-            replacement = _packed_linear(module, module.get("bias"), path_for)
+            replacement = _packed_linear(module, module.get("bias"), path_for, dot)
         else:
             assert isinstance(module, nn.QuantizedEmbedding)
             replacement = PackedEmbedding(module, path_for)

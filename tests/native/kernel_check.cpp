@@ -1,14 +1,14 @@
-// The aarch64 variants of mlxd's kernels (generic, neon) against scalar float64 references,
+// The aarch64 variants of mlxd's kernels (generic, neon, neondot) against scalar float64 references,
 // built with Debian's cross compiler and run under qemu-user by tests/unit/test_kernel_neon.py:
 // no ARM machine is at hand, and the Python tests run the variants of the machine they run on.
-// The packed layout is mlxd.kernels.pack's (see csrc/qmatmul.cpp).
+// The packed layouts are mlxd.kernels.pack's and pack_dot's (see csrc/qmatmul.cpp, qdot.cpp).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 #include "kernels.h"
-namespace mlxd { extern const Kernels kernels_generic; extern const Kernels kernels_neon; }
+namespace mlxd { extern const Kernels kernels_generic, kernels_neon, kernels_neondot; }
 using namespace mlxd;
 static uint16_t to_half(float f) {  // exact for the scales and biases used (k / 2^n)
   __fp16 h = static_cast<__fp16>(f); uint16_t b; std::memcpy(&b, &h, 2); return b; }
@@ -39,6 +39,32 @@ int check(const Kernels& k) {
       worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
     }
     if (worst > 1e-3) { printf("%s qmatmul bits %d K %d M %d: error %g\n", k.isa, bits, K, M, worst); ++bad; }
+    // qdot: pack_dot's layout (per tile 4 inputs of a row per 32-bit lane; 4 bits: k+4..k+7 in the high nibbles)
+    // against float64 with x rounded to int8 per block of 32 as the kernel does (d = max |x| / 127).
+    std::vector<uint8_t> wd(N * K * bits / 8); at = 0;
+    for (int t = 0; t < N / 16; ++t) {
+      if (bits == 8) for (int kk = 0; kk < K; kk += 4) for (int j = 0; j < 16; ++j) for (int i = 0; i < 4; ++i) wd[at++] = q[(t*16+j)*K+kk+i];
+      else for (int kk = 0; kk < K; kk += 8) for (int j = 0; j < 16; ++j) for (int i = 0; i < 4; ++i) wd[at++] = q[(t*16+j)*K+kk+i] | q[(t*16+j)*K+kk+4+i] << 4;
+    }
+    for (bool precise : {false, true}) {  // x as one int8 term, or two (the rest in steps of d / 254)
+      std::vector<double> xr(M * K);
+      for (int m = 0; m < M; ++m) for (int b = 0; b < K / 32; ++b) {
+        float amax = 0; for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[m*K+b*32+i]));
+        const float inverse = amax > 0 ? 127 / amax : 0, step = amax / 127;
+        for (int i = 0; i < 32; ++i) {
+          const float v = x[m*K+b*32+i], x8 = std::lrint(v * inverse);
+          const double rest = precise ? std::fmax(-127, std::fmin(127, std::lrint((v - x8 * step) * inverse * 254))) : 0;
+          xr[m*K+b*32+i] = x8 * double(step) + rest * double(step / 254);
+        }
+      }
+      k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, precise, 2);
+      worst = 0;
+      for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
+        double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]) * xr[m*K+kk];
+        worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
+      }
+      if (worst > 1e-3) { printf("%s qdot bits %d K %d M %d precise %d: error %g\n", k.isa, bits, K, M, precise, worst); ++bad; }
+    }
   }
   // attention: decode and tiled prefill, causal, D 64
   for (int Lq : {1, 12}) {
@@ -60,4 +86,4 @@ int check(const Kernels& k) {
   printf("%s: %s\n", k.isa, bad ? "FAILED" : "ok");
   return bad;
 }
-int main() { return check(kernels_generic) + check(kernels_neon); }
+int main() { return check(kernels_generic) + check(kernels_neon) + check(kernels_neondot); }

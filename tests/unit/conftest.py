@@ -38,13 +38,9 @@ def smol_packed(smol):
 
 # Every ISA variant the kernels have on this architecture (csrc/CMakeLists.txt), best first.
 KERNEL_ISAS = (
-    ["neon", "generic"]
+    ["neondot", "neon", "generic"]
     if platform.machine() in ("aarch64", "arm64")
-    else [
-        "avx512",
-        "avx2",
-        "generic",
-    ]
+    else ["avx512vnni", "avx512", "avxvnni", "avx2", "generic"]
 )
 
 

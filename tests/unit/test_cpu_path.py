@@ -202,6 +202,54 @@ def test_time_paths_gives_a_figure_per_phase_and_path():
     timings = time_paths(shapes, Phases(prefill=16))
     for figures in (timings.packed, timings.packed_shared, timings.float32):
         assert len(figures) == 4 and all(ms > 0 for ms in figures)
+    # The int8 dot products' layout, where the kernels have an integer dot product.
+    from mlxd import kernels
+
+    assert len(timings.packed_dot) == (4 if kernels.integer_dot() else 0)
+    assert all(ms > 0 for ms in timings.packed_dot)
+
+
+def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_path):
+    fast = Timings((5.0, 6.0, 8.0, 100.0), (6.0, 8.0, 12.0, 150.0), (9.0, 15.0, 30.0, 200.0))
+    dot = Timings(*(fast.packed, fast.packed_shared, fast.float32), (4.0, 5.0, 7.0, 90.0))
+    choice = choose(dot)
+    assert choice.plan == "packed" and choice.dot
+    assert choice.packed_ms == dot.packed_dot and "int8 dot products" in choice.summary()
+    assert choice.as_dict()["dot"] is True
+    assert choice.as_dict()["phases"][0]["packed_ms"] == 4.0
+    # A tie (same bytes either way) keeps the float layout; no dot figures: the float layout.
+    tie = Timings(*(fast.packed, fast.packed_shared, fast.float32), (5.0, 6.0, 8.0, 99.0))
+    assert not choose(tie).dot and not choose(fast).dot
+    # Mixed and one-thread plans run the float layout they were timed with.
+    split = Timings(
+        (4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0),
+        (2.0, 3.0, 4.0, 400.0),
+    )  # fmt: skip
+    assert choose(split).plan == "mixed" and not choose(split).dot
+    cache = TimingCache(tmp_path)
+    cache.put(TimingCache.key(identity()), identity(), dot)
+    assert cache.get(TimingCache.key(identity())) == dot
+
+
+def test_the_int8_dot_layout_computes_the_model_as_its_float32_twin(smol) -> None:
+    """SmolLM2 Q4_1 packed as int8 dot products (precise: x as two int8 terms): logits within
+    0.05 of the float32 twin's (the float layout's: 2e-3; x's rounding adds 1/64,516 of each
+    block's largest |x|), and greedy decoding to the token."""
+    import mlx.core as mx
+
+    from mlxd.models.loader import load_llm
+    from mlxd.models.packed import PackedLinear, pack_model
+    from tests.unit.test_kernels import _greedy
+
+    model = load_llm(smol.path, dtype="keep", model_name="smol").model
+    model.set_dtype(mx.float32)
+    pack_model(model, dot=True)
+    linears = [m for _, m in model.named_modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.dot and m.precise for m in linears)
+    for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
+        ids = mx.array([smol.tokenizer.encode(prompt)])
+        assert mx.allclose(model(ids), smol.model(ids), atol=5e-2).item()
+        assert _greedy(model, ids) == _greedy(smol.model, ids)
 
 
 def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):

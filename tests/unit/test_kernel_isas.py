@@ -34,22 +34,23 @@ SHAPES = [
 ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 31, 32, 33, 64, 70)
 
 
-def _case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int):
-    """x [rows, K], the packed weights and the float32 truth x @ dequantize(w).T."""
+def _case(n: int, k: int, group_size: int, bits: int, dtype, rows: int, seed: int, pack=None):
+    """x [rows, K], the weights packed by `pack` (kernels.pack by default), the float32 truth
+    x @ dequantize(w).T and dequantize(w)."""
     mx.random.seed(seed)
     weight, scales, biases = mx.quantize(
         mx.random.normal((n, k)) * 0.05, group_size=group_size, bits=bits
     )
     scales, biases = scales.astype(dtype), biases.astype(dtype)
-    packed = kernels.pack(weight, scales, biases, group_size, bits)
+    packed = (pack or kernels.pack)(weight, scales, biases, group_size, bits)
     assert packed.scale_bias.dtype == dtype
     dense = mx.dequantize(
         weight, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits
     )
     x = mx.random.normal((rows, k))
     expected = x @ dense.T
-    mx.eval(packed.weight, packed.scale_bias, x, expected)
-    return x, packed, np.array(expected)
+    mx.eval(packed.weight, packed.scale_bias, x, expected, dense)
+    return x, packed, np.array(expected), np.array(dense)
 
 
 def _assert_close(got: mx.array, expected: np.ndarray, what: object) -> None:
@@ -62,7 +63,7 @@ def _assert_close(got: mx.array, expected: np.ndarray, what: object) -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
 def test_qmatmul_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape) -> None:
     n, k, group_size, bits, dtype = shape
-    x, packed, expected = _case(n, k, group_size, bits, dtype, max(ROWS), seed=k + bits)
+    x, packed, expected, _ = _case(n, k, group_size, bits, dtype, max(ROWS), seed=k + bits)
     for rows in ROWS:
         got = kernels.qmatmul(x[:rows], packed)
         assert got.shape == (rows, n)
@@ -73,7 +74,7 @@ def test_qmatmul_on_each_isa_equals_mlx_at_model_shapes(kernel_isa: str, shape) 
 def lm_head():
     """Llama 3's vocabulary as the tied output projection of a 576-wide model (8 bits, as
     SmolLM2's embedding): 128,256 outputs, 8,016 tiles."""
-    return _case(128_256, 576, 32, 8, mx.float16, 40, seed=7)
+    return _case(128_256, 576, 32, 8, mx.float16, 40, seed=7)[:3]
 
 
 def test_qmatmul_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str, lm_head) -> None:
@@ -126,3 +127,90 @@ def _python(script: str, env: dict[str, str]) -> str:
         check=True,
     )
     return done.stdout.strip()
+
+
+# Rows for the integer dot-product path (decode): one pass of 1-8 rows (AVX-512: 8 per pass,
+# AVX2 and NEON 4, generic 2), several passes with a remainder, a short prefill chunk.
+DOT_ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 33)
+
+
+def _int8_x(x: np.ndarray, precise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """x as csrc/qdot.cpp rounds it, per row and block of 32 in float32 as the kernel: llama.cpp's
+    Q8 (d = max |x| / 127, x8 = round(x / d)) and, precise, the rest in steps of d / 254; the
+    rounded x [rows, K] and the step of its last term [rows, K / 32, 1]."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.maximum(largest, 1e-30), 0)
+    inverse = inverse.astype(np.float32)
+    step = largest / np.float32(127)
+    x8 = np.rint(blocks * inverse)
+    rounded = x8.astype(np.float64) * step
+    if precise:
+        rest = np.clip(np.rint((blocks - x8 * step) * inverse * np.float32(254)), -127, 127)
+        step = step / np.float32(254)
+        rounded += rest * step
+    return rounded.reshape(x.shape), step
+
+
+def _assert_dot_close(got, x: mx.array, dense: np.ndarray, expected: np.ndarray, precise, what):
+    """The integer path against (1) its own arithmetic in float64: x rounded as the kernel
+    rounds it times the weights, held to float32's tolerance, and (2) MLX's float32 truth
+    within the rounding's worst case: each x_k moves at most half a step of its last term
+    (d / 2, or d / 508 when precise), so output n moves at most sum_k |w_nk| step_k / 2."""
+    rounded, step = _int8_x(np.array(x), precise)
+    _assert_close(got, rounded @ dense.astype(np.float64).T, what)
+    steps = np.broadcast_to(step / 2, (*step.shape[:2], 32)).reshape(x.shape)
+    worst = np.abs(dense) @ steps.T
+    excess = np.abs(np.array(got) - expected) - worst.T - 2e-5 * np.abs(expected).max()
+    assert excess.max() <= 0, (what, excess.max())
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["int8", "precise"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
+def test_integer_dot_product_on_each_isa_equals_mlx_at_model_shapes(
+    kernel_isa: str, shape, precise: bool
+) -> None:
+    n, k, group_size, bits, dtype = shape
+
+    def pack(*args) -> kernels.Packed:
+        return kernels.pack_dot(*args, precise=precise)
+
+    x, packed, expected, dense = _case(n, k, group_size, bits, dtype, max(DOT_ROWS), k + bits, pack)
+    assert packed.dot and kernels.integer_dot() == (kernel_isa not in ("generic", "neon"))
+    for rows in DOT_ROWS:
+        got = kernels.qmatmul(x[:rows], packed)
+        assert got.shape == (rows, n)
+        what = (kernel_isa, shape, rows)
+        _assert_dot_close(got, x[:rows], dense, expected[:rows], precise, what)
+
+
+def test_integer_dot_product_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str):
+    """Llama 3's vocabulary at Llama-3.2-1B's width, 4 bits as a Q4 GGUF's head."""
+    x, packed, expected, dense = _case(128_256, 2048, 32, 4, mx.float16, 8, 11, kernels.pack_dot)
+    precise = kernels.Packed(packed.weight, packed.scale_bias, 4, dot=True, precise=True)
+    for rows in (1, 8):
+        for layout in (packed, precise):
+            got = kernels.qmatmul(x[:rows], layout)
+            what = (kernel_isa, rows, layout.precise)
+            _assert_dot_close(got, x[:rows], dense, expected[:rows], layout.precise, what)
+
+
+def test_a_zero_block_of_x_and_the_extreme_weights_stay_exact() -> None:
+    """x with an all-zero block (d = 0) and weights at 0 and 2^bits - 1, where maddubs's pair
+    sums would saturate without the offset (csrc/qdot.cpp); x exact in int8 (a rest of 0)."""
+    for bits in (4, 8):
+        top = 2**bits - 1
+        q = mx.array(np.where(np.arange(64 * 64).reshape(64, 64) % 3 == 0, top, 0), mx.float32)
+        weight, scales, biases = mx.quantize(q, group_size=32, bits=bits)
+        packed = kernels.pack_dot(weight, scales, biases, 32, bits, precise=True)
+        x = mx.concatenate([mx.zeros((2, 32)), mx.full((2, 32), 127.0)], axis=1)
+        x = x * mx.array([[1.0], [-1.0]])  # every product at +-top x 127
+        expected = np.array(x @ mx.dequantize(weight, scales, biases, 32, bits).T)
+        before = kernels.isa() or "generic"
+        try:
+            for isa in kernels.isas():
+                kernels.use_isa(isa)
+                got = np.array(kernels.qmatmul(x, packed))
+                assert np.allclose(got, expected, rtol=1e-5, atol=1e-3), (isa, bits)
+        finally:
+            kernels.use_isa(before)

@@ -1,4 +1,4 @@
-"""The aarch64 kernel variants (generic, neon) on an x86 machine: compiled from csrc/ with
+"""The aarch64 kernel variants (generic, neon, neondot) on an x86 machine: compiled from csrc/ with
 Debian's cross compiler (g++-aarch64-linux-gnu, which also proves the aarch64 build includes
 no x86 header) and checked against float64 references under qemu-user
 (tests/native/kernel_check.cpp). On aarch64 the other kernel tests run them natively."""
@@ -16,8 +16,13 @@ from tests.conftest import NOT_APPLICABLE
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
-SOURCES = ["qmatmul.cpp", "attention_kernel.cpp", "pointwise.cpp", "variant.cpp"]
-FLAGS = {"generic": [], "neon": ["-march=armv8-a+simd"]}  # as csrc/CMakeLists.txt
+SOURCES = ["qmatmul.cpp", "qdot.cpp", "attention_kernel.cpp", "pointwise.cpp", "variant.cpp"]
+# As csrc/CMakeLists.txt: (flags, the vector family the variant's code is written for).
+FLAGS = {
+    "generic": ([], "GENERIC"),
+    "neon": (["-march=armv8-a+simd"], "NEON"),
+    "neondot": (["-march=armv8.2-a+dotprod"], "NEON"),
+}
 
 
 def test_the_aarch64_variants_compute_right_under_qemu(tmp_path: Path) -> None:
@@ -30,13 +35,13 @@ def test_the_aarch64_variants_compute_right_under_qemu(tmp_path: Path) -> None:
         )
     csrc = ROOT / "csrc"
     objects = []
-    for variant, flags in FLAGS.items():
+    for variant, (flags, family) in FLAGS.items():
         for source in SOURCES:
             out = tmp_path / f"{variant}-{source}.o"
             subprocess.run(
                 [CXX, "-std=c++17", "-O2", "-ffp-contract=fast", "-fno-trapping-math",
                  "-fopenmp", *flags, f"-DMLXD_ISA={variant}",
-                 f"-DMLXD_ISA_{variant.upper()}=1", "-c", str(csrc / source), "-o", str(out)],
+                 f"-DMLXD_ISA_{family}=1", "-c", str(csrc / source), "-o", str(out)],
                 check=True,
                 timeout=300,
             )  # fmt: skip
@@ -51,4 +56,4 @@ def test_the_aarch64_variants_compute_right_under_qemu(tmp_path: Path) -> None:
     )  # fmt: skip
     done = subprocess.run([QEMU, str(program)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.split("\n")[-3:-1] == ["generic: ok", "neon: ok"], done.stdout
+    assert done.stdout.split("\n")[-4:-1] == ["generic: ok", "neon: ok", "neondot: ok"], done.stdout
