@@ -81,6 +81,8 @@ class Choice:
     reason: str = ""  # why a plan was out of the running
     cached: bool = False  # the timings came from the cache
     one_thread: bool = False  # the kernels measured faster on one thread (a busy machine)
+    # The timings are in the cache for the next load (not those taken on a busy machine).
+    kept: bool = True
 
     @property
     def dot(self) -> bool:
@@ -130,6 +132,7 @@ class Choice:
         note = "; kernels on one thread" if self.one_thread else ""
         note += "; int8 dot products" if self.dot else ""
         note += f"; {self.reason}" if self.reason else ""
+        note += "" if self.kept else "; timed on a busy machine, not cached"
         return ", ".join(parts) + note + (" [cached timings]" if self.cached else "")
 
     def as_dict(self) -> dict[str, Any]:
@@ -151,6 +154,7 @@ class Choice:
             "phases": phases,
             "weight_bytes": self.weight_bytes,
             "cached": self.cached,
+            "kept": self.kept,
             "one_thread": self.one_thread,
             "dot": self.dot,
             "reason": self.reason or None,

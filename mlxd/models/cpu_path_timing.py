@@ -23,6 +23,7 @@ stream on the quiet machine, against 77 for the choice it times there).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -212,6 +213,7 @@ def machine_busy() -> bool:
 # This process's timings by key, and whether they came from the disk cache: a worker
 # decides when it locates the model, then again (the same way) when it loads it.
 _timed: dict[str, tuple[Timings, bool]] = {}
+_busy: dict[str, bool] = {}  # whether they were timed on a busy machine (so not cached)
 
 
 def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
@@ -256,4 +258,5 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
         _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
         if timings is None and not busy:
             cache.put(key, ident, _timed[key][0])
-    return decided(*_timed[key])
+        _busy[key] = busy
+    return dataclasses.replace(decided(*_timed[key]), kept=not _busy[key])

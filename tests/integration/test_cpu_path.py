@@ -56,7 +56,9 @@ def test_the_first_load_times_both_paths_and_reports_the_choice(daemon: Daemon):
     # The one log line says the same.
     assert f"model 'smol': {cpu_path['summary']}" in daemon.log()
     cache_dir = Path(daemon.config["server"]["cache_dir"])
-    assert len(list((cache_dir / "cpu-paths").glob("*.json"))) == 1
+    # Cached for the next load, unless timed on a busy machine (which the summary says).
+    assert len(list((cache_dir / "cpu-paths").glob("*.json"))) == int(cpu_path["kept"])
+    assert cpu_path["kept"] or "timed on a busy machine, not cached" in cpu_path["summary"]
     # The model answers on that path.
     reply = httpx.post(
         f"{daemon.url}/v1/completions",
@@ -80,5 +82,6 @@ def test_a_second_load_reuses_the_cached_timings(daemon: Daemon):
     assert mlxd("unload", "smol", "--url", daemon.url).returncode == 0
     assert mlxd("load", "smol", "--url", daemon.url).returncode == 0
     again = daemon.status()["models"]["smol"]["cpu_path"]
-    assert again["cached"] and again["plan"] == first["plan"]
-    assert again["phases"] == first["phases"]
+    assert again["cached"] == first["kept"]  # timed again where the first were not kept
+    if again["cached"]:
+        assert again["plan"] == first["plan"] and again["phases"] == first["phases"]

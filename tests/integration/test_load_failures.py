@@ -100,7 +100,7 @@ def test_a_model_over_the_budget_is_refused_with_its_numbers_before_it_is_read(t
         assert row["gave_up"], row
         # The model's own context (8192) for 32 sequences: the numbers, then what to change.
         assert (
-            "0.12 GiB weights + 11.25 GiB KV (32 sequences x 8192 tokens, float32) + "
+            "0.09 GiB weights + 11.25 GiB KV (32 sequences x 8192 tokens, float32) + "
             in (row["error"])
         )
         assert "1.00 GiB prefix cache (cache.ram)" in row["error"]
