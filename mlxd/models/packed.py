@@ -144,7 +144,10 @@ def pack_model(model: nn.Module, path_for: Callable[[int], str] | None = None) -
     # have an `lm_head` exactly when theirs is separate (Llama-3.1-8B's: 0.5 GiB unused).
     tied = "lm_head" not in model
     kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding) if tied else (nn.QuantizedLinear,)
-    names = [name for name, module in model.named_modules() if isinstance(module, kinds)]
+    # Largest first (a 128k-vocabulary embedding): its stored and packed copies and the
+    # repacking's temporaries then coexist with none of the other packed layers.
+    sizes = [(m.weight.nbytes, name) for name, m in model.named_modules() if isinstance(m, kinds)]
+    names = [name for _, name in sorted(sizes, key=lambda size_name: -size_name[0])]
     for name in names:
         module = _module_at(model, name)
         replacement: nn.Module
