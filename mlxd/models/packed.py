@@ -278,7 +278,12 @@ def pack_model(
     weights when every layer was swapped at the end).
     """
     # An untied embedding gets no packed copy (Llama-3.1-8B's would be 0.5 GiB unused).
-    names = [name for name, module in _quantized(model).items() if not _why_not_packable(module)]
+    # Largest first (a 128k-vocabulary embedding): its stored and packed copies and the
+    # repacking's temporaries then coexist with none of the other packed layers.
+    packable = [
+        (m.weight.nbytes, n) for n, m in _quantized(model).items() if not _why_not_packable(m)
+    ]
+    names = [name for _, name in sorted(packable, key=lambda size_name: -size_name[0])]
     for name in names:
         module = _module_at(model, name)
         replacement: nn.Module
