@@ -223,6 +223,7 @@ def test_swiglu_equals_the_rational_one_and_silu(kernel_isa: str) -> None:
 )
 def test_attention_equals_mlx(kernel_isa: str, shape: tuple[int, ...]) -> None:
     b, hq, hkv, lq, lk, d = shape
+    mx.random.seed(sum(shape))  # the same inputs every run
     q = mx.random.normal((b, lq, hq, d)).transpose(0, 2, 1, 3)
     k = mx.random.normal((b, hkv, lk + 5, d))[:, :, :lk]  # a cache's view: strided
     v = mx.random.normal((b, hkv, lk, d))
@@ -238,13 +239,14 @@ def test_attention_equals_mlx(kernel_isa: str, shape: tuple[int, ...]) -> None:
         got = kernel_attention(q, k, v, cache=None, scale=0.125, mask=mask)
         # A row whose mask hides every key: MLX gives NaN, the kernel zeros.
         expected = mx.where(mx.isnan(expected), 0.0, expected)
-        assert mx.allclose(got, expected, atol=1e-5).item(), (shape, mask)
+        # Float32 sums in another order: a relative bound too (d = 256 terms per score).
+        assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), (shape, mask)
     # Row 0 sees no key: zeros, in a tile of rows too (where MLX averages every value).
     hidden = mx.broadcast_to(mx.arange(lq)[:, None] > 0, (lq, lk))
     got = kernel_attention(q, k, v, cache=None, scale=0.125, mask=hidden)
     assert not mx.any(got[:, :, 0]).item(), shape
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=hidden)
-    assert mx.allclose(got[:, :, 1:], expected[:, :, 1:], atol=1e-5).item(), shape
+    assert mx.allclose(got[:, :, 1:], expected[:, :, 1:], rtol=1e-4, atol=1e-5).item(), shape
 
 
 def test_assemble_kv_lays_the_blocks_out_per_layer_with_room() -> None:
