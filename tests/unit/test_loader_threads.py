@@ -10,14 +10,7 @@ from typing import Any
 from gguf import GGMLQuantizationType as Q
 
 from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
-
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+from tests.unit.test_gguf_models import LLAMA3
 
 
 def _in_thread(work: Any) -> Any:
