@@ -189,13 +189,7 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
   constexpr float OFFSET = offset(BITS);  // q - OFFSET in the dot product
   const int blocks = p.K / BLOCK;
   for (int b = 0; b < blocks; ++b) {
-    for (int t = 0; t < TILES; ++t) {
-      const uint8_t* ahead = p.template weights<BITS>(g, t * V) + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
-      for (int line = 0; line < BLOCK_BYTES; line += 64) {
-        __builtin_prefetch(ahead + line);
-      }
-      __builtin_prefetch(p.scales(g, t * V, b + PREFETCH_BLOCKS));
-    }
+    prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
     vi part[MB][NV][SPLIT] = {};
     for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 8 * STEPS) {
       for (int u = 0; u < STEPS; ++u) {

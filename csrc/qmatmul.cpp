@@ -125,15 +125,7 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
   for (int b = 0; b < blocks; ++b) {
-    for (int t = 0; t < TILES; ++t) {
-      // The hardware prefetcher alone streamed a decode step's weights at ≈10 GB/s of the
-      // ≈33 the machine reads: ask for the block a few ahead (past the end: harmless).
-      const uint8_t* ahead = p.template weights<BITS>(g, t * V) + (b + PREFETCH_BLOCKS) * BLOCK_BYTES;
-      for (int line = 0; line < BLOCK_BYTES; line += 64) {
-        __builtin_prefetch(ahead + line);
-      }
-      __builtin_prefetch(p.scales(g, t * V, b + PREFETCH_BLOCKS));
-    }
+    prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
     vf part[MB][NV][SPLIT] = {};
     for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2 * PAIRS) {
       for (int u = 0; u < PAIRS; ++u) {

@@ -188,6 +188,21 @@ inline void with_rows(int count, F&& f) {
   f(std::integral_constant<int, MOST>{});
 }
 
+// The hardware prefetcher alone streamed a decode step's weights at ≈10 GB/s of the ≈33 the
+// machine reads: a kernel asks for block `block` (of 32 inputs, BLOCK_BYTES a tile) of each of
+// work item g's tiles, and its scales, a few blocks before it reaches them (past the end:
+// harmless). `p` is the kernel's Problem: `weights<BITS>(g, v)` and `scales(g, v, block)`.
+template <int BITS, int TILES, int V, int BLOCK_BYTES, typename P>
+inline void prefetch_block(const P& p, int g, int block) {
+  for (int t = 0; t < TILES; ++t) {
+    const uint8_t* ahead = p.template weights<BITS>(g, t * V) + block * BLOCK_BYTES;
+    for (int line = 0; line < BLOCK_BYTES; line += 64) {
+      __builtin_prefetch(ahead + line);
+    }
+    __builtin_prefetch(p.scales(g, t * V, block));
+  }
+}
+
 // Partial sums per accumulator: with fewer than 8 independent chains the multiply-adds cannot
 // hide their latency, so inputs alternate between 2 or 4 sums while the registers allow.
 constexpr int split_for(int chains, int accumulators) {
