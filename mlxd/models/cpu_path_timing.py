@@ -210,10 +210,10 @@ def machine_busy() -> bool:
     return os.getloadavg()[0] > 2 * len(os.sched_getaffinity(0))
 
 
-# This process's timings by key, and whether they came from the disk cache: a worker
-# decides when it locates the model, then again (the same way) when it loads it.
-_timed: dict[str, tuple[Timings, bool]] = {}
-_busy: dict[str, bool] = {}  # whether they were timed on a busy machine (so not cached)
+# This process's timings by key, whether they came from the disk cache and whether they are
+# kept in it (not when timed on a busy machine): a worker decides when it locates the model,
+# then again (the same way) when it loads it.
+_timed: dict[str, tuple[Timings, bool, bool]] = {}
 
 
 def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
@@ -255,8 +255,8 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
     if key not in _timed:
         timings = cache.get(key)
         busy = timings is None and machine_busy()  # before our own timing adds to the load
-        _timed[key] = (timings or time_paths(shapes, phases), timings is not None)
+        _timed[key] = (timings or time_paths(shapes, phases), timings is not None, not busy)
         if timings is None and not busy:
             cache.put(key, ident, _timed[key][0])
-        _busy[key] = busy
-    return dataclasses.replace(decided(*_timed[key]), kept=not _busy[key])
+    timings, cached, kept = _timed[key]
+    return dataclasses.replace(decided(timings, cached), kept=kept)
