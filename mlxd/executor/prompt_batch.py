@@ -35,7 +35,8 @@ class PromptBatch(RowBatch):
             [self.rows[i] for i in indices],
             [select_rows(cache, indices) for cache in self.cache],
         )
-        self.filter([i for i in range(len(self.rows)) if i not in set(indices)])
+        moving = set(indices)
+        self.filter([i for i in range(len(self.rows)) if i not in moving])
         return moved
 
     def prompt(self, tokens: list[list[int]]) -> None:
