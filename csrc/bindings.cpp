@@ -6,6 +6,7 @@
 
 #include "assemble.h"
 #include "attention.h"
+#include "gather_qmatmul.h"
 #include "kernels.h"
 #include "qmatmul.h"
 #include "rms_norm.h"
@@ -57,6 +58,16 @@ NB_MODULE(_cpu, m) {
       "precise"_a = false,
       "x @ dequantize(w).T for weights packed by mlxd.kernels.pack, or by pack_dot with dot "
       "(integer dot products, x as one int8 term or, precise, two; float32 result).");
+  m.def(
+      "gather_qmatmul",
+      &mlxd::gather_qmatmul,
+      "x"_a,
+      "indices"_a,
+      "w"_a,
+      "scale_bias"_a,
+      "bits"_a,
+      "y[t, j] = x[t] @ dequantize(w[indices[t, j]]).T for x [T, K], indices [T, J] and E "
+      "matrices each packed by mlxd.kernels.pack, stacked (float32 [T, J, N]).");
   m.def(
       "integer_dot",
       []() { return mlxd::kernels().integer_dot; },

@@ -42,6 +42,14 @@ struct Kernels {
   void (*attention)(const AttentionArgs& args, int threads);
   void (*rms_norm)(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
   void (*swiglu)(const float* gate, const float* x, float* y, size_t n);
+  // y[t, j, N] = x[t, K] @ dequantize(w[idx[t, j]])^T for E matrices packed as qmatmul's, one
+  // after another (gather_qmatmul.cpp): a mixture of experts' matmul.
+  void (*gather_qmatmul_f32)(const float* x, const int32_t* idx, const uint8_t* w,
+                             const float* scale_bias, float* y, int T, int J, int E, int N, int K,
+                             int bits, int threads);
+  void (*gather_qmatmul_f16)(const float* x, const int32_t* idx, const uint8_t* w,
+                             const uint16_t* scale_bias, float* y, int T, int J, int E, int N,
+                             int K, int bits, int threads);
 };
 
 // The variant in use: MLXD_KERNELS_ISA's if set (see dispatch.cpp), else the best this CPU runs.

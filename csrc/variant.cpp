@@ -19,6 +19,8 @@ const Kernels MLXD_CAT(kernels_, MLXD_ISA) = {
     &MLXD_ISA::attention,
     &MLXD_ISA::rms_norm,
     &MLXD_ISA::swiglu,
+    &MLXD_ISA::gather_qmatmul_f32,
+    &MLXD_ISA::gather_qmatmul_f16,
 };
 
 }  // namespace mlxd

@@ -89,17 +89,18 @@ def use_isa(name: str) -> None:
 
 @dataclass(frozen=True)
 class Packed:
-    """Weights [N, K] in the kernel's layout."""
+    """Weights [N, K] in the kernel's layout, or a stack of E such (`pack_experts`): [E, N, K]."""
 
-    weight: mx.array  # uint8 [N, K * bits / 8], tiled
-    scale_bias: mx.array  # float16 or float32 [N / 16, K / 32, 2 (scale, bias), 16]
+    weight: mx.array  # uint8 [(E,) N, K * bits / 8], tiled
+    scale_bias: mx.array  # float16 or float32 [(E,) N / 16, K / 32, 2 (scale, bias), 16]
     bits: int
     dot: bool = False  # pack_dot's layout: multiplied by integer dot products
     precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.weight.shape[0], self.weight.shape[1] * 8 // self.bits
+        """(N, K): one matrix's (an expert's, for a stack)."""
+        return self.weight.shape[-2], self.weight.shape[-1] * 8 // self.bits
 
 
 def packable(rows: int, group_size: int, bits: int) -> bool:
@@ -149,6 +150,31 @@ def pack_dot(
     dot products.
     """
     return _pack_rows(weight, scales, biases, group_size, bits, _dot_layout, True, precise)
+
+
+def pack_experts(
+    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> Packed:
+    """A mixture of experts' stacked matrices as MLX quantizes them (mlx-lm's
+    `QuantizedSwitchLinear`: weight [E, N, K * bits / 32] uint32, scales and biases
+    [E, N, K / group]) → `Packed` [E, N, K] for `gather_qmatmul`: each expert as `pack` lays
+    out one matrix, one after another (tiles never straddle two experts: N is a multiple of 32).
+    """
+    experts, rows = weight.shape[0], weight.shape[1]
+    if weight.ndim != 3 or not packable(rows, group_size, bits):
+        raise ValueError(f"cannot pack {bits}-bit experts {weight.shape}, group size {group_size}")
+    flat = pack(
+        weight.reshape(experts * rows, -1),
+        scales.reshape(experts * rows, -1),
+        biases.reshape(experts * rows, -1),
+        group_size,
+        bits,
+    )
+    return Packed(
+        flat.weight.reshape(experts, rows, -1),
+        flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
+        bits,
+    )
 
 
 def take_rows(packed: Packed, ids: mx.array) -> mx.array:
@@ -250,6 +276,16 @@ def qmatmul(x: mx.array, packed: Packed) -> mx.array:
     """x [..., K] @ dequantize(packed).T in float32 (CPU stream)."""
     result: mx.array = _module().qmatmul(
         x, packed.weight, packed.scale_bias, packed.bits, packed.dot, packed.precise
+    )
+    return result
+
+
+def gather_qmatmul(x: mx.array, indices: mx.array, experts: Packed) -> mx.array:
+    """y[t, j] = x[t] @ dequantize(experts[indices[t, j]]).T for x [T, K] and integer indices
+    [T, J]: float32 [T, J, N] (CPU stream). An index outside the stack gives zeros."""
+    assert not experts.dot  # pack's layout, per expert
+    result: mx.array = _module().gather_qmatmul(
+        x, indices, experts.weight, experts.scale_bias, experts.bits
     )
     return result
 
