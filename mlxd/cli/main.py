@@ -176,7 +176,7 @@ def _ps(args: argparse.Namespace) -> int:
     for name, row in status["models"].items():
         if cpu_path := row.get("cpu_path"):  # the weights' CPU path and the timings behind it
             print(f"{name}: {cpu_path['summary']}")
-        for layers in ("float32_layers", "mlx_quantized_layers"):  # what runs off the kernels
+        for layers in ("float32_layers", "experts"):  # what runs off the kernels, where experts run
             if row.get(layers):
                 print(f"{name}: {row[layers]}")
         if row.get("error"):

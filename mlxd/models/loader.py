@@ -56,7 +56,7 @@ class LoadedModel:
     cpu_path: Choice | None = None  # the CPU path taken and the timings behind it
     # Quantized layers of a packed model the kernels do not take, run float32: name → why.
     float32_layers: dict[str, str] = field(default_factory=dict)
-    experts: str = ""  # which quantized expert layers run on MLX's quantized matmul, if any
+    experts: str = ""  # where quantized expert layers run (packed, MLX's quantized matmul), if any
 
 
 def _target_dtype(dtype: str) -> str | None:

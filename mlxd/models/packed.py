@@ -11,6 +11,11 @@ A model may mix widths (mlx-community's `mixed_*` recipes, a 6-bit head over a 4
 GGUF's IQ4 tensors imported at 6 bits): the layers the kernels take run packed and the others
 are dequantized to float32 for BLAS (`dequantize_layers`), which MLX's own quantized matmul
 is 2-4x slower than on the CPU; the loader says which and why (`unpackable_layers`).
+
+A mixture of experts' stacked expert matrices (mlx-lm's `QuantizedSwitchLinear`, called by its
+`SwitchGLU` / `SwitchMLP` with each token's expert indices) become a `PackedSwitchLinear`,
+multiplied by the kernels' gather matmul (csrc/gather_qmatmul.cpp) instead of MLX's CPU
+`gather_qmm`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from mlxd import kernels
 from mlxd.kernels import Packed
@@ -31,6 +37,8 @@ from mlxd.kernels import Packed
 # imports at 5 bits; mlx-community's 3- and 6-bit recipes). Memory: 4 or 8 bits a weight.
 KERNEL_BITS = {2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 8: 8}
 WIDEN_ROWS = 1024
+
+Quantized = nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear
 
 
 class PackedLinear(nn.Module):
@@ -53,6 +61,49 @@ class PackedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         y = kernels.qmatmul(x, self.packed)
         return y + self["bias"] if "bias" in self else y
+
+
+class PackedSwitchLinear(nn.Module):
+    """mlx-lm's `QuantizedSwitchLinear` with its E expert matrices packed for the kernels'
+    gather matmul: y[..., m, :] = x[..., m, :] @ W[indices[...]].T (+ bias[indices]), as
+    `mx.gather_qmm` with `transpose`; float32 out."""
+
+    def __init__(self, experts: Packed, bias: mx.array | None) -> None:
+        super().__init__()
+        self.weight = experts.weight
+        self.scale_bias = experts.scale_bias
+        self.bits = experts.bits
+        if bias is not None:
+            self.bias = bias
+        self.num_experts = experts.weight.shape[0]
+        self.output_dims, self.input_dims = experts.shape
+
+    @property
+    def packed(self) -> Packed:
+        return Packed(self.weight, self.scale_bias, self.bits)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        # sorted_indices (SwitchGLU sorted the pairs by expert): the kernel groups them itself.
+        *lead, rows, inputs = x.shape
+        batch = tuple(indices.shape)
+        if (
+            rows == 1
+            and len(lead) == len(batch)
+            and lead[-1:] == [1]
+            and lead[:-1] == [*batch[:-1]]
+        ):
+            # One x per token for its J experts (SwitchGLU's first projections, unsorted): the
+            # kernel takes x [T, K] and indices [T, J] without copying x J times.
+            y = kernels.gather_qmatmul(
+                x.reshape(-1, inputs), indices.reshape(-1, batch[-1]), self.packed
+            )
+        else:  # one x row per (index, row): broadcast both
+            batch = mx.broadcast_shapes(tuple(lead), batch)
+            flat = mx.broadcast_to(x, (*batch, rows, inputs)).reshape(-1, inputs)
+            per_row = mx.broadcast_to(mx.expand_dims(indices, -1), (*batch, rows))
+            y = kernels.gather_qmatmul(flat, per_row.reshape(-1, 1), self.packed)
+        y = y.reshape(*batch, rows, self.output_dims)
+        return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
 
 
 class SplitLinear(nn.Module):
@@ -97,6 +148,17 @@ class PackedEmbedding(nn.Module):
         return self.output(x)
 
 
+def _pack_experts(module: QuantizedSwitchLinear) -> Packed:
+    """`kernels.pack_experts` of any width MLX stores, at the width the kernels run it."""
+    assert module.biases is not None  # affine quantization (see _why_not_packable)
+    weight, width = module.weight, KERNEL_BITS[module.bits]
+    if width != module.bits:
+        experts, rows, _ = weight.shape
+        flat = _widened(weight.reshape(experts * rows, -1), module.bits, width)
+        weight = flat.reshape(experts, rows, -1)
+    return kernels.pack_experts(weight, module.scales, module.biases, module.group_size, width)
+
+
 def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool) -> Packed:
     assert module.biases is not None  # affine quantization (see _why_not_packable)
     return pack(module.weight, module.scales, module.biases, module.group_size, module.bits, dot)
@@ -127,10 +189,11 @@ def why_not_packable(rows: int, group_size: int, bits: int) -> str | None:
     return kernels.why_not_packable(rows, group_size, KERNEL_BITS[bits])
 
 
-def _why_not_packable(module: nn.QuantizedLinear | nn.QuantizedEmbedding) -> str | None:
+def _why_not_packable(module: Quantized) -> str | None:
     if module.mode != "affine":
         return f"{module.mode} quantization (the kernels take affine)"
-    return why_not_packable(module.weight.shape[0], module.group_size, module.bits)
+    # Output rows: a matrix's, or each expert's of a stack [E, N, K * bits / 32].
+    return why_not_packable(module.weight.shape[-2], module.group_size, module.bits)
 
 
 def _widened(weight: mx.array, bits: int, width: int) -> mx.array:
@@ -178,38 +241,63 @@ def unpackable_layers(model: nn.Module) -> dict[str, str]:
     }
 
 
-def experts_summary(model: nn.Module) -> str:
-    """Quantized layers of other kinds (mlx-lm's `QuantizedSwitchLinear`: a mixture of
-    experts' stacked expert matrices) run on MLX's own quantized matmul: "" for none, else a
-    line for the log and status."""
-    experts = [
-        name
+def _experts(model: nn.Module) -> dict[str, QuantizedSwitchLinear]:
+    """A mixture of experts' quantized stacks of expert matrices."""
+    return {
+        name: module
         for name, module in model.named_modules()
-        if "scales" in module and not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
-    ]
-    if not experts:
-        return ""
-    return (
-        f"{len(experts)} quantized expert layers run on MLX's own quantized matmul (the "
-        f"kernels take one matrix a layer, not stacked experts): {', '.join(experts[:2])}, …"
+        if isinstance(module, QuantizedSwitchLinear)
+    }
+
+
+def experts_summary(model: nn.Module) -> str:
+    """Where the quantized layers of kinds other than linears and embeddings run (mlx-lm's
+    `QuantizedSwitchLinear`: a mixture of experts' stacked expert matrices), as `pack_model`
+    will place them: "" for none, else a line for the log and status."""
+    unpackable: dict[str, str] = {}
+    packable = 0
+    for name, module in model.named_modules():
+        if "scales" not in module or isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            continue
+        if not isinstance(module, QuantizedSwitchLinear):
+            unpackable[name] = f"{type(module).__name__} (the kernels take mlx-lm's switch layers)"
+        elif (why := _why_not_packable(module)) is not None:
+            unpackable[name] = why
+        else:
+            packable += 1
+    lines = []
+    if packable:
+        lines.append(f"{packable} quantized expert layers run packed on the kernels' gather matmul")
+    if unpackable:
+        lines.append(
+            f"{len(unpackable)} quantized expert layers run on MLX's own quantized matmul, the "
+            f"kernels do not take them: {_by_reason(unpackable)}"
+        )
+    return "; ".join(lines)
+
+
+def _by_reason(unpackable: dict[str, str]) -> str:
+    """Layer names grouped by why, a few of each: "6-bit (...): lm_head, …; ..."."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in unpackable.items():
+        by_reason.setdefault(why, []).append(name)
+    return "; ".join(
+        f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+        for why, names in by_reason.items()
     )
 
 
 def float32_summary(unpackable: dict[str, str]) -> str:
     """For the log and status ("" for none), e.g. "2 quantized layers run float32 on BLAS,
     the kernels do not take them: 6-bit (the kernels take 4 and 8): lm_head, …"."""
-    by_reason: dict[str, list[str]] = {}
-    for name, why in unpackable.items():
-        by_reason.setdefault(why, []).append(name)
-    reasons = "; ".join(
-        f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-        for why, names in by_reason.items()
-    )
     count = len(unpackable)
     if not count:
         return ""
     layers = "layer runs" if count == 1 else "layers run"
-    return f"{count} quantized {layers} float32 on BLAS, the kernels do not take them: {reasons}"
+    return (
+        f"{count} quantized {layers} float32 on BLAS, the kernels do not take them: "
+        f"{_by_reason(unpackable)}"
+    )
 
 
 def dequantize_layers(model: nn.Module, names: Iterable[str]) -> None:
@@ -267,8 +355,9 @@ def _module_at(model: nn.Module, name: str) -> nn.Module:
 def pack_model(
     model: nn.Module, path_for: Callable[[int], str] | None = None, dot: bool = False
 ) -> None:
-    """Swap `model`'s quantized layers the kernels take for packed ones in place; with
-    `path_for(rows)` each also keeps its float32 weights for the rows it gives to "float32";
+    """Swap `model`'s quantized layers the kernels take for packed ones in place (a mixture of
+    experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
+    float32 weights for the rows it gives to "float32";
     with `dot` the linears are multiplied as int8 dot products (kernels.pack_dot, precise).
     A tied embedding keeps the float layout, which its lookups read (kernels.take_rows).
 
@@ -280,14 +369,19 @@ def pack_model(
     # An untied embedding gets no packed copy (Llama-3.1-8B's would be 0.5 GiB unused).
     # Largest first (a 128k-vocabulary embedding): its stored and packed copies and the
     # repacking's temporaries then coexist with none of the other packed layers.
+    # (Names only: a reference to a stored layer would keep it alive through the loop.)
     packable = [
-        (m.weight.nbytes, n) for n, m in _quantized(model).items() if not _why_not_packable(m)
+        (m.weight.nbytes, n)
+        for n, m in {**_quantized(model), **_experts(model)}.items()
+        if not _why_not_packable(m)
     ]
     names = [name for _, name in sorted(packable, key=lambda size_name: -size_name[0])]
     for name in names:
         module = _module_at(model, name)
         replacement: nn.Module
-        if isinstance(module, nn.QuantizedLinear):
+        if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy
+            replacement = PackedSwitchLinear(_pack_experts(module), module.get("bias"))
+        elif isinstance(module, nn.QuantizedLinear):
             replacement = _packed_linear(module, module.get("bias"), path_for, dot)
         else:
             assert isinstance(module, nn.QuantizedEmbedding)

@@ -335,7 +335,7 @@ class LLMEngine:
             "dtype": self.loaded.dtype,
             "cpu_path": self.loaded.cpu_path.as_dict() if self.loaded.cpu_path else None,
             "float32_layers": float32_summary(self.loaded.float32_layers) or None,
-            "mlx_quantized_layers": self.loaded.experts or None,
+            "experts": self.loaded.experts or None,
             "weights_bytes": self.loaded.nbytes,
             "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,

@@ -99,10 +99,13 @@ def test_the_kernels_take_the_affine_layers_and_blas_the_mxfp4_one(mixed_dir: Pa
     assert mx.allclose(ours, theirs, rtol=1e-3, atol=1e-3).item()
 
 
-def test_quantized_experts_are_said_to_run_on_mlxs_quantized_matmul(tmp_path: Path):
+def test_quantized_experts_run_packed_and_are_said_to(tmp_path: Path, caplog):
+    import mlx.core as mx
+
     from mlxd import kernels
     from mlxd.models.gguf import convert_gguf
     from mlxd.models.loader import load_llm
+    from mlxd.models.packed import PackedSwitchLinear
 
     if not kernels.available():
         pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
@@ -110,8 +113,15 @@ def test_quantized_experts_are_said_to_run_on_mlxs_quantized_matmul(tmp_path: Pa
     write_gguf(tmp_path / "moe.gguf", config, tiny_weights(config), Q.Q4_0)
     (tmp_path / "model").mkdir()
     convert_gguf(tmp_path / "moe.gguf", tmp_path / "model")
-    loaded = load_llm(tmp_path / "model", dtype="auto", model_name="moe")
+    with caplog.at_level(logging.INFO, logger="mlxd"):
+        loaded = load_llm(tmp_path / "model", dtype="auto", model_name="moe")
     layers = config["num_hidden_layers"]
-    assert loaded.experts.startswith(
-        f"{3 * layers} quantized expert layers run on MLX's own quantized matmul"
-    )
+    said = f"{3 * layers} quantized expert layers run packed on the kernels' gather matmul"
+    assert loaded.experts == said and said in caplog.text
+    experts = [m for _, m in loaded.model.named_modules() if isinstance(m, PackedSwitchLinear)]
+    assert len(experts) == 3 * layers
+    # The same function as MLX's own quantized path (its gather_qmm), prompt and sorted path.
+    reference = load_llm(tmp_path / "model", dtype="keep", model_name="moe")
+    tokens = mx.array([[1, 5, 9, 13, 2, 7] * 12])
+    ours, theirs = loaded.model(tokens), reference.model(tokens).astype(mx.float32)
+    assert mx.allclose(ours, theirs, rtol=1e-2, atol=1e-2).item()
