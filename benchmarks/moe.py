@@ -1,7 +1,7 @@
 """One mixture-of-experts layer on the CPU: mlxd's packed gather matmul against MLX's.
 
 python -m benchmarks.moe [--batches 1,8,32] [--prefill 512] [--experts 128] [--bits 4]
-                         [--isas avx512,avx2] [--no-float32]
+                         [--isas avx512,avx2] [--threads N] [--no-float32]
 
 A SwitchGLU shaped like Qwen3-30B-A3B's (hidden 2,048, expert intermediate 768, 128 experts,
 top 8; random weights quantized by MLX at 4 bits, groups of 64, as mlx-community's 4-bit
@@ -14,7 +14,8 @@ recipe), called as qwen3_moe calls it, with each token's experts drawn at random
 - float32: the experts dequantized to float32 and multiplied by MLX's `gather_mm`
   (8x the bytes of 4-bit: what running the experts "float32 on BLAS" would mean).
 
-The kernels use every core, as in a process whose models all run packed. Runs with mlxd.accel's
+The kernels use every core (`--threads`), as in a process whose models all run packed; each
+path is timed over every row count before the next, float32 (OpenBLAS) last. Runs with mlxd.accel's
 environment (the script re-executes itself), as the engine does.
 """
 
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--isas", default="", help="ISA variants (default: every one it runs)")
+    parser.add_argument("--threads", type=int, default=0, help="kernel threads (default: all)")
     parser.add_argument("--no-float32", action="store_true")
     args = parser.parse_args()
     reexec_with_blas("benchmarks.moe")
@@ -93,44 +95,47 @@ def main() -> None:
     if not kernels.available():
         sys.exit("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
     mx.set_default_device(mx.cpu)
-    kernels.set_threads(len(os.sched_getaffinity(0)))
+    threads = args.threads or len(os.sched_getaffinity(0))
+    kernels.set_threads(threads)
     reference, packed = build(args.experts, args.bits, args.group_size)
-    dense = None if args.no_float32 else float32_twin(reference)
     isas = args.isas.split(",") if args.isas else kernels.isas()
-    rows = [int(b) for b in args.batches.split(",")] + [args.prefill]
-    print(
-        f"one SwitchGLU: hidden {HIDDEN}, intermediate {INTERMEDIATE}, {args.experts} experts, "
-        f"top {TOP_K}, {args.bits}-bit groups of {args.group_size}; "
-        f"{len(os.sched_getaffinity(0))} threads; ms per call (fastest round)"
-    )
-    header = ["tokens", *(f"packed {isa}" for isa in isas), "gather_qmm"]
-    header += [] if dense is None else ["float32"]
-    header += ["gather_qmm / packed"]
-    print(" | ".join(header))
-    for tokens in rows:
+    cases = {}
+    for tokens in [int(b) for b in args.batches.split(",")] + [args.prefill]:
         x = mx.random.normal((1, tokens, HIDDEN), key=mx.random.key(tokens))
         scores = mx.random.uniform(shape=(1, tokens, args.experts), key=mx.random.key(1))
-        indices = mx.argsort(scores, axis=-1)[..., :TOP_K]
-        mx.eval(x, indices)
-        prefill = tokens == args.prefill
-        repeat, rounds = (1, 3) if prefill else (5, 5)
-        cells = [f"{tokens} ({'prefill' if prefill else 'decode'})"]
-        times = []
+        cases[tokens] = (x, mx.argsort(scores, axis=-1)[..., :TOP_K])
+        mx.eval(*cases[tokens])
 
-        def ms(layer, x=x, indices=indices, repeat=repeat, rounds=rounds) -> float:
-            return best_ms(lambda: layer(x, indices), repeat, rounds)
+    def ms(layer, tokens: int) -> float:
+        x, indices = cases[tokens]
+        repeat, rounds = (1, 3) if tokens == args.prefill else (5, 5)
+        return best_ms(lambda: layer(x, indices), repeat, rounds)
 
-        for isa in isas:
-            kernels.use_isa(isa)
-            times.append(ms(packed))
-            cells.append(f"{times[-1]:.2f}")
-        theirs = ms(reference)
-        cells.append(f"{theirs:.2f}")
-        if dense is not None:
-            cells.append(f"{ms(dense):.2f}")
-        cells.append(f"{theirs / times[0]:.1f}x")
-        print(" | ".join(cells), flush=True)
-        kernels.use_isa(isas[0])
+    # Each path over every row count in turn, BLAS last: OpenBLAS's threads spin a while after
+    # each call, and the kernels' OpenMP threads would spin against them (csrc/threads.h).
+    columns: dict[str, dict[int, float]] = {}
+    for isa in isas:
+        kernels.use_isa(isa)
+        columns[f"packed {isa}"] = {tokens: ms(packed, tokens) for tokens in cases}
+    kernels.use_isa(isas[0])
+    columns["gather_qmm"] = {tokens: ms(reference, tokens) for tokens in cases}
+    if not args.no_float32:
+        dense = float32_twin(reference)
+        columns["float32"] = {tokens: ms(dense, tokens) for tokens in cases}
+    print(
+        f"one SwitchGLU: hidden {HIDDEN}, intermediate {INTERMEDIATE}, {args.experts} experts, "
+        f"top {TOP_K}, {args.bits}-bit groups of {args.group_size}; kernels on {threads} "
+        "threads; ms per call (fastest round)"
+    )
+    print(" | ".join(["tokens", *columns, "gather_qmm / packed", "float32 / packed"]))
+    for tokens in cases:
+        best = columns[f"packed {isas[0]}"][tokens]
+        cells = [f"{tokens} ({'prefill' if tokens == args.prefill else 'decode'})"]
+        cells += [f"{column[tokens]:.2f}" for column in columns.values()]
+        cells.append(f"{columns['gather_qmm'][tokens] / best:.1f}x")
+        if "float32" in columns:
+            cells.append(f"{columns['float32'][tokens] / best:.1f}x")
+        print(" | ".join(cells))
 
 
 if __name__ == "__main__":

@@ -73,44 +73,45 @@ void run(const Gather<S>& a) {
       }
     }
   }
-  // x's rows in that order, their block sums (for the passes in registers), and y's.
+  // x's rows in that order and their block sums (for the passes in registers), on this thread:
+  // every barrier of a parallel region is a chance to wait out a preempted thread's time slice
+  // on a busy machine, and the copy is a few KB at decode, a few ms of a 512-token chunk's
+  // hundreds at prefill.
   Scratch xs(size_t(routed) * a.K), ys(size_t(routed) * a.N), xsum(size_t(routed) * blocks);
+  for (int r = 0; r < routed; ++r) {
+    const float* from = a.x + size_t(order[r] / a.J) * a.K;
+    std::memcpy(xs.data() + size_t(r) * a.K, from, size_t(a.K) * sizeof(float));
+  }
+  block_sums(xs.data(), routed, a.K, xsum.data());
+  for (int i = 0; i < pairs; ++i) {
+    if (a.idx[i] < 0 || a.idx[i] >= a.E) {
+      std::memset(a.y + size_t(i) * a.N, 0, size_t(a.N) * sizeof(float));
+    }
+  }
   const int threads = a.threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(static)
-    for (int r = 0; r < routed; ++r) {
-      const float* from = a.x + size_t(order[r] / a.J) * a.K;
-      std::memcpy(xs.data() + size_t(r) * a.K, from, size_t(a.K) * sizeof(float));
-      block_sums(xs.data() + size_t(r) * a.K, 1, a.K, xsum.data() + size_t(r) * blocks);
-    }
     Scratch buf(size_t(CHUNK) * GROUP);
     // Experts differ in their row counts at prefill: work items go to whichever thread is free.
 #pragma omp for schedule(dynamic)
     for (int item = 0; item < selected * items; ++item) {
-      const int e = active[item / items], first = start[e];
+      const int e = active[item / items], g = item % items, first = start[e];
+      const int count = start[e + 1] - first;
       const Problem<S> p{
           xs.data() + size_t(first) * a.K,
           a.w + size_t(e) * a.N * a.K * BITS / 8,
           a.scale_bias + size_t(e) * a.N * a.K / 16,  // 2 per 16 rows and 32 inputs
           ys.data() + size_t(first) * a.N,
-          start[e + 1] - first,
+          count,
           a.N,
           a.K,
           1};
-      work_item<BITS, S>(p, xsum.data() + size_t(first) * blocks, buf.data(), item % items);
-    }
-#pragma omp for schedule(static)
-    for (int i = 0; i < pairs; ++i) {
-      const int32_t e = a.idx[i];
-      if (e < 0 || e >= a.E) {
-        std::memset(a.y + size_t(i) * a.N, 0, size_t(a.N) * sizeof(float));
+      work_item<BITS, S>(p, xsum.data() + size_t(first) * blocks, buf.data(), g);
+      // The item's outputs are final: to their pairs' rows of y.
+      for (int r = first; r < first + count; ++r) {
+        std::memcpy(a.y + size_t(order[r]) * a.N + g * GROUP, ys.data() + size_t(r) * a.N + g * GROUP,
+                    GROUP * sizeof(float));
       }
-    }
-#pragma omp for schedule(static)
-    for (int r = 0; r < routed; ++r) {
-      std::memcpy(a.y + size_t(order[r]) * a.N, ys.data() + size_t(r) * a.N,
-                  size_t(a.N) * sizeof(float));
     }
   }
 }

@@ -61,19 +61,13 @@ def _assert_close(got: np.ndarray, expected: np.ndarray, what: object) -> None:
 
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}-top{s[3]}")
 def experts(request: pytest.FixtureRequest):
+    """Per width: the packed stack, x, indices, and the float32 truth and MLX's gather_qmm
+    for every token (computed once for every ISA)."""
     if not kernels.available():
         pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
-    return {(bits, group): _expert_case(*request.param, bits, group) for bits, group in WIDTHS}
-
-
-def test_gather_qmatmul_on_each_isa_equals_gather_qmm_and_float32(kernel_isa: str, experts):
-    for (bits, group_size), (quantized, packed, dense, x, indices) in experts.items():
-        reference = _float_reference(dense, np.array(x), np.array(indices))
-        for tokens in TOKENS:
-            got = kernels.gather_qmatmul(x[:tokens], indices[:tokens], packed)
-            assert got.shape == (tokens, indices.shape[1], packed.shape[0])
-            what = (kernel_isa, bits, group_size, tokens)
-            _assert_close(np.array(got), reference[:tokens], what)
+    cases = {}
+    for bits, group_size in WIDTHS:
+        quantized, packed, dense, x, indices = _expert_case(*request.param, bits, group_size)
         # MLX's own: x [T, 1, 1, K] against indices [T, J] -> [T, J, 1, N].
         theirs = mx.gather_qmm(
             x[:, None, None],
@@ -83,8 +77,20 @@ def test_gather_qmatmul_on_each_isa_equals_gather_qmm_and_float32(kernel_isa: st
             group_size=group_size,
             bits=bits,
         )
+        reference = _float_reference(dense, np.array(x), np.array(indices))
+        cases[bits, group_size] = (packed, x, indices, reference, np.array(theirs[:, :, 0]))
+    return cases
+
+
+def test_gather_qmatmul_on_each_isa_equals_gather_qmm_and_float32(kernel_isa: str, experts):
+    for (bits, group_size), (packed, x, indices, reference, theirs) in experts.items():
+        for tokens in TOKENS:
+            got = kernels.gather_qmatmul(x[:tokens], indices[:tokens], packed)
+            assert got.shape == (tokens, indices.shape[1], packed.shape[0])
+            what = (kernel_isa, bits, group_size, tokens)
+            _assert_close(np.array(got), reference[:tokens], what)
         ours = kernels.gather_qmatmul(x, indices, packed)
-        _assert_close(np.array(ours), np.array(theirs[:, :, 0]), (kernel_isa, "gather_qmm"))
+        _assert_close(np.array(ours), theirs, (kernel_isa, bits, group_size, "gather_qmm"))
 
 
 def test_gather_qmatmul_takes_one_index_per_row_and_zeroes_unknown_experts():
