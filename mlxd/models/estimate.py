@@ -130,8 +130,9 @@ def _packs(
     tensors: dict[str, dict[str, Any]], module: str, shape: tuple[int, int, int, int]
 ) -> bool:
     """Whether the kernels take this quantized module (affine quantization has biases)."""
-    out, _, group, bits = shape
-    return f"{module}.biases" in tensors and why_not_packable(out, group, bits) is None
+    _, _, group, bits = shape
+    rows = tensors[f"{module}.weight"]["shape"][-2]  # a matrix's, or each expert's of a stack
+    return f"{module}.biases" in tensors and why_not_packable(rows, group, bits) is None
 
 
 def _tensors(model_dir: Path) -> dict[str, dict[str, Any]]:

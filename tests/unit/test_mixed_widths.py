@@ -103,6 +103,7 @@ def test_quantized_experts_run_packed_and_are_said_to(tmp_path: Path, caplog):
     import mlx.core as mx
 
     from mlxd import kernels
+    from mlxd.models.estimate import packed_weight_bytes
     from mlxd.models.gguf import convert_gguf
     from mlxd.models.loader import load_llm
     from mlxd.models.packed import PackedSwitchLinear
@@ -120,6 +121,8 @@ def test_quantized_experts_run_packed_and_are_said_to(tmp_path: Path, caplog):
     assert loaded.experts == said and said in caplog.text
     experts = [m for _, m in loaded.model.named_modules() if isinstance(m, PackedSwitchLinear)]
     assert len(experts) == 3 * layers
+    # Sized before loading, as it runs (the expert stacks packed).
+    assert packed_weight_bytes(tmp_path / "model") == pytest.approx(loaded.nbytes, rel=0.02)
     # The same function as MLX's own quantized path (its gather_qmm), prompt and sorted path.
     reference = load_llm(tmp_path / "model", dtype="keep", model_name="moe")
     tokens = mx.array([[1, 5, 9, 13, 2, 7] * 12])
