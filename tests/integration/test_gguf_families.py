@@ -1,6 +1,7 @@
 """GGUFs of other families than SmolLM2's llama, served by the real daemon: a tiny random Qwen3 in
-Q4_K and a tiny Gemma 3 in Q8_0, written as llama.cpp writes them. At temperature 0 the daemon
-answers what mlx-lm itself generates from the equivalent safetensors directory."""
+Q4_K, a tiny Gemma 3 in Q8_0 and a tiny Qwen3-MoE in Q4_0 (its experts on the kernels' gather
+matmul), written as llama.cpp writes them. At temperature 0 the daemon answers what mlx-lm
+itself generates from the equivalent safetensors directory."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ CHATML = (
     "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
 )
-FAMILIES = {"qwen3": ("qwen3", Q.Q4_K), "gemma": ("gemma3_text", Q.Q8_0)}
+FAMILIES = {
+    "qwen3": ("qwen3", Q.Q4_K),
+    "gemma": ("gemma3_text", Q.Q8_0),
+    "moe": ("qwen3_moe", Q.Q4_0),
+}
 ASK = [{"role": "user", "content": "hello there"}]
 MAX_TOKENS = 6
 
@@ -78,3 +83,17 @@ def test_answers_as_mlx_lm_does(daemon: Daemon, models: dict[str, Any], name: st
     )
     assert reply.usage is not None and reply.usage.completion_tokens > 0
     assert reply.choices[0].message.content == expected
+
+
+def test_the_experts_run_packed_and_status_says_so(daemon: Daemon) -> None:
+    from mlxd import kernels
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0)
+    client.chat.completions.create(model="moe", messages=ASK, max_tokens=1)  # loaded by now
+    row = daemon.status()["models"]["moe"]
+    layers = tiny_config("qwen3_moe")["num_hidden_layers"]
+    assert row["experts"] == (
+        f"{3 * layers} quantized expert layers run packed on the kernels' gather matmul"
+    )
