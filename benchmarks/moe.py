@@ -10,6 +10,8 @@ recipe), called as qwen3_moe calls it, with each token's experts drawn at random
 
 - packed: the layer as the CPU engine loads it (models/packed.py's `PackedSwitchLinear`, the
   kernels' gather matmul, csrc/gather_qmatmul.cpp), per ISA variant this CPU runs;
+- int8: the same in the int8 dot-product layout (csrc/gather_qdot.cpp, precise), which the
+  load picks where its timing finds the dot products faster, per variant that has them;
 - gather_qmm: mlx-lm's `QuantizedSwitchLinear`, MLX's own quantized gather matmul;
 - float32: the experts dequantized to float32 and multiplied by MLX's `gather_mm`
   (8x the bytes of 4-bit: what running the experts "float32 on BLAS" would mean).
@@ -36,10 +38,12 @@ HIDDEN, INTERMEDIATE, TOP_K = 2048, 768, 8
 
 
 def build(experts: int, bits: int, group_size: int):
-    """(mlx-lm's quantized SwitchGLU, its packed twin)."""
+    """(mlx-lm's quantized SwitchGLU, its packed twin, the twin in the int8 dot-product layout
+    or None where the kernels have no integer dot product)."""
     import mlx.core as mx
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
+    from mlxd import kernels
     from mlxd.models.packed import pack_model
 
     def quantized() -> SwitchGLU:
@@ -58,7 +62,11 @@ def build(experts: int, bits: int, group_size: int):
 
     reference, packed = quantized(), quantized()
     pack_model(packed)
-    return reference, packed
+    dot = None
+    if kernels.integer_dot():
+        dot = quantized()
+        pack_model(dot, dot=True)
+    return reference, packed, dot
 
 
 def float32_twin(reference):
@@ -97,7 +105,7 @@ def main() -> None:
     mx.set_default_device(mx.cpu)
     threads = args.threads or len(os.sched_getaffinity(0))
     kernels.set_threads(threads)
-    reference, packed = build(args.experts, args.bits, args.group_size)
+    reference, packed, dot = build(args.experts, args.bits, args.group_size)
     isas = args.isas.split(",") if args.isas else kernels.isas()
     cases = {}
     for tokens in [int(b) for b in args.batches.split(",")] + [args.prefill]:
@@ -117,6 +125,8 @@ def main() -> None:
     for isa in isas:
         kernels.use_isa(isa)
         columns[f"packed {isa}"] = {tokens: ms(packed, tokens) for tokens in cases}
+        if dot is not None and kernels.integer_dot():
+            columns[f"int8 {isa}"] = {tokens: ms(dot, tokens) for tokens in cases}
     kernels.use_isa(isas[0])
     columns["gather_qmm"] = {tokens: ms(reference, tokens) for tokens in cases}
     if not args.no_float32:

@@ -66,8 +66,11 @@ NB_MODULE(_cpu, m) {
       "w"_a,
       "scale_bias"_a,
       "bits"_a,
+      "dot"_a = false,
+      "precise"_a = false,
       "y[t, j] = x[t] @ dequantize(w[indices[t, j]]).T for x [T, K], indices [T, J] and E "
-      "matrices each packed by mlxd.kernels.pack, stacked (float32 [T, J, N]).");
+      "matrices each packed by mlxd.kernels.pack (or pack_dot, with dot), stacked (float32 "
+      "[T, J, N]).");
   m.def(
       "integer_dot",
       []() { return mlxd::kernels().integer_dot; },

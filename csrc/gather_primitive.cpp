@@ -16,7 +16,9 @@ mx::array gather_qmatmul(
     const mx::array& indices,
     const mx::array& w,
     const mx::array& scale_bias,
-    int bits) {
+    int bits,
+    bool dot,
+    bool precise) {
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument("gather_qmatmul: bits must be 4 or 8");
   }
@@ -38,7 +40,7 @@ mx::array gather_qmatmul(
   return mx::array(
       {x.shape(0), indices.shape(1), N},
       mx::float32,
-      std::make_shared<GatherQMatmul>(stream, bits),
+      std::make_shared<GatherQMatmul>(stream, bits, dot, precise),
       {mx::astype(x, mx::float32, stream), mx::astype(indices, mx::int32, stream), w, scale_bias});
 }
 
@@ -58,15 +60,24 @@ void GatherQMatmul::eval_cpu(
   const uint8_t* wp = rows<uint8_t>(w, encoder);
   float* yp = outputs[0].data<float>();
   const int bits = bits_;
+  const bool dot = dot_, precise = precise_;
   const int threads = threads_on(stream());
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
-      run.gather_qmatmul_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, threads);
+      if (dot) {
+        run.gather_qdot_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, precise, threads);
+      } else {
+        run.gather_qmatmul_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, threads);
+      }
     });
   } else {
     encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
-      run.gather_qmatmul_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, threads);
+      if (dot) {
+        run.gather_qdot_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, precise, threads);
+      } else {
+        run.gather_qmatmul_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, threads);
+      }
     });
   }
 }

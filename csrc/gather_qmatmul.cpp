@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include "qmatmul_tiles.h"
+#include "routing.h"
 #include "variant.h"
 
 namespace mlxd {
@@ -20,98 +21,35 @@ namespace MLXD_ISA {
 
 namespace {
 
-template <typename S>
-struct Gather {
-  const float* x;  // [T, K]
-  const int32_t* idx;  // [T, J]
-  const uint8_t* w;  // [E, N / 16 tiles, K * bits / 8 * 16 bytes]
-  const S* scale_bias;  // [E, N / 16 tiles, K / 32 blocks, 2, 16]
-  float* y;  // [T, J, N]
-  int T, J, E, N, K;
-  int threads;
-};
-
-// Integers in a float Scratch (no std:: container here: see simd.h).
-inline int32_t* ints(const Scratch& s) {
-  return reinterpret_cast<int32_t*>(s.data());
-}
-
 template <int BITS, typename S>
 void run(const Gather<S>& a) {
   const int pairs = a.T * a.J, blocks = a.K / BLOCK, items = a.N / GROUP;
-  // Pairs by expert: start[e] .. start[e + 1] in order[], which holds pair indices t * J + j.
-  // An index outside [0, E) selects no expert: its output is zero.
-  Scratch start_s(size_t(a.E) + 1), order_s(pairs), active_s(a.E);
-  int32_t *start = ints(start_s), *order = ints(order_s), *active = ints(active_s);
-  for (int e = 0; e <= a.E; ++e) {
-    start[e] = 0;
-  }
-  for (int i = 0; i < pairs; ++i) {
-    const int32_t e = a.idx[i];
-    if (e >= 0 && e < a.E) {
-      ++start[e + 1];
-    }
-  }
-  int selected = 0;
-  for (int e = 0; e < a.E; ++e) {
-    if (start[e + 1] > 0) {
-      active[selected++] = e;
-    }
-    start[e + 1] += start[e];
-  }
-  const int routed = start[a.E];
-  {
-    Scratch next_s(a.E);
-    int32_t* next = ints(next_s);
-    for (int e = 0; e < a.E; ++e) {
-      next[e] = start[e];
-    }
-    for (int i = 0; i < pairs; ++i) {
-      const int32_t e = a.idx[i];
-      if (e >= 0 && e < a.E) {
-        order[next[e]++] = i;
-      }
-    }
-  }
-  // x's rows in that order and their block sums (for the passes in registers), on this thread:
-  // every barrier of a parallel region is a chance to wait out a preempted thread's time slice
-  // on a busy machine, and the copy is a few KB at decode, a few ms of a 512-token chunk's
-  // hundreds at prefill.
-  Scratch xs(size_t(routed) * a.K), ys(size_t(routed) * a.N), xsum(size_t(routed) * blocks);
-  for (int r = 0; r < routed; ++r) {
-    const float* from = a.x + size_t(order[r] / a.J) * a.K;
-    std::memcpy(xs.data() + size_t(r) * a.K, from, size_t(a.K) * sizeof(float));
-  }
-  block_sums(xs.data(), routed, a.K, xsum.data());
-  for (int i = 0; i < pairs; ++i) {
-    if (a.idx[i] < 0 || a.idx[i] >= a.E) {
-      std::memset(a.y + size_t(i) * a.N, 0, size_t(a.N) * sizeof(float));
-    }
-  }
+  const Routing routing(a.idx, pairs, a.E);
+  const int32_t* start = routing.start();
+  Scratch xs(size_t(routing.routed) * a.K), ys(size_t(routing.routed) * a.N);
+  Scratch xsum(size_t(routing.routed) * blocks);  // for the passes in registers
+  gather_rows(routing, a.x, a.idx, pairs, a.J, a.E, a.K, a.N, xs.data(), a.y);
+  block_sums(xs.data(), routing.routed, a.K, xsum.data());
   const int threads = a.threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch buf(size_t(CHUNK) * GROUP);
     // Experts differ in their row counts at prefill: work items go to whichever thread is free.
 #pragma omp for schedule(dynamic)
-    for (int item = 0; item < selected * items; ++item) {
-      const int e = active[item / items], g = item % items, first = start[e];
+    for (int item = 0; item < routing.selected * items; ++item) {
+      const int e = routing.active()[item / items], g = item % items, first = start[e];
       const int count = start[e + 1] - first;
       const Problem<S> p{
           xs.data() + size_t(first) * a.K,
-          a.w + size_t(e) * a.N * a.K * BITS / 8,
-          a.scale_bias + size_t(e) * a.N * a.K / 16,  // 2 per 16 rows and 32 inputs
+          a.weights(e, BITS),
+          a.scales(e),
           ys.data() + size_t(first) * a.N,
           count,
           a.N,
           a.K,
           1};
       work_item<BITS, S>(p, xsum.data() + size_t(first) * blocks, buf.data(), g);
-      // The item's outputs are final: to their pairs' rows of y.
-      for (int r = first; r < first + count; ++r) {
-        std::memcpy(a.y + size_t(order[r]) * a.N + g * GROUP, ys.data() + size_t(r) * a.N + g * GROUP,
-                    GROUP * sizeof(float));
-      }
+      scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
     }
   }
 }

@@ -8,17 +8,21 @@ namespace mlxd {
 
 // x [T, K]; indices int32 or uint32 [T, J]; w uint8 [E, N, K * bits / 8] and scale_bias
 // float16 or float32 [E, N / 16, K / 32, 2, 16]: E matrices as `mlxd.kernels.pack` lays each
-// out. y [T, J, N] float32, y[t, j] = x[t] @ dequantize(w[indices[t, j]])^T.
+// out. y [T, J, N] float32, y[t, j] = x[t] @ dequantize(w[indices[t, j]])^T. dot: each laid out
+// by pack_dot instead, multiplied by integer dot products (precise: x as two int8 terms).
 mlx::core::array gather_qmatmul(
     const mlx::core::array& x,
     const mlx::core::array& indices,
     const mlx::core::array& w,
     const mlx::core::array& scale_bias,
-    int bits);
+    int bits,
+    bool dot,
+    bool precise);
 
 class GatherQMatmul : public CpuPrimitive {
  public:
-  GatherQMatmul(mlx::core::Stream stream, int bits) : CpuPrimitive(stream), bits_(bits) {}
+  GatherQMatmul(mlx::core::Stream stream, int bits, bool dot, bool precise)
+      : CpuPrimitive(stream), bits_(bits), dot_(dot), precise_(precise) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -28,11 +32,14 @@ class GatherQMatmul : public CpuPrimitive {
     return "GatherQMatmulCPU";
   }
   bool is_equivalent(const mlx::core::Primitive& other) const override {
-    return bits_ == static_cast<const GatherQMatmul&>(other).bits_;
+    const auto& same = static_cast<const GatherQMatmul&>(other);
+    return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;
   }
 
  private:
   int bits_;
+  bool dot_;
+  bool precise_;
 };
 
 }  // namespace mlxd

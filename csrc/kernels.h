@@ -50,6 +50,13 @@ struct Kernels {
   void (*gather_qmatmul_f16)(const float* x, const int32_t* idx, const uint8_t* w,
                              const uint16_t* scale_bias, float* y, int T, int J, int E, int N,
                              int K, int bits, int threads);
+  // The same on pack_dot's layout by integer dot products (gather_qdot.cpp).
+  void (*gather_qdot_f32)(const float* x, const int32_t* idx, const uint8_t* w,
+                          const float* scale_bias, float* y, int T, int J, int E, int N, int K,
+                          int bits, bool precise, int threads);
+  void (*gather_qdot_f16)(const float* x, const int32_t* idx, const uint8_t* w,
+                          const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
+                          int bits, bool precise, int threads);
 };
 
 // The variant in use: MLXD_KERNELS_ISA's if set (see dispatch.cpp), else the best this CPU runs.

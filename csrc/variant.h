@@ -29,6 +29,12 @@ void gather_qmatmul_f32(const float* x, const int32_t* idx, const uint8_t* w,
 void gather_qmatmul_f16(const float* x, const int32_t* idx, const uint8_t* w,
                         const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
                         int bits, int threads);
+void gather_qdot_f32(const float* x, const int32_t* idx, const uint8_t* w,
+                     const float* scale_bias, float* y, int T, int J, int E, int N, int K,
+                     int bits, bool precise, int threads);
+void gather_qdot_f16(const float* x, const int32_t* idx, const uint8_t* w,
+                     const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
+                     int bits, bool precise, int threads);
 
 }  // namespace MLXD_ISA
 }  // namespace mlxd

@@ -153,27 +153,34 @@ def pack_dot(
 
 
 def pack_experts(
-    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    dot: bool = False,
+    precise: bool = False,
 ) -> Packed:
     """A mixture of experts' stacked matrices as MLX quantizes them (mlx-lm's
     `QuantizedSwitchLinear`: weight [E, N, K * bits / 32] uint32, scales and biases
-    [E, N, K / group]) → `Packed` [E, N, K] for `gather_qmatmul`: each expert as `pack` lays
-    out one matrix, one after another (tiles never straddle two experts: N is a multiple of 32).
+    [E, N, K / group]) → `Packed` [E, N, K] for `gather_qmatmul`: each expert as `pack` (or with
+    `dot` `pack_dot`) lays out one matrix, one after another (tiles never straddle two experts:
+    N is a multiple of 32).
     """
     experts, rows = weight.shape[0], weight.shape[1]
     if weight.ndim != 3 or not packable(rows, group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit experts {weight.shape}, group size {group_size}")
-    flat = pack(
-        weight.reshape(experts * rows, -1),
-        scales.reshape(experts * rows, -1),
-        biases.reshape(experts * rows, -1),
-        group_size,
-        bits,
-    )
+    w, s, b = (a.reshape(experts * rows, -1) for a in (weight, scales, biases))
+    if dot:
+        flat = pack_dot(w, s, b, group_size, bits, precise=precise)
+    else:
+        flat = pack(w, s, b, group_size, bits)
     return Packed(
         flat.weight.reshape(experts, rows, -1),
         flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
         bits,
+        dot,
+        precise,
     )
 
 
@@ -283,9 +290,8 @@ def qmatmul(x: mx.array, packed: Packed) -> mx.array:
 def gather_qmatmul(x: mx.array, indices: mx.array, experts: Packed) -> mx.array:
     """y[t, j] = x[t] @ dequantize(experts[indices[t, j]]).T for x [T, K] and integer indices
     [T, J]: float32 [T, J, N] (CPU stream). An index outside the stack gives zeros."""
-    assert not experts.dot  # pack's layout, per expert
     result: mx.array = _module().gather_qmatmul(
-        x, indices, experts.weight, experts.scale_bias, experts.bits
+        x, indices, experts.weight, experts.scale_bias, experts.bits, experts.dot, experts.precise
     )
     return result
 

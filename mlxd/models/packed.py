@@ -73,6 +73,7 @@ class PackedSwitchLinear(nn.Module):
         self.weight = experts.weight
         self.scale_bias = experts.scale_bias
         self.bits = experts.bits
+        self.dot, self.precise = experts.dot, experts.precise
         if bias is not None:
             self.bias = bias
         self.num_experts = experts.weight.shape[0]
@@ -80,7 +81,7 @@ class PackedSwitchLinear(nn.Module):
 
     @property
     def packed(self) -> Packed:
-        return Packed(self.weight, self.scale_bias, self.bits)
+        return Packed(self.weight, self.scale_bias, self.bits, self.dot, self.precise)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         # sorted_indices (SwitchGLU sorted the pairs by expert): the kernel groups them itself.
@@ -148,15 +149,18 @@ class PackedEmbedding(nn.Module):
         return self.output(x)
 
 
-def _pack_experts(module: QuantizedSwitchLinear) -> Packed:
-    """`kernels.pack_experts` of any width MLX stores, at the width the kernels run it."""
+def _pack_experts(module: QuantizedSwitchLinear, dot: bool) -> Packed:
+    """`kernels.pack_experts` of any width MLX stores, at the width the kernels run it (with
+    `dot` for the int8 dot products, precise, as `pack`)."""
     assert module.biases is not None  # affine quantization (see _why_not_packable)
     weight, width = module.weight, KERNEL_BITS[module.bits]
     if width != module.bits:
         experts, rows, _ = weight.shape
         flat = _widened(weight.reshape(experts * rows, -1), module.bits, width)
         weight = flat.reshape(experts, rows, -1)
-    return kernels.pack_experts(weight, module.scales, module.biases, module.group_size, width)
+    return kernels.pack_experts(
+        weight, module.scales, module.biases, module.group_size, width, dot=dot, precise=dot
+    )
 
 
 def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool) -> Packed:
@@ -357,9 +361,9 @@ def pack_model(
 ) -> None:
     """Swap `model`'s quantized layers the kernels take for packed ones in place (a mixture of
     experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
-    float32 weights for the rows it gives to "float32";
-    with `dot` the linears are multiplied as int8 dot products (kernels.pack_dot, precise).
-    A tied embedding keeps the float layout, which its lookups read (kernels.take_rows).
+    float32 weights for the rows it gives to "float32"; with `dot` the linears and experts are
+    multiplied as int8 dot products (kernels.pack_dot, precise). A tied embedding keeps the
+    float layout, which its lookups read (kernels.take_rows).
 
     One layer at a time: packing reads the stored arrays, and each layer's are released (and
     MLX's buffer cache emptied) as soon as its packed one is in place, so a load holds the
@@ -380,7 +384,7 @@ def pack_model(
         module = _module_at(model, name)
         replacement: nn.Module
         if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy
-            replacement = PackedSwitchLinear(_pack_experts(module), module.get("bias"))
+            replacement = PackedSwitchLinear(_pack_experts(module, dot), module.get("bias"))
         elif isinstance(module, nn.QuantizedLinear):
             replacement = _packed_linear(module, module.get("bias"), path_for, dot)
         else:

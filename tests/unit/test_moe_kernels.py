@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxd import kernels
+from tests.unit.test_kernel_isas import _int8_x
 
 # (experts, N outputs, K inputs, top k): qwen3-30B-A3B's gate/up (2048 -> 768) and down
 # (768 -> 2048) projections with 16 of its 128 experts (memory), Mixtral's down projection's
@@ -62,7 +63,8 @@ def _assert_close(got: np.ndarray, expected: np.ndarray, what: object) -> None:
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}-top{s[3]}")
 def experts(request: pytest.FixtureRequest):
     """Per width: the packed stack, x, indices, and the float32 truth and MLX's gather_qmm
-    for every token (computed once for every ISA)."""
+    for every token; the stack in pack_dot's layout (precise) and the truth for x as the int8
+    path rounds it (computed once for every ISA)."""
     if not kernels.available():
         pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
     cases = {}
@@ -78,12 +80,16 @@ def experts(request: pytest.FixtureRequest):
             bits=bits,
         )
         reference = _float_reference(dense, np.array(x), np.array(indices))
-        cases[bits, group_size] = (packed, x, indices, reference, np.array(theirs[:, :, 0]))
+        dot = kernels.pack_experts(*quantized, group_size, bits, dot=True, precise=True)
+        rounded, _ = _int8_x(np.array(x), precise=True)
+        dot_reference = _float_reference(dense, rounded, np.array(indices))
+        theirs = np.array(theirs[:, :, 0])
+        cases[bits, group_size] = (packed, x, indices, reference, theirs, dot, dot_reference)
     return cases
 
 
 def test_gather_qmatmul_on_each_isa_equals_gather_qmm_and_float32(kernel_isa: str, experts):
-    for (bits, group_size), (packed, x, indices, reference, theirs) in experts.items():
+    for (bits, group_size), (packed, x, indices, reference, theirs, *_) in experts.items():
         for tokens in TOKENS:
             got = kernels.gather_qmatmul(x[:tokens], indices[:tokens], packed)
             assert got.shape == (tokens, indices.shape[1], packed.shape[0])
@@ -91,6 +97,16 @@ def test_gather_qmatmul_on_each_isa_equals_gather_qmm_and_float32(kernel_isa: st
             _assert_close(np.array(got), reference[:tokens], what)
         ours = kernels.gather_qmatmul(x, indices, packed)
         _assert_close(np.array(ours), theirs, (kernel_isa, bits, group_size, "gather_qmm"))
+
+
+def test_gather_qdot_on_each_isa_equals_its_rounding_of_x(kernel_isa: str, experts):
+    """pack_dot's layout (precise, as the loader packs it when the int8 dot products time
+    faster): x rounded per row and block as csrc/qdot.cpp rounds it, times each expert."""
+    for (bits, group_size), (_, x, indices, _, _, dot, reference) in experts.items():
+        for tokens in TOKENS:
+            got = kernels.gather_qmatmul(x[:tokens], indices[:tokens], dot)
+            what = (kernel_isa, bits, group_size, tokens, "dot")
+            _assert_close(np.array(got), reference[:tokens], what)
 
 
 def test_gather_qmatmul_takes_one_index_per_row_and_zeroes_unknown_experts():
@@ -179,12 +195,20 @@ def _greedy(model: nn.Module, prompt: list[int], steps: int = 12) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "model_type, bits, group_size", [("qwen3_moe", 4, 64), ("mixtral", 8, 32), ("qwen3_moe", 6, 32)]
+    "model_type, bits, group_size, dot",
+    [
+        ("qwen3_moe", 4, 64, False),
+        ("mixtral", 8, 32, False),
+        ("qwen3_moe", 6, 32, False),
+        ("qwen3_moe", 4, 32, True),
+        ("mixtral", 4, 64, True),
+    ],
 )
-def test_tiny_moe_models_give_the_same_greedy_tokens_packed(model_type, bits, group_size):
+def test_tiny_moe_models_give_the_same_greedy_tokens_packed(model_type, bits, group_size, dot):
     """Built with mlx-lm's classes and quantized by mlx-lm, run as the loader runs them on the
-    CPU (float32, packed) and on MLX's own quantized path; the prompt is long enough (80 tokens
-    x top 2) for SwitchGLU's sorted path, the decode steps take the unsorted one."""
+    CPU (float32, packed; with `dot` on the int8 dot products, precise) and on MLX's own
+    quantized path; the prompt is long enough (80 tokens x top 2) for SwitchGLU's sorted path,
+    the decode steps take the unsorted one."""
     import importlib
 
     from mlx_lm.utils import quantize_model
@@ -211,9 +235,9 @@ def test_tiny_moe_models_give_the_same_greedy_tokens_packed(model_type, bits, gr
     assert experts_summary(packed) == (
         f"{3 * layers} quantized expert layers run packed on the kernels' gather matmul"
     )
-    pack_model(packed)
+    pack_model(packed, dot=dot)
     switches = [m for _, m in packed.named_modules() if isinstance(m, PackedSwitchLinear)]
-    assert len(switches) == 3 * layers
+    assert len(switches) == 3 * layers and all(s.dot == dot for s in switches)
     names = [name for name, _ in tree_flatten(packed.parameters())]
     assert not [name for name in names if ".switch_mlp." in name and name.endswith("scales")]
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 300, 80)]

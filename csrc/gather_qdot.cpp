@@ -1,0 +1,76 @@
+// The mixture-of-experts matmul on pack_dot's layout, per ISA variant: gather_qmatmul.cpp's
+// grouping by expert around the int8 dot-product kernel's work items (qdot_tiles.h). The
+// gathered rows of x are rounded to int8 per block once, on the calling thread, as qdot.cpp
+// rounds a dense matmul's.
+
+#include <omp.h>
+
+#include "qdot_tiles.h"
+#include "routing.h"
+#include "variant.h"
+
+namespace mlxd {
+namespace MLXD_ISA {
+
+namespace {
+
+template <int BITS, int TERMS, typename S>
+void run(const Gather<S>& a) {
+  const int pairs = a.T * a.J, blocks = a.K / BLOCK, items = a.N / GROUP;
+  const Routing routing(a.idx, pairs, a.E);
+  const int32_t* start = routing.start();
+  const int routed = routing.routed;
+  Scratch xs(size_t(routed) * a.K), ys(size_t(routed) * a.N);
+  gather_rows(routing, a.x, a.idx, pairs, a.J, a.E, a.K, a.N, xs.data(), a.y);
+  // x8 (K / 4 floats' bytes per int8 row), then d and sum8 per row and block (as qdot.cpp).
+  const size_t per_block = size_t(routed) * TERMS * blocks;
+  Scratch scratch(size_t(routed) * TERMS * a.K / 4 + 2 * per_block);
+  int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
+  float* d = scratch.data() + size_t(routed) * TERMS * a.K / 4;
+  float* sum8 = d + per_block;
+  quantize_rows<TERMS>(xs.data(), routed, a.K, 1, x8, d, sum8);
+  const int threads = a.threads;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
+  for (int item = 0; item < routing.selected * items; ++item) {
+    const int e = routing.active()[item / items], g = item % items, first = start[e];
+    const int count = start[e + 1] - first;
+    const size_t row = size_t(first) * TERMS;  // the expert's first int8 row
+    const Problem<S> p{{x8 + row * a.K, d + row * blocks, sum8 + row * blocks},
+                       a.weights(e, BITS),
+                       a.scales(e),
+                       ys.data() + size_t(first) * a.N,
+                       count,
+                       a.N,
+                       a.K};
+    dot_work_item<BITS, TERMS, S>(p, g);
+    scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
+  }
+}
+
+template <typename S>
+void gather_qdot(const float* x, const int32_t* idx, const uint8_t* w, const S* scale_bias,
+                 float* y, int T, int J, int E, int N, int K, int bits, bool precise, int threads) {
+  const Gather<S> a{x, idx, w, scale_bias, y, T, J, E, N, K, threads};
+  if (precise) {
+    bits == 4 ? run<4, 2, S>(a) : run<8, 2, S>(a);  // the op checked: 4 or 8
+  } else {
+    bits == 4 ? run<4, 1, S>(a) : run<8, 1, S>(a);
+  }
+}
+
+}  // namespace
+
+void gather_qdot_f32(const float* x, const int32_t* idx, const uint8_t* w,
+                     const float* scale_bias, float* y, int T, int J, int E, int N, int K,
+                     int bits, bool precise, int threads) {
+  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, precise, threads);
+}
+
+void gather_qdot_f16(const float* x, const int32_t* idx, const uint8_t* w,
+                     const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
+                     int bits, bool precise, int threads) {
+  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, precise, threads);
+}
+
+}  // namespace MLXD_ISA
+}  // namespace mlxd

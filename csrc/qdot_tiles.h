@@ -1,0 +1,269 @@
+// The int8 dot-product matmul's kernels (see qdot.cpp for the layout and the arithmetic), shared
+// by the dense matmul (qdot.cpp) and the experts' gather matmul (gather_qdot.cpp):
+// `quantize_rows` rounds x to int8 per block, `dot_work_item` computes one work item (GROUP
+// output rows) for every row of x. Included once per ISA variant (simd.h), inside its namespace.
+#pragma once
+
+#include "simd.h"
+
+namespace mlxd {
+namespace MLXD_ISA {
+
+namespace {
+
+constexpr int BLOCK = 32;  // inputs per scale, bias and x scale
+constexpr int LANES = 16;  // output rows per tile
+constexpr int V = LANES / W;  // vectors per tile
+
+// Rows per pass: as many as leave the accumulators, a step's weight vectors (two per vector of
+// output rows: low and high nibbles, or two groups of 4 inputs) and the broadcasts in registers.
+#if defined(MLXD_ISA_AVX512)
+constexpr int REGISTERS = 32;
+constexpr int TILES = 2;
+constexpr int MAX_ROWS = 8;
+#elif defined(MLXD_ISA_AVX2)
+constexpr int REGISTERS = 16;
+constexpr int TILES = 1;
+constexpr int MAX_ROWS = 4;
+#elif defined(MLXD_ISA_NEON)
+constexpr int REGISTERS = 32;
+constexpr int TILES = 1;
+constexpr int MAX_ROWS = 4;
+#else
+constexpr int REGISTERS = 16;
+constexpr int TILES = 1;
+constexpr int MAX_ROWS = 2;
+#endif
+constexpr int NV = TILES * V;
+constexpr int GROUP = TILES * LANES;  // output rows per work item
+constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 4;
+constexpr int PREFETCH_BLOCKS = 4;  // as the float path's
+
+// Where the dot product takes q as signed (q - OFFSET: sdot is signed x signed; maddubs's pair
+// sums of 255 x 127 would saturate int16), the sum misses OFFSET * sum_k x8_k: the bias term
+// takes it (b + OFFSET s).
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+constexpr int offset(int) {
+  return 0;
+}
+#elif defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
+constexpr int offset(int bits) {
+  return bits == 8 ? 128 : 0;
+}
+#elif defined(__ARM_FEATURE_DOTPROD)
+constexpr int offset(int bits) {
+  return bits == 8 ? 128 : 8;
+}
+#else
+constexpr int offset(int) {
+  return 0;
+}
+#define MLXD_SCALAR_DOT 1  // no integer dot instruction: a scalar loop, for correctness only
+#endif
+
+// acc[j] += sum_i (w[4j + i] - OFFSET) x[4j + i], w unsigned bytes (q), x signed (x8, |x| <= 127).
+template <int BITS>
+inline vi dot(vi acc, vi w, vi x) {
+#if defined(MLXD_ISA_AVX512) && defined(__AVX512VNNI__)
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+#elif defined(MLXD_ISA_AVX512)
+  __m512i u = (__m512i)w, s = (__m512i)x;
+  if constexpr (BITS == 8) {  // |q - 128| <= 128 with q's sign moved onto x: pairs fit int16
+    const __m512i q = _mm512_xor_si512(u, _mm512_set1_epi8(-128));
+    s = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(q), _mm512_setzero_si512(), s);
+    u = _mm512_abs_epi8(q);
+  }
+  return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#elif defined(MLXD_ISA_AVX2) && defined(__AVXVNNI__)
+  return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
+#elif defined(MLXD_ISA_AVX2)
+  __m256i u = (__m256i)w, s = (__m256i)x;
+  if constexpr (BITS == 8) {
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+    s = _mm256_sign_epi8(s, q);
+    u = _mm256_sign_epi8(q, q);
+  }
+  return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#elif defined(__ARM_FEATURE_DOTPROD)
+  const int8x16_t q = BITS == 8 ? veorq_s8((int8x16_t)w, vdupq_n_s8(-128))
+                                : vsubq_s8((int8x16_t)w, vdupq_n_s8(8));
+  return (vi)vdotq_s32((int32x4_t)acc, q, (int8x16_t)x);
+#else
+  typedef uint8_t u8 __attribute__((vector_size(sizeof(vi))));
+  typedef int8_t s8 __attribute__((vector_size(sizeof(vi))));
+  const u8 u = (u8)w;
+  const s8 s = (s8)x;
+  for (int j = 0; j < W; ++j) {
+    int32_t sum = 0;
+    for (int i = 0; i < 4; ++i) {
+      sum += int32_t(u[4 * j + i]) * int32_t(s[4 * j + i]);
+    }
+    acc[j] += sum;
+  }
+  return acc;
+#endif
+}
+
+inline vi load_i(const uint8_t* p) {
+  vi v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vi broadcast4(const int8_t* p) {  // 4 bytes of x8 in every 32-bit lane
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return vi{} + word;
+}
+
+// x quantized per row and block: x8 [M * TERMS, K], and per block its scale d and the sum of
+// x8 (see quantize_rows).
+struct Quantized {
+  const int8_t* x8;
+  const float *d, *sum8;  // [M * TERMS, K / 32] each
+};
+
+template <typename S>
+struct Problem {
+  Quantized x;
+  const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes] (pack_dot's layout)
+  const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
+  float* y;  // [M, N]
+  int M, N, K;  // M: rows of x (of y)
+
+  // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W), 4-byte
+  // lanes.
+  template <int BITS>
+  const uint8_t* weights(int g, int v) const {
+    return w + size_t(g * TILES + v / V) * K * BITS / 8 * LANES + (v % V) * W * 4;
+  }
+  const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
+    return scale_bias + (size_t(g * TILES + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
+  }
+  float* out(int m, int g, int v) const {
+    return y + size_t(m) * N + g * GROUP + v * W;
+  }
+};
+
+// The weight bytes of inputs k..k+3 (lo) and k+4..k+7 (hi) for the W rows at `at`.
+template <int BITS>
+inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
+  if constexpr (BITS == 4) {
+    typedef uint32_t vu __attribute__((vector_size(sizeof(vi))));
+    const vu both = (vu)load_i(at + (k / 8) * 64);
+    lo = (vi)(both & 0x0F0F0F0Fu);
+    hi = (vi)((both >> 4) & 0x0F0F0F0Fu);
+  } else {
+    lo = load_i(at + (k / 4) * 64);
+    hi = load_i(at + (k / 4 + 1) * 64);
+  }
+}
+
+// y[m0 .. m0 + MB / TERMS, work item g] from int8 rows m0 * TERMS .. + MB: per block the int32
+// sums of SPLIT partial accumulators, scaled in float and summed over a row's TERMS.
+template <int BITS, int MB, int TERMS, typename S>
+void rows_dot(const Problem<S>& p, int g, int m0) {
+  static_assert(MB % TERMS == 0, "whole rows of x per pass");
+  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS);
+  constexpr int STEPS = SPLIT > 2 ? SPLIT / 2 : 1;  // steps of 8 inputs per iteration
+  constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
+  constexpr float OFFSET = offset(BITS);  // q - OFFSET in the dot product
+  const int blocks = p.K / BLOCK;
+  for (int b = 0; b < blocks; ++b) {
+    prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
+    vi part[MB][NV][SPLIT] = {};
+    for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 8 * STEPS) {
+      for (int u = 0; u < STEPS; ++u) {
+        const int kk = k + 8 * u;
+        vi lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) {
+          load_eight<BITS>(p.template weights<BITS>(g, v), kk, lo[v], hi[v]);
+        }
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* xr = p.x.x8 + (size_t(m0) * TERMS + i) * p.K + kk;
+          const vi x0 = broadcast4(xr), x1 = broadcast4(xr + 4);
+          for (int v = 0; v < NV; ++v) {
+            part[i][v][(2 * u) % SPLIT] = dot<BITS>(part[i][v][(2 * u) % SPLIT], lo[v], x0);
+            part[i][v][(2 * u + 1) % SPLIT] = dot<BITS>(part[i][v][(2 * u + 1) % SPLIT], hi[v], x1);
+          }
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const vf scale = load_scales(p.scales(g, v, b));
+      const vf bias = load_scales(p.scales(g, v, b) + LANES) + OFFSET * scale;
+      for (int i = 0; i < MB / TERMS; ++i) {
+        vf block_y = {};
+        for (int t = 0; t < TERMS; ++t) {
+          const int r = i * TERMS + t;
+          vi sum = part[r][v][0];
+          for (int s = 1; s < SPLIT; ++s) {
+            sum += part[r][v][s];
+          }
+          const size_t at = (size_t(m0) * TERMS + r) * blocks + b;
+          // Exact in float: |sum| <= 32 * 255 * 127 < 2^24.
+          const vf q_x8 = __builtin_convertvector(sum, vf);
+          block_y += (q_x8 * scale + bias * p.x.sum8[at]) * p.x.d[at];
+        }
+        float* out = p.out(m0 + i, g, v);
+        store(out, b == 0 ? block_y : load(out) + block_y);
+      }
+    }
+  }
+}
+
+// x's rows to int8 per block of 32, round to nearest, as llama.cpp's quantize_row_q8_1: int8
+// row m * TERMS. With TERMS = 2, row m * 2 + 1 holds what the rounding left, e = x - d x8, in
+// steps of d / 254 (|e| <= d / 2): x to 1 / 64,516 of its block's largest |x| instead of 1 / 254,
+// for twice the dot products.
+template <int TERMS>
+void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float* d, float* sum8) {
+  const int blocks = K / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+  for (int m = 0; m < M; ++m) {
+    for (int b = 0; b < blocks; ++b) {
+      const float* xb = x + size_t(m) * K + b * BLOCK;
+      int8_t* qb = x8 + size_t(m) * TERMS * K + b * BLOCK;
+      vf largest = {};
+      for (int k = 0; k < BLOCK; k += W) {
+        const vf v = load(xb + k);
+        largest = largest > v ? largest : v;
+        largest = largest > -v ? largest : -v;
+      }
+      const float amax = hmax(largest), inverse = amax > 0 ? 127 / amax : 0;
+      const float step = amax / 127;
+      int32_t total8 = 0, rest8 = 0;
+      for (int k = 0; k < BLOCK; ++k) {
+        qb[k] = int8_t(__builtin_lrintf(xb[k] * inverse));
+        total8 += qb[k];
+        if constexpr (TERMS == 2) {
+          const float rest = (xb[k] - qb[k] * step) * inverse * 254;
+          qb[K + k] = int8_t(imax(-127, imin(127, int(__builtin_lrintf(rest)))));
+          rest8 += qb[K + k];
+        }
+      }
+      const size_t at = size_t(m) * TERMS * blocks + b;
+      d[at] = step;
+      sum8[at] = float(total8);
+      if constexpr (TERMS == 2) {
+        d[at + blocks] = step / 254;
+        sum8[at + blocks] = float(rest8);
+      }
+    }
+  }
+}
+
+// Work item g of y for every row of x, in passes of MAX_ROWS / TERMS rows.
+template <int BITS, int TERMS, typename S>
+void dot_work_item(const Problem<S>& p, int g) {
+  constexpr int PASS = MAX_ROWS / TERMS;  // rows of x per pass
+  for (int m = 0; m < p.M; m += PASS) {
+    with_rows<PASS>(imin(PASS, p.M - m), [&](auto mb) {
+      rows_dot<BITS, decltype(mb)::value * TERMS, TERMS, S>(p, g, m);
+    });
+  }
+}
+
+}  // namespace
+}  // namespace MLXD_ISA
+}  // namespace mlxd
