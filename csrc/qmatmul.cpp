@@ -20,8 +20,8 @@
 // so the inner loop only widens q to float and multiplies-adds; the block's sum of x is
 // computed once per row, and scale and bias are applied once per block.
 
-#include <omp.h>
 
+#include "parallel.h"
 #include "simd.h"
 #include "variant.h"
 
@@ -223,21 +223,20 @@ void run(const Problem<S>& p) {
         xsum.data()[size_t(m) * blocks + b] = hsum(sum);
       }
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int g = 0; g < items; ++g) {
-      for (int m = 0; m < p.M; m += MAX_ROWS) {
-        with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
-          rows_in_registers<BITS, decltype(mb)::value, S>(p, xsum.data(), g, m);
-        });
+    parallel_for(threads, items, [&](int64_t first, int64_t last) {
+      for (int g = int(first); g < int(last); ++g) {
+        for (int m = 0; m < p.M; m += MAX_ROWS) {
+          with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
+            rows_in_registers<BITS, decltype(mb)::value, S>(p, xsum.data(), g, m);
+          });
+        }
       }
-    }
+    });
     return;
   }
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
+  parallel_for(threads, items, [&](int64_t first, int64_t last) {
     Scratch buf(size_t(CHUNK) * GROUP);
-#pragma omp for schedule(static)
-    for (int g = 0; g < items; ++g) {
+    for (int g = int(first); g < int(last); ++g) {
       for (int k0 = 0; k0 < p.K; k0 += CHUNK) {
         const int count = imin(CHUNK, p.K - k0);
         dequantize_chunk<BITS, S>(p, g, k0, count, buf.data());
@@ -248,7 +247,7 @@ void run(const Problem<S>& p) {
         }
       }
     }
-  }
+  });
 }
 
 template <typename S>
