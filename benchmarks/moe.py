@@ -120,7 +120,7 @@ def main() -> None:
         return best_ms(lambda: layer(x, indices), repeat, rounds)
 
     # Each path over every row count in turn, BLAS last: OpenBLAS's threads spin a while after
-    # each call, and the kernels' OpenMP threads would spin against them (csrc/threads.h).
+    # each call, and the kernels' threads would spin against them (csrc/threads.h).
     columns: dict[str, dict[int, float]] = {}
     for isa in isas:
         kernels.use_isa(isa)

@@ -85,10 +85,11 @@ def write_f16_gguf(path: Path, name: str) -> None:
     writer.close()
 
 
-def quantize(quantizer: Path, f16: Path, out: Path, threads: int) -> None:
-    """`llama-quantize f16 out Q4_K_M`, as a user would make (or download) one."""
+def quantize(quantizer: Path, f16: Path, out: Path, threads: int, kind: str = "Q4_K_M") -> None:
+    """`llama-quantize f16 out Q4_K_M` (or another `kind`), as a user would make (or download)
+    one."""
     partial = out.with_suffix(".partial")
-    command = [str(quantizer), str(f16), str(partial), "Q4_K_M", str(threads)]
+    command = [str(quantizer), str(f16), str(partial), kind, str(threads)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")

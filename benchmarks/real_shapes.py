@@ -103,17 +103,17 @@ def sweep_level(url: str, level: int, args: argparse.Namespace) -> LevelResult:
 
 
 def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
-    """The Q4_K_M GGUF and the MLX 4-bit directory, written unless already there (the
-    directory only where mlxd-mlx runs)."""
+    """The GGUF (Q4_K_M, or --quant) and the MLX 4-bit directory, written unless already there
+    (the directory only where mlxd-mlx runs)."""
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    gguf = workdir / f"{args.shape}.Q4_K_M.gguf"
+    gguf = workdir / f"{args.shape}.{args.quant}.gguf"
     if not gguf.exists():
         f16 = workdir / f"{args.shape}.F16.gguf"
         print(f"writing {f16} …", flush=True)
         write_f16_gguf(f16, args.shape)
         print(f"{quantizer.name} → {gguf.name} ({args.threads} threads) …", flush=True)
-        quantize(quantizer, f16, gguf, args.threads)
+        quantize(quantizer, f16, gguf, args.threads, args.quant)
         f16.unlink()
     mlx_dir = workdir / f"{args.shape}.mlx-4bit"
     if "mlxd-mlx" in args.only and not (mlx_dir / "config.json").exists():
@@ -226,6 +226,8 @@ def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
+    # Q4_0: issue 25's peer for an MLX 4-bit model (the same bits a weight as MLX's 4-bit).
+    parser.add_argument("--quant", choices=["Q4_K_M", "Q4_0"], default="Q4_K_M")
     parser.add_argument(
         "--workdir",
         type=Path,

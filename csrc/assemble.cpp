@@ -8,12 +8,12 @@
 // to come, so the cache grows in place.
 #include "assemble.h"
 
-#include <omp.h>
 
 #include <cstring>
 #include <stdexcept>
 
 #include "mlx/ops.h"
+#include "parallel.h"
 #include "threads.h"
 
 namespace mx = mlx::core;
@@ -71,9 +71,9 @@ void AssembleKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   encoder.dispatch([=, sources = std::move(sources), lengths = std::move(lengths),
                     layers = std::move(layers),
                     threads = threads_on(stream())]() {
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
-    for (int l = 0; l < L; ++l) {
-      for (int h = 0; h < H; ++h) {
+    parallel_for(threads, int64_t(L) * H, [&](int64_t first, int64_t last) {
+      for (int64_t head = first; head < last; ++head) {
+        const int l = int(head / H), h = int(head % H);
         char* out = layers[l] + h * capacity * row;
         size_t at = 0;
         for (size_t b = 0; b < sources.size(); ++b) {
@@ -83,7 +83,7 @@ void AssembleKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
         }
         std::memset(out + at, 0, capacity * row - at);
       }
-    }
+    });
   });
 }
 

@@ -5,10 +5,10 @@
 // computes its scores, a vectorised softmax and the weighted sum of values directly; prefill
 // rows go in tiles of 8 over transposed keys (attend_tile). Rows or tiles are spread over the
 // threads.
-#include <omp.h>
 
 #include <limits>
 
+#include "parallel.h"
 #include "simd.h"
 #include "variant.h"
 
@@ -281,33 +281,28 @@ void attention(const AttentionArgs& args, int threads) {
   if (group_rows >= TILE_ROWS && a.D <= MAX_HEAD_DIM) {
     Scratch kt(size_t(a.B) * a.Hkv * padded * a.D);
     const int tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-      Scratch scores(size_t(TILE_ROWS) * padded);
-#pragma omp for collapse(2) schedule(static)
-      for (int b = 0; b < a.B; ++b) {
-        for (int hk = 0; hk < a.Hkv; ++hk) {
-          transpose_keys(a, kt.data(), b, hk);
-        }
+    parallel_for(threads, int64_t(a.B) * a.Hkv, [&](int64_t first, int64_t last) {
+      for (int64_t head = first; head < last; ++head) {
+        transpose_keys(a, kt.data(), head / a.Hkv, head % a.Hkv);
       }
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < int64_t(a.B) * a.Hkv * tiles; ++item) {
+    });
+    parallel_for(threads, int64_t(a.B) * a.Hkv * tiles, [&](int64_t first, int64_t last) {
+      Scratch scores(size_t(TILE_ROWS) * padded);
+      for (int64_t item = first; item < last; ++item) {
         const int b = item / (a.Hkv * tiles), hk = item / tiles % a.Hkv, t = item % tiles;
         const int r0 = t * TILE_ROWS;
         attend_rows(a, kt.data(), b, hk, r0, imin(TILE_ROWS, group_rows - r0), scores.data());
       }
-    }
+    });
     return;
   }
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
+  parallel_for(threads, int64_t(a.B) * a.Hq * a.Lq, [&](int64_t first, int64_t last) {
     Scratch scores(padded), acc(a.Dv);
-#pragma omp for schedule(static)
-    for (int64_t row = 0; row < int64_t(a.B) * a.Hq * a.Lq; ++row) {
+    for (int64_t row = first; row < last; ++row) {
       attend_row(
           a, row / (a.Hq * a.Lq), row / a.Lq % a.Hq, row % a.Lq, scores.data(), acc.data());
     }
-  }
+  });
 }
 
 }  // namespace MLXD_ISA

@@ -3,8 +3,7 @@
 // gathered rows of x are rounded to int8 per block once, on the calling thread, as qdot.cpp
 // rounds a dense matmul's.
 
-#include <omp.h>
-
+#include "parallel.h"
 #include "qdot_tiles.h"
 #include "routing.h"
 #include "variant.h"
@@ -30,21 +29,22 @@ void run(const Gather<S>& a) {
   float* sum8 = d + per_block;
   quantize_rows<TERMS>(xs.data(), routed, a.K, 1, x8, d, sum8);
   const int threads = a.threads;
-#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
-  for (int item = 0; item < routing.selected * items; ++item) {
-    const int e = routing.active()[item / items], g = item % items, first = start[e];
-    const int count = start[e + 1] - first;
-    const size_t row = size_t(first) * TERMS;  // the expert's first int8 row
-    const Problem<S> p{{x8 + row * a.K, d + row * blocks, sum8 + row * blocks},
-                       a.weights(e, BITS),
-                       a.scales(e),
-                       ys.data() + size_t(first) * a.N,
-                       count,
-                       a.N,
-                       a.K};
-    dot_work_item<BITS, TERMS, S>(p, g);
-    scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
-  }
+  parallel_for(threads, int64_t(routing.selected) * items, [&](int64_t begin, int64_t end) {
+    for (int item = int(begin); item < int(end); ++item) {
+      const int e = routing.active()[item / items], g = item % items, first = start[e];
+      const int count = start[e + 1] - first;
+      const size_t row = size_t(first) * TERMS;  // the expert's first int8 row
+      const Problem<S> p{{x8 + row * a.K, d + row * blocks, sum8 + row * blocks},
+                         a.weights(e, BITS),
+                         a.scales(e),
+                         ys.data() + size_t(first) * a.N,
+                         count,
+                         a.N,
+                         a.K};
+      dot_work_item<BITS, TERMS, S>(p, g);
+      scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
+    }
+  });
 }
 
 template <typename S>

@@ -10,8 +10,7 @@
 // buffered path from 32 rows on). The work items of all selected experts are shared among the
 // threads together, so one expert's few outputs do not leave threads idle.
 
-#include <omp.h>
-
+#include "parallel.h"
 #include "qmatmul_tiles.h"
 #include "routing.h"
 #include "variant.h"
@@ -31,12 +30,11 @@ void run(const Gather<S>& a) {
   gather_rows(routing, a.x, a.idx, pairs, a.J, a.E, a.K, a.N, xs.data(), a.y);
   block_sums(xs.data(), routing.routed, a.K, xsum.data());
   const int threads = a.threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
+  // Experts differ in their row counts at prefill: ranges of work items go to whichever thread
+  // is free (parallel.h).
+  parallel_for(threads, int64_t(routing.selected) * items, [&](int64_t begin, int64_t end) {
     Scratch buf(size_t(CHUNK) * GROUP);
-    // Experts differ in their row counts at prefill: work items go to whichever thread is free.
-#pragma omp for schedule(dynamic)
-    for (int item = 0; item < routing.selected * items; ++item) {
+    for (int item = int(begin); item < int(end); ++item) {
       const int e = routing.active()[item / items], g = item % items, first = start[e];
       const int count = start[e + 1] - first;
       const Problem<S> p{
@@ -51,7 +49,7 @@ void run(const Gather<S>& a) {
       work_item<BITS, S>(p, xsum.data() + size_t(first) * blocks, buf.data(), g);
       scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
     }
-  }
+  });
 }
 
 template <typename S>

@@ -20,8 +20,7 @@
 // vector with 4 bytes of x broadcast sums them per row with no horizontal sums. Scales and
 // biases as the float path's: per tile and block of 32 inputs 16 scales then 16 biases.
 
-#include <omp.h>
-
+#include "parallel.h"
 #include "qdot_tiles.h"
 #include "variant.h"
 
@@ -32,10 +31,11 @@ namespace {
 
 template <int BITS, int TERMS, typename S>
 void run(const Problem<S>& p, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int g = 0; g < p.N / GROUP; ++g) {
-    dot_work_item<BITS, TERMS, S>(p, g);
-  }
+  parallel_for(threads, p.N / GROUP, [&](int64_t first, int64_t last) {
+    for (int g = int(first); g < int(last); ++g) {
+      dot_work_item<BITS, TERMS, S>(p, g);
+    }
+  });
 }
 
 template <int TERMS, typename S>

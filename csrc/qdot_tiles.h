@@ -4,6 +4,7 @@
 // output rows) for every row of x. Included once per ISA variant (simd.h), inside its namespace.
 #pragma once
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace mlxd {
@@ -219,38 +220,39 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
 template <int TERMS>
 void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float* d, float* sum8) {
   const int blocks = K / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
-  for (int m = 0; m < M; ++m) {
-    for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + size_t(m) * K + b * BLOCK;
-      int8_t* qb = x8 + size_t(m) * TERMS * K + b * BLOCK;
-      vf largest = {};
-      for (int k = 0; k < BLOCK; k += W) {
-        const vf v = load(xb + k);
-        largest = largest > v ? largest : v;
-        largest = largest > -v ? largest : -v;
-      }
-      const float amax = hmax(largest), inverse = amax > 0 ? 127 / amax : 0;
-      const float step = amax / 127;
-      int32_t total8 = 0, rest8 = 0;
-      for (int k = 0; k < BLOCK; ++k) {
-        qb[k] = int8_t(__builtin_lrintf(xb[k] * inverse));
-        total8 += qb[k];
+  parallel_for(M > 1 ? threads : 1, M, [&](int64_t first, int64_t last) {
+    for (int m = int(first); m < int(last); ++m) {
+      for (int b = 0; b < blocks; ++b) {
+        const float* xb = x + size_t(m) * K + b * BLOCK;
+        int8_t* qb = x8 + size_t(m) * TERMS * K + b * BLOCK;
+        vf largest = {};
+        for (int k = 0; k < BLOCK; k += W) {
+          const vf v = load(xb + k);
+          largest = largest > v ? largest : v;
+          largest = largest > -v ? largest : -v;
+        }
+        const float amax = hmax(largest), inverse = amax > 0 ? 127 / amax : 0;
+        const float step = amax / 127;
+        int32_t total8 = 0, rest8 = 0;
+        for (int k = 0; k < BLOCK; ++k) {
+          qb[k] = int8_t(__builtin_lrintf(xb[k] * inverse));
+          total8 += qb[k];
+          if constexpr (TERMS == 2) {
+            const float rest = (xb[k] - qb[k] * step) * inverse * 254;
+            qb[K + k] = int8_t(imax(-127, imin(127, int(__builtin_lrintf(rest)))));
+            rest8 += qb[K + k];
+          }
+        }
+        const size_t at = size_t(m) * TERMS * blocks + b;
+        d[at] = step;
+        sum8[at] = float(total8);
         if constexpr (TERMS == 2) {
-          const float rest = (xb[k] - qb[k] * step) * inverse * 254;
-          qb[K + k] = int8_t(imax(-127, imin(127, int(__builtin_lrintf(rest)))));
-          rest8 += qb[K + k];
+          d[at + blocks] = step / 254;
+          sum8[at + blocks] = float(rest8);
         }
       }
-      const size_t at = size_t(m) * TERMS * blocks + b;
-      d[at] = step;
-      sum8[at] = float(total8);
-      if constexpr (TERMS == 2) {
-        d[at + blocks] = step / 254;
-        sum8[at + blocks] = float(rest8);
-      }
     }
-  }
+  });
 }
 
 // Work item g of y for every row of x, in passes of MAX_ROWS / TERMS rows.

@@ -20,8 +20,7 @@
 // so the inner loop only widens q to float and multiplies-adds; the block's sum of x is
 // computed once per row, and scale and bias are applied once per block.
 
-#include <omp.h>
-
+#include "parallel.h"
 #include "qmatmul_tiles.h"
 #include "variant.h"
 
@@ -38,14 +37,12 @@ void run(const Problem<S>& p) {
   if (registers) {
     block_sums(p.x, p.M, p.K, xsum.data());
   }
-#pragma omp parallel num_threads(p.threads) if (p.threads > 1)
-  {
+  parallel_for(p.threads, p.N / GROUP, [&](int64_t first, int64_t last) {
     Scratch buf(registers ? 0 : size_t(CHUNK) * GROUP);
-#pragma omp for schedule(static)
-    for (int g = 0; g < p.N / GROUP; ++g) {
+    for (int g = int(first); g < int(last); ++g) {
       work_item<BITS, S>(p, xsum.data(), buf.data(), g);
     }
-  }
+  });
 }
 
 template <typename S>

@@ -82,9 +82,8 @@ class Routing {
 };
 
 // xs [routed, K]: x's row of each routed pair, in routing order; and y's rows of the pairs
-// routed nowhere zeroed. On the calling thread: every barrier of a parallel region is a chance
-// to wait out a preempted thread's time slice on a busy machine, and the copy is a few KB at
-// decode, a few ms of a 512-token chunk's hundreds at prefill.
+// routed nowhere zeroed. On the calling thread: a few KB at decode, a few ms of a 512-token
+// chunk's hundreds at prefill.
 inline void gather_rows(const Routing& r, const float* x, const int32_t* idx, int pairs, int J,
                         int E, int K, int N, float* xs, float* y) {
   for (int i = 0; i < r.routed; ++i) {

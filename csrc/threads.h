@@ -1,16 +1,10 @@
 // How many threads mlxd's kernels use (set from Python: mlxd.kernels.share_cores).
 //
-// OpenMP threads that just finished a kernel spin a while before sleeping, as OpenBLAS's do:
-// in a process whose matmuls run on OpenBLAS (float32 models) both sets spin on the same cores
-// and a decode step took 6x longer (measured). Such processes run the kernels on one thread.
-//
-// OpenMP keeps a pool of threads for each thread that starts parallel work (here: each MLX
-// stream thread that runs a kernel), and libgomp cuts the spin-wait of every pool to 100
-// iterations once the process holds more OpenMP threads than cores: with a second pool (the
-// prefix cache assembling on the model thread's stream) the kernels' threads slept and woke
-// through the kernel between every two kernels of a step: 15.6 ms a SmolLM2 batch-1 decode
-// step in the daemon, 8 ms with one pool. So only one stream, the engine's, runs kernels on
-// several threads.
+// Threads that just finished a kernel spin a while before sleeping, as OpenBLAS's do: in a
+// process whose matmuls run on OpenBLAS (float32 models) both sets spin on the same cores and a
+// decode step took 6x longer (measured). Such processes run the kernels on one thread. Only one
+// stream, the engine's, runs kernels on several threads (parallel_stream); their parallel
+// loops: parallel.h.
 #pragma once
 
 #include <atomic>

@@ -329,7 +329,7 @@ _blas_in_process = False
 def share_cores(packed: bool) -> None:
     """Called at each model load: the kernels use every core while this process's models all
     run packed, one thread once any does its matmuls on OpenBLAS (float32): OpenBLAS's
-    threads and OpenMP's would spin against each other (csrc/threads.h)."""
+    threads and the kernels' would spin against each other (csrc/threads.h)."""
     global _blas_in_process
     _blas_in_process |= not packed
     if _cpu is not None:
@@ -351,9 +351,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def parallelize_this_thread() -> None:
     """From now on only kernels evaluated on this thread's default CPU stream use several
-    threads (an engine's model thread). OpenMP keeps a thread pool per thread that starts
-    parallel work, and with more of its threads than cores libgomp makes them all sleep
-    between kernels (csrc/threads.h)."""
+    threads (an engine's model thread); a kernel on another stream while the pool is busy
+    would run alone anyway (csrc/threads.cpp)."""
     if _cpu is not None:
         _cpu.parallelize_default_stream()
 

@@ -9,7 +9,7 @@ head are timed both ways (models/cpu_path_timing.py) for decode at batch 1, 8 an
 prefill chunk, and `decide` picks the plan that is fastest over those phases:
 
 - "packed": every phase on the kernels, on every core, or on one thread where that measured
-  faster (on a busy machine OpenMP's teams stall waiting for a descheduled thread);
+  faster (when other work holds the cores, a second thread may only add waiting);
 - "float32": every phase on BLAS (the weights dequantized: ~8x the bytes of 4-bit);
 - "mixed": both weight sets held, each matmul on the faster for its row count (e.g. packed
   decode, float32 prefill). The kernels then run on one thread beside BLAS's (see
@@ -208,7 +208,7 @@ def decide(
     if timings is None:
         raise ValueError("float32 fits the budget: the paths must be timed")
     # All packed, the kernels on every core or on one, whichever ran faster over the phases
-    # (OpenMP teams stall when other work holds the cores).
+    # (when other work holds the cores a second thread may only add waiting).
     one_thread = _geomean(timings.packed_shared, timings.packed) < 1 / MORE_BYTES_MARGIN
     candidates: dict[str, tuple[tuple[WeightPath, ...], int, tuple[float, ...]]] = {
         "packed": (

@@ -14,10 +14,10 @@ most `PREFILL_ROWS` rows and scaled to the chunk: from 64 rows both paths are co
 (the kernels dequantize a tile once per pass over all rows), so time grows with the rows.
 Measured here: ≈ 7 s for SmolLM2 and ≈ 30 s for a Llama-3.2-1B shape set on 2 cores at load
 average 18 (both before the prefill cap); a quiet machine takes a fraction of that.
-The fastest run, not the median: other work on the machine only ever adds time (an OpenMP team
-whose threads are preempted stalls for whole scheduler slices). Timings taken while the machine
-had twice as many runnable tasks as cores are used for this load but not cached: the next load times
-again (measured: a cache written at load average 18 kept SmolLM2 on one thread, 49 tok/s at one
+The fastest run, not the median: other work on the machine only ever adds time (a preempted
+thread delays whatever waits on it). Timings taken while the machine had twice as many
+runnable tasks as cores are used for this load but not cached: the next load times again
+(measured: a cache written at load average 18 kept SmolLM2 on one thread, 49 tok/s at one
 stream on the quiet machine, against 77 for the choice it times there).
 """
 

@@ -49,9 +49,10 @@ def smol_dir(mlxd_cache_dir: Path) -> Path:
     return resolve_source(SOURCE, model_name="smol", cache_dir=mlxd_cache_dir)
 
 
-def run_rank_script(argv: list[str], out: Path) -> dict[str, Any]:
-    """Run `argv` (one process or an mlx.launch group) and read rank 0's JSON; a group that
-    hangs is killed whole (its own session) so no rank outlives the test."""
+def run_rank_script(argv: list[str], outs: list[Path]) -> list[dict[str, Any]]:
+    """Run `argv` (one process or an mlx.launch group) and read each rank's JSON; a group that
+    hangs is killed whole (its own session) so no rank outlives the test. mlx.launch exits 0
+    even when a rank failed, so a missing JSON fails with the ranks' output."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
         argv,
@@ -67,8 +68,11 @@ def run_rank_script(argv: list[str], out: Path) -> dict[str, Any]:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         pytest.fail(f"ranks did not finish in {GROUP_TIMEOUT_S}s:\n{output.decode()[-3000:]}")
-    assert process.returncode == 0, output.decode()[-3000:]
-    return json.loads(out.read_text())
+    log = output.decode()[-6000:]
+    assert process.returncode == 0, log
+    missing = [out.name for out in outs if not out.exists()]
+    assert not missing, f"no {missing} from the ranks:\n{log}"
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def rank_args(model_dir: Path, strategy: str, out: Path) -> list[str]:
@@ -79,7 +83,7 @@ def rank_args(model_dir: Path, strategy: str, out: Path) -> list[str]:
 def reference(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("reference") / "tokens.json"
     argv = [sys.executable, "-m", "tests.distributed_rank", *rank_args(smol_dir, "none", out)]
-    return run_rank_script(argv, out)
+    return run_rank_script(argv, [out])[0]
 
 
 def run_group(smol_dir: Path, tmp_path: Path, strategy: str, ranks: int) -> dict[str, Any]:
@@ -94,11 +98,11 @@ def run_group(smol_dir: Path, tmp_path: Path, strategy: str, ranks: int) -> dict
         env={**loopback_env(ranks), "PYTHONPATH": str(REPO)},
         cwd=str(REPO),
     )
-    result = run_rank_script(argv, out)
+    outs = [out, *(out.with_suffix(f".rank{rank}.json") for rank in range(1, ranks))]
+    result, *others = run_rank_script(argv, outs)
     assert result["size"] == ranks
-    for rank in range(1, ranks):
+    for rank, other in enumerate(others, start=1):
         # Every rank sampled the same tokens: the ranks stayed in lockstep.
-        other = json.loads(out.with_suffix(f".rank{rank}.json").read_text())
         assert other["tokens"] == result["tokens"], f"rank {rank} diverged"
     return result
 

@@ -95,9 +95,9 @@ def test_packed_layers_start_computing_as_built_with_the_same_arithmetic(smol_pa
 
 
 def test_only_the_engine_thread_runs_kernels_on_several_threads() -> None:
-    """One OpenMP pool per process (csrc/threads.h): once a thread is the engine's, kernels
-    evaluated on another thread's stream run on one thread, with the same results. In a
-    process of its own: the choice is process-wide."""
+    """One multi-threaded stream per process (csrc/threads.h): once a thread is the engine's,
+    kernels evaluated on another thread's stream run on one thread, with the same results. In
+    a process of its own: the choice is process-wide."""
     script = """
 import os, threading
 import mlx.core as mx
