@@ -136,7 +136,7 @@ def _sha256(path: Path) -> str:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
     """An flock held while converting; the kernel drops it if the process dies."""
     with lock_path.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -181,7 +181,7 @@ def _converted(
         return final
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(root / f".{digest}.lock"):
+        with exclusive(root / f".{digest}.lock"):
             if final.is_dir():
                 return final
             # Leftovers of a crashed conversion: nobody else can hold this digest's lock.
