@@ -157,7 +157,8 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
     }
     for phase in ("first", "cached"):
         port = free_port()
-        cmd = mlxd_command(source, port, workdir, model_options=options)
+        budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
+        cmd = mlxd_command(source, port, workdir, model_options=options, server_options=budget)
         print(f"== {name} ({phase} load): {' '.join(cmd)}", flush=True)
         with timed_start(cmd, port, logs / f"{name}-{phase}.log", args.startup_timeout) as (
             url,
@@ -244,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="mlxd's server.memory_budget, e.g. 4GiB: one float32 weights do not fit skips the "
+        "CPU path timing (as an 8B's on 24 GiB), which a busy machine repeats at every load",
+    )
     args = parser.parse_args(argv)
 
     binary = find_llama_server(args.llama_server)
