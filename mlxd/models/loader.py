@@ -139,7 +139,7 @@ def _pack_model_kept(
         log.info(
             "model '%s': packed %d layers, keeping them in %s", model_name, packed_here, cache.path
         )
-        cache.write(layers)
+        cache.write_in_background(layers)
 
 
 def load_llm(

@@ -18,8 +18,10 @@ The key says everything the arrays depend on, so a file is never stale:
 
 Files live under `packed/<weights key>/<layout key>.safetensors`: writing one removes the other
 layouts of the same weights, so the cache holds one packed copy per model, as the conversion
-cache holds one converted copy per GGUF. Writes are atomic (a temp file renamed into place);
-a missing, truncated or otherwise unreadable file means packing again, never a failed load.
+cache holds one converted copy per GGUF. Writes are atomic (a temp file renamed into place) and
+happen beside the model's first requests, not before them (the process waits for them before it
+exits); a missing, truncated or otherwise unreadable file means packing again, never a failed
+load.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ import mlx.core as mx
 from mlxd import kernels
 from mlxd.kernels import Packed
 from mlxd.models.sources import exclusive
+from mlxd.process_exit import before_exit
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,20 @@ FOLDER = "packed"
 FORMAT = "mlxd-packed-1"
 # The code that writes the layout: any change to it is a new layout.
 _LAYOUT_SOURCES = (Path(kernels.__file__), Path(__file__).with_name("packed.py"))
+
+
+_writes: list[threading.Thread] = []  # background writes not yet waited for
+_writes_lock = threading.Lock()
+
+
+def wait_for_writes() -> None:
+    """Return once every background write this process started has finished."""
+    while True:
+        with _writes_lock:
+            if not _writes:
+                return
+            thread = _writes.pop()
+        thread.join()
 
 
 def _digest(value: Any) -> str:
@@ -113,6 +131,22 @@ class PackedCache:
             # MLX checks every tensor's offsets against the file's size (a truncated file).
             log.warning("packed cache %s is unreadable, packing again: %s", self.path, exc)
             return None
+
+    def write_in_background(self, layers: Mapping[str, Packed]) -> None:
+        """`write` on a thread of its own, so the load does not wait for the disk (an 8B's
+        4.6 GiB); the process waits for it before it exits (`wait_for_writes`)."""
+        # Here: a layer read from an older file may still be lazy, and MLX arrays are
+        # evaluated on the thread whose stream they belong to.
+        mx.eval(
+            [array for packed in layers.values() for array in (packed.weight, packed.scale_bias)]
+        )
+        thread = threading.Thread(
+            target=self.write, args=(dict(layers),), name="packed-cache-write"
+        )
+        with _writes_lock:
+            _writes.append(thread)
+        before_exit(wait_for_writes)
+        thread.start()
 
     def write(self, layers: Mapping[str, Packed]) -> None:
         """Store `layers` (evaluated) for the next load and drop other layouts of the same

@@ -4,7 +4,10 @@ unreadable file falls back to packing (issue 26: a cached load should be a read)
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +57,11 @@ class Packings:
 
 def _load(model_dir: Path, cache_dir: Path | None, cpu_path: Any = None) -> Any:
     from mlxd.models.loader import load_llm
+    from mlxd.models.packed_cache import wait_for_writes
 
-    return load_llm(model_dir, model_name="m", cache_dir=cache_dir, cpu_path=cpu_path)
+    loaded = load_llm(model_dir, model_name="m", cache_dir=cache_dir, cpu_path=cpu_path)
+    wait_for_writes()  # the file is written beside the model's first requests
+    return loaded
 
 
 def _files(cache_dir: Path) -> list[Path]:
@@ -128,6 +134,50 @@ def test_rewritten_weights_are_packed_again(
     os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old mtime
     _load(copy, tmp_path / "cache")
     assert packings.count > 0
+
+
+def test_a_file_missing_some_layers_is_completed(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    fresh = _load(model_dir, None)
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    arrays, metadata = mx.load(str(kept), return_metadata=True)
+    assert isinstance(arrays, dict) and isinstance(metadata, dict)
+    layers = json.loads(metadata["layers"])
+    dropped = sorted(layers)[::2]
+    for name in dropped:
+        del layers[name], arrays[f"{name}.weight"], arrays[f"{name}.scale_bias"]
+    mx.save_safetensors(str(kept), arrays, metadata | {"layers": json.dumps(layers)})
+    del arrays
+    packings = Packings(monkeypatch)
+    # The rest is read (lazily), and kept again with the repacked ones by the writing thread.
+    loaded = _load(model_dir, tmp_path)
+    assert packings.count == len(dropped)
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+    packings.count = 0
+    _load(model_dir, tmp_path)
+    assert packings.count == 0
+
+
+def test_the_process_waits_for_the_write_before_it_exits(model_dir: Path, tmp_path: Path):
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "import mlx.core as mx\n"
+        "from mlxd.models.loader import load_llm\n"
+        "from mlxd.process_exit import exit_process\n"
+        "save = mx.save_safetensors\n"
+        "mx.save_safetensors = lambda *a, **k: (time.sleep(2), save(*a, **k))  # a slow disk\n"
+        "load_llm(Path(sys.argv[1]), model_name='m', cache_dir=Path(sys.argv[2]))\n"
+        "exit_process(0)\n"
+    )
+    command = [sys.executable, "-c", script, str(model_dir), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    (kept,) = _files(tmp_path)
+    arrays = mx.load(str(kept))  # whole: MLX checks every tensor against the file's size
+    assert isinstance(arrays, dict) and len(arrays) > 0
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "foreign"])
