@@ -16,12 +16,12 @@ The key says everything the arrays depend on, so a file is never stale:
 - the packing options: the int8 dot-product layout or the float one (the CPU path plan,
   models/cpu_path.py; "mixed" keeps the float layout beside float32 weights it dequantizes).
 
-Files live under `packed/<weights key>/<layout key>.safetensors`: writing one removes the other
-layouts of the same weights, so the cache holds one packed copy per model, as the conversion
-cache holds one converted copy per GGUF. Writes are atomic (a temp file renamed into place) and
-happen beside the model's first requests, not before them (the process waits for them before it
-exits); a missing, truncated or otherwise unreadable file means packing again, never a failed
-load.
+Files live under `packed/<model directory key>/<key>.safetensors`: writing one removes the
+others of the same directory (another layout, weights since rewritten), so the cache holds one
+packed copy per model, as the conversion cache holds one converted copy per GGUF. Writes are
+atomic (a temp file renamed into place) and happen beside the model's first requests, not
+before them (the process waits for them before it exits); a missing, truncated or otherwise
+unreadable file means packing again, never a failed load.
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ class PackedCache:
 
     @classmethod
     def for_model(cls, cache_dir: Path, model_dir: Path, dot: bool) -> PackedCache:
-        weights = _digest(weights_identity(model_dir))
-        layout = _digest(layout_identity(dot))
-        return cls(Path(cache_dir).expanduser() / FOLDER / weights / f"{layout}.safetensors")
+        weights = weights_identity(model_dir)
+        key = _digest([weights, layout_identity(dot)])
+        folder = Path(cache_dir).expanduser() / FOLDER / _digest(weights["dir"])
+        return cls(folder / f"{key}.safetensors")
 
     def read(self) -> dict[str, Packed] | None:
         """The packed layers by module name, lazily loaded; None when there is no readable file

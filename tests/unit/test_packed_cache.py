@@ -134,6 +134,7 @@ def test_rewritten_weights_are_packed_again(
     os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old mtime
     _load(copy, tmp_path / "cache")
     assert packings.count > 0
+    assert len(_files(tmp_path / "cache")) == 1  # the copy for the old files is gone
 
 
 def test_a_file_missing_some_layers_is_completed(
