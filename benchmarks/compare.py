@@ -111,8 +111,10 @@ def mlxd_command(
     workdir: Path,
     speculative_tokens: int = 0,
     model_options: Mapping[str, object] | None = None,
+    server_options: Mapping[str, object] | None = None,
 ) -> list[str]:
-    """`model_options`: more keys of the model's YAML entry (replacing these defaults)."""
+    """`model_options`: more keys of the model's YAML entry (replacing these defaults);
+    `server_options`: more keys of the `server` section."""
     # 32 matches mlx_lm.server's default --decode-concurrency.
     model: dict[str, object] = {"source": str(model_dir), "batch": {"max_batch_size": 32}}
     model |= model_options or {}
@@ -120,7 +122,8 @@ def mlxd_command(
         model["speculative"] = {"mode": "ngram", "num_tokens": speculative_tokens}
     config = {
         # A fresh cache_dir per run: an SSD KV tier left by an earlier run would serve prefills.
-        "server": {"host": "127.0.0.1", "port": port, "cache_dir": str(workdir / "cache")},
+        "server": {"host": "127.0.0.1", "port": port, "cache_dir": str(workdir / "cache")}
+        | dict(server_options or {}),
         "models": {MODEL_NAME: model},
     }
     config_path = workdir / "mlxd.yaml"

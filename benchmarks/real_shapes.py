@@ -14,7 +14,8 @@ that llama.cpp's own `llama-quantize` makes of it, and an MLX 4-bit directory of
 
 It reports each one's load time (process start to GET /health answering 200), the peak RSS
 (VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
-load and after each level, and tok/s and TTFT at each level from mlxd's load generator (same
+the first load (mlxd's: conversion and packing too), after the cached load and after each
+level, and tok/s and TTFT at each level from mlxd's load generator (same
 prompts, greedy, same max_tokens for every server). llama-server maps the GGUF, so its RSS
 counts the file's pages it touched; mlxd's worker holds its weights in memory.
 """
@@ -64,6 +65,7 @@ class PeerRun:
     first_load_s: float | None = None
     cached_load_s: float | None = None
     load_rss: int | None = None  # VmHWM right after the load
+    first_load_rss: int | None = None  # VmHWM right after the first load (mlxd: conversion too)
     level_rss: dict[int, int] = field(default_factory=dict)  # VmHWM after each level
     results: dict[int, LevelResult] = field(default_factory=dict)
     note: str = ""
@@ -135,6 +137,7 @@ def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) ->
             load_s,
         ):
             loads.append(load_s)
+            run.first_load_rss = run.first_load_rss or peak_rss(pid)
             run.load_rss = run.load_rss or peak_rss(pid)
             run.results[level] = sweep_level(url, level, args)
             run.level_rss[level] = peak_rss(pid)
@@ -157,7 +160,8 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
     }
     for phase in ("first", "cached"):
         port = free_port()
-        cmd = mlxd_command(source, port, workdir, model_options=options)
+        budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
+        cmd = mlxd_command(source, port, workdir, model_options=options, server_options=budget)
         print(f"== {name} ({phase} load): {' '.join(cmd)}", flush=True)
         with timed_start(cmd, port, logs / f"{name}-{phase}.log", args.startup_timeout) as (
             url,
@@ -169,7 +173,7 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
             if model.get("state") != "loaded":
                 raise RuntimeError(f"{name}: model not loaded: {model.get('error')}")
             if phase == "first":
-                run.first_load_s = load_s
+                run.first_load_s, run.first_load_rss = load_s, peak_rss(model["pid"])
                 continue
             run.cached_load_s, pid = load_s, model["pid"]
             run.load_rss = peak_rss(pid)
@@ -190,11 +194,14 @@ def _seconds(value: float | None) -> str:
 
 
 def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
-    print(f"\n{'server':<12} {'first load':>11} {'cached load':>12} {'RSS after load':>15}")
+    print(
+        f"\n{'server':<12} {'first load':>11} {'cached load':>12} {'RSS after load':>15} "
+        f"{'(first)':>9}"
+    )
     for name, run in runs.items():
         print(
             f"{name:<12} {_seconds(run.first_load_s):>11} {_seconds(run.cached_load_s):>12} "
-            f"{_gib(run.load_rss):>11} GiB"
+            f"{_gib(run.load_rss):>11} GiB {_gib(run.first_load_rss):>5} GiB"
         )
     print(f"\n{'server':<12} {'C':>3} {'tok/s':>7} {'TTFT p50':>9} {'fail':>5} {'peak RSS':>12}")
     for name, run in runs.items():
@@ -246,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="mlxd's server.memory_budget, e.g. 4GiB: one float32 weights do not fit skips the "
+        "CPU path timing (as an 8B's on 24 GiB), which a busy machine repeats at every load",
+    )
     args = parser.parse_args(argv)
 
     binary = find_llama_server(args.llama_server)

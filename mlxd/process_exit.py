@@ -23,11 +23,24 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
+
+# Work to finish before the process ends (os._exit runs no atexit hooks).
+_before_exit: list[Callable[[], None]] = []
+
+
+def before_exit(finish: Callable[[], None]) -> None:
+    """Have `exit_process` call `finish()` first (e.g. join a thread still writing a file)."""
+    if finish not in _before_exit:
+        _before_exit.append(finish)
 
 
 def exit_process(code: int) -> NoReturn:
-    """Flush what would otherwise be flushed at exit and end the process with `code`."""
+    """Finish what `before_exit` asked for, flush what would otherwise be flushed at exit and
+    end the process with `code`."""
+    for finish in _before_exit:
+        finish()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         # A closed stream or a broken pipe: nothing more can be written anyway.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,7 +26,7 @@ import numpy as np
 
 BLOCK = 32  # inputs per scale and bias in the kernel
 LANES = 16  # output rows per tile
-PACK_ROWS = 4096  # rows `pack` repacks at a time (a multiple of LANES)
+PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of LANES)
 
 
 ISA_ENV = "MLXD_KERNELS_ISA"
@@ -216,20 +217,26 @@ def _pack_rows(
     dot: bool = False,
     precise: bool = False,
 ) -> Packed:
-    """`PACK_ROWS` rows at a time into the result, so the temporaries are a slice's, not a
-    whole tensor's (an 8B's output head: 0.5 GiB)."""
+    """`PACK_ROWS` rows at a time into the result, on a thread per core, so the temporaries
+    are a few slices', not a whole tensor's (an 8B's output head: 0.5 GiB)."""
     if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
     rows, words = weight.shape
     inputs = words * 32 // bits
+    # MLX evaluates on this thread (the arrays belong to its stream); numpy on the packers.
+    raw = _row_bytes(weight)
+    scales32, biases32 = (np.asarray(a.astype(mx.float32)) for a in (scales, biases))
     packed_weight = np.empty((rows, words * 4), np.uint8)
     both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
-    for start in range(0, rows, PACK_ROWS):
+
+    def pack_slice(start: int) -> None:
         stop = min(start + PACK_ROWS, rows)
-        values = _values(weight[start:stop], bits)
-        packed_weight[start:stop] = layout(values, bits).reshape(stop - start, -1)
         tiles = slice(start // LANES, stop // LANES)
-        both[tiles] = _scales_biases(scales[start:stop], biases[start:stop], group_size)
+        packed_weight[start:stop] = layout(raw[tiles], bits).reshape(stop - start, -1)
+        both[tiles] = _scales_biases(scales32[start:stop], biases32[start:stop], group_size)
+
+    for _ in _packers.map(pack_slice, range(0, rows, PACK_ROWS)):
+        pass  # raises what a slice raised
     if np.array_equal(both.astype(np.float16).astype(np.float32), both):
         both = both.astype(np.float16)
     packed = Packed(mx.array(packed_weight), mx.array(both), bits, dot, precise)
@@ -237,39 +244,49 @@ def _pack_rows(
     return packed
 
 
-def _values(weight: mx.array, bits: int) -> np.ndarray:
-    """The quantized values one byte each, [N / 16 tiles, 16, K]."""
-    raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)  # little-endian: first value lowest
+def _row_bytes(weight: mx.array) -> np.ndarray:
+    """MLX's packed rows as bytes, [N / 16 tiles, 16, K * bits / 8]: little-endian words, so
+    each byte holds one 8-bit value or two 4-bit ones, the earlier in the low nibble."""
+    raw = np.asarray(weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32))
     rows = raw.shape[0]
-    # 4-bit words hold the earlier value in the low nibble.
-    q = raw if bits == 8 else np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(rows, -1)
-    return q.reshape(rows // LANES, LANES, -1)
+    return raw.view(np.uint8).reshape(rows // LANES, LANES, -1)
 
 
 def _float_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
-    if bits == 4:  # inputs k and k + 1 of a row share a byte
-        tiles = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
+    # MLX's bytes already pair inputs k and k + 1 of a row as the kernel does (4 bits).
     return np.ascontiguousarray(tiles.transpose(0, 2, 1))
 
 
 def _dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
-    count, _, k = tiles.shape
-    if bits == 4:  # [tiles, 16, K / 8, 2 halves, 4]: the second half in the high nibbles
-        halves = tiles.reshape(count, LANES, k // 8, 2, 4)
-        tiles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+    count, _, width = tiles.shape
+    if bits == 4:
+        # Bytes b0..b3 hold inputs k..k+7 in pairs (b0 = q0 | q1 << 4, …); the kernel wants
+        # byte i = q[k+i] | q[k+4+i] << 4: nibbles moved between bytes, never split out.
+        b0, b1, b2, b3 = (tiles.reshape(count, LANES, width // 4, 4)[..., i] for i in range(4))
+        high = np.uint8(0xF0)
+        tiles = np.stack(
+            [
+                (b0 & 0xF) | (b2 << 4),
+                (b0 >> 4) | (b2 & high),
+                (b1 & 0xF) | (b3 << 4),
+                (b1 >> 4) | (b3 & high),
+            ],
+            axis=-1,
+        )
     else:
-        tiles = tiles.reshape(count, LANES, k // 4, 4)
+        tiles = tiles.reshape(count, LANES, width // 4, 4)
     return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
 
 
-def _scales_biases(scales: mx.array, biases: mx.array, group_size: int) -> np.ndarray:
+def _scales_biases(scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
     """[rows, K / group] → [tiles, K / 32 blocks, 2, 16]: each tile's 16 scales, then biases."""
-    both = np.stack([np.asarray(scales.astype(mx.float32)), np.asarray(biases.astype(mx.float32))])
+    both = np.stack([scales, biases])
     rows = both.shape[1]
     both = np.repeat(both, group_size // BLOCK, axis=2).reshape(2, rows // LANES, LANES, -1)
     return both.transpose(1, 3, 0, 2)
 
 
+_packers = ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="pack")
 _cpu = _load()
 
 

@@ -31,7 +31,13 @@ from mlxd.models.gguf_errors import (
     UnsupportedTokenizer,
 )
 from mlxd.models.gguf_header import GGUFFile, TensorInfo
-from mlxd.models.gguf_quants import GROUP_SIZE, Converted, convert, is_supported
+from mlxd.models.gguf_quants import (
+    ERROR_SAMPLE_BYTES,
+    GROUP_SIZE,
+    Converted,
+    convert,
+    is_supported,
+)
 from mlxd.models.gguf_tokenizer import (
     build_tokenizer,
     generation_config,
@@ -225,13 +231,14 @@ def _write_weights(
     for (qtype, width), errors in requantized.items():
         log.warning(
             "%d %s tensors requantized to %d-bit groups of %d (MLX has no exact equivalent): "
-            "relative RMS error mean %.2e, max %.2e (measured on up to 32 MiB of each)",
+            "relative RMS error mean %.2e, max %.2e (measured on up to %d MiB of each)",
             len(errors),
             qtype,
             width,
             GROUP_SIZE,
             float(np.mean(errors)),
             max(errors),
+            ERROR_SAMPLE_BYTES >> 20,
         )
     return bits
 

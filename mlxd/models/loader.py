@@ -38,6 +38,7 @@ from mlxd.models.packed import (
     pack_model,
     unpackable_layers,
 )
+from mlxd.models.packed_cache import PackedCache
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,28 @@ def _with_adapter(model: nn.Module, adapter: Path, dtype: str | None, model_name
     return model
 
 
+def _pack_model_kept(
+    model: nn.Module,
+    path: Path,
+    model_name: str,
+    path_for: Callable[[int], str] | None,
+    dot: bool,
+    cache_dir: Path | None,
+) -> None:
+    """`pack_model`, reading the packed layers kept under `cache_dir` and keeping them there
+    for the next load when some had to be packed (models/packed_cache.py)."""
+    if cache_dir is None:
+        pack_model(model, path_for, dot)
+        return
+    cache = PackedCache.for_model(cache_dir, path, dot)
+    layers, packed_here = pack_model(model, path_for, dot, cache.read())
+    if packed_here:
+        log.info(
+            "model '%s': packed %d layers, keeping them in %s", model_name, packed_here, cache.path
+        )
+        cache.write_in_background(layers)
+
+
 def load_llm(
     path: Path,
     *,
@@ -127,6 +150,7 @@ def load_llm(
     adapter: Path | None = None,
     before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
     cpu_path: Choice | None = None,
+    cache_dir: Path | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
@@ -136,8 +160,9 @@ def load_llm(
     format, applied on top in the same dtype. `before_eval(model, config)` may replace the
     model while its weights are still lazy (a distributed rank keeps only its shard, so only
     that part is ever read). `cpu_path`: for dtype auto on the CPU, packed, float32 or both
-    (models/cpu_path.py; without one a packable model runs packed). Raises ModelLoadError
-    naming `model_name`.
+    (models/cpu_path.py; without one a packable model runs packed). `cache_dir`: where the
+    packed layout is kept for the next load (models/packed_cache.py; None: packed every time).
+    Raises ModelLoadError naming `model_name`.
     """
     path = check_model_dir(path, dtype, model_name)
     if adapter is not None and (problem := adapter_problem(adapter)):
@@ -187,7 +212,10 @@ def load_llm(
             model = _with_adapter(model, adapter, "float32" if packed else target, model_name)
         if packed:
             path_for = cpu_path.path_for if cpu_path and plan == "mixed" else None
-            pack_model(model, path_for, dot=cpu_path is not None and cpu_path.dot)
+            dot = cpu_path is not None and cpu_path.dot
+            # LoRA layers rename the layers they wrap: only a base model's are kept.
+            kept = cache_dir if adapter is None else None
+            _pack_model_kept(model, path, model_name, path_for, dot, kept)
         if before_eval is not None:
             model = before_eval(model, config)
         # Private arrays too (Llama 3's scaled rope frequencies): one left lazy holds the

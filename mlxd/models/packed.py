@@ -20,7 +20,7 @@ multiplied by the kernels' gather matmul (csrc/gather_qmatmul.cpp) instead of ML
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import mlx.core as mx
@@ -132,12 +132,15 @@ class PackedEmbedding(nn.Module):
     (kernels.take_rows), or from the float32 copy where the plan keeps one (mixed)."""
 
     def __init__(
-        self, embedding: nn.QuantizedEmbedding, path_for: Callable[[int], str] | None = None
+        self,
+        embedding: nn.QuantizedEmbedding,
+        path_for: Callable[[int], str] | None = None,
+        packed: Packed | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
         # The float layout, whatever the plan's: `take_rows` reads it.
-        self.output = _packed_linear(embedding, None, path_for, dot=False)
+        self.output = _packed_linear(embedding, None, path_for, packed or _pack(embedding, False))
 
     def __call__(self, ids: mx.array) -> mx.array:
         if isinstance(self.output, SplitLinear):
@@ -334,9 +337,9 @@ def _packed_linear(
     module: nn.QuantizedLinear | nn.QuantizedEmbedding,
     bias: mx.array | None,
     path_for: Callable[[int], str] | None,
-    dot: bool = False,
+    weights: Packed,
 ) -> nn.Module:
-    packed = PackedLinear(_pack(module, dot), bias)
+    packed = PackedLinear(weights, bias)
     if path_for is None:
         return packed
     assert module.biases is not None  # affine (see _why_not_packable)
@@ -356,14 +359,38 @@ def _module_at(model: nn.Module, name: str) -> nn.Module:
     return module
 
 
+def fits(packed: Packed, module: Quantized, dot: bool) -> bool:
+    """Whether `packed` (e.g. read from models/packed_cache.py) is `module`'s weights in the
+    layout asked for: shapes, widths, dtypes and layout flags (not the values). An expert
+    stack [E, N, ...] is E matrices laid out one after another."""
+    *experts, rows, words = module.weight.shape
+    inputs = words * 32 // module.bits
+    width = KERNEL_BITS[module.bits]
+    tiles = (*experts, rows // kernels.LANES, inputs // kernels.BLOCK, 2, kernels.LANES)
+    return (
+        packed.bits == width
+        and packed.dot == dot
+        and packed.precise == dot
+        and packed.weight.dtype == mx.uint8
+        and packed.weight.shape == (*experts, rows, inputs * width // 8)
+        and packed.scale_bias.dtype in (mx.float16, mx.float32)
+        and packed.scale_bias.shape == tiles
+    )
+
+
 def pack_model(
-    model: nn.Module, path_for: Callable[[int], str] | None = None, dot: bool = False
-) -> None:
+    model: nn.Module,
+    path_for: Callable[[int], str] | None = None,
+    dot: bool = False,
+    cached: Mapping[str, Packed] | None = None,
+) -> tuple[dict[str, Packed], int]:
     """Swap `model`'s quantized layers the kernels take for packed ones in place (a mixture of
     experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
     float32 weights for the rows it gives to "float32"; with `dot` the linears and experts are
     multiplied as int8 dot products (kernels.pack_dot, precise). A tied embedding keeps the
-    float layout, which its lookups read (kernels.take_rows).
+    float layout, which its lookups read (kernels.take_rows). A layer whose packed weights are
+    in `cached` (by name) and `fits` takes them as they are. Returns the packed weights by
+    layer name, and how many layers were packed here.
 
     One layer at a time: packing reads the stored arrays, and each layer's are released (and
     MLX's buffer cache emptied) as soon as its packed one is in place, so a load holds the
@@ -380,16 +407,27 @@ def pack_model(
         if not _why_not_packable(m)
     ]
     names = [name for _, name in sorted(packable, key=lambda size_name: -size_name[0])]
+    layers: dict[str, Packed] = {}
     for name in names:
         module = _module_at(model, name)
+        assert isinstance(module, Quantized)
+        layout = dot and not isinstance(module, nn.QuantizedEmbedding)  # see PackedEmbedding
+        weights = (cached or {}).get(name)
+        if weights is None or not fits(weights, module, layout):
+            if isinstance(module, QuantizedSwitchLinear):
+                weights = _pack_experts(module, layout)
+            else:
+                weights = _pack(module, layout)
+        layers[name] = weights
         replacement: nn.Module
         if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy
-            replacement = PackedSwitchLinear(_pack_experts(module, dot), module.get("bias"))
+            replacement = PackedSwitchLinear(weights, module.get("bias"))
         elif isinstance(module, nn.QuantizedLinear):
-            replacement = _packed_linear(module, module.get("bias"), path_for, dot)
+            replacement = _packed_linear(module, module.get("bias"), path_for, weights)
         else:
-            assert isinstance(module, nn.QuantizedEmbedding)
-            replacement = PackedEmbedding(module, path_for)
+            replacement = PackedEmbedding(module, path_for, weights)
         del module  # the last reference but the model's, which the update drops
         model.update_modules(tree_unflatten([(name, replacement)]))
         mx.clear_cache()
+    reused = sum(1 for name, weights in layers.items() if (cached or {}).get(name) is weights)
+    return layers, len(layers) - reused

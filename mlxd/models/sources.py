@@ -115,9 +115,30 @@ def _hf_snapshot(source: str, model_name: str) -> Path:
     ) from error
 
 
+def _file_digest(path: Path, cache_dir: Path) -> str:
+    """The sha256 of the file at `path`, remembered under cache_dir/digests/ by what changes
+    whenever the file does: device, inode, size, mtime and ctime (hashing a 4.6 GiB GGUF
+    takes ≈3 s, as long as llama.cpp's whole cached load). A copy is a new inode; a rewrite
+    changes the mtime and the ctime, and no program can set the ctime back (utime sets it
+    to now), so a remembered digest is only used for the very file it was computed from."""
+    stat = path.stat()
+    identity = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
+    memo = Path(cache_dir).expanduser() / "digests" / hashlib.sha256(identity.encode()).hexdigest()
+    with suppress(OSError, UnicodeDecodeError):
+        remembered = memo.read_text().strip()
+        if len(remembered) == 64 and all(c in "0123456789abcdef" for c in remembered):
+            return remembered
+    digest = _sha256(path)
+    with suppress(OSError):  # best effort: the next load hashes again
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=f".{memo.name}.", dir=memo.parent)
+        with os.fdopen(handle, "w") as out:
+            out.write(digest)
+        os.replace(partial, memo)
+    return digest
+
+
 def _sha256(path: Path) -> str:
-    # Hashing every time (≈0.1 s per 100 MB) is cheaper to trust than a (path, size, mtime) index
-    # that a copied or rewritten file could fool.
     digest = hashlib.sha256()
     with (
         path.open("rb") as f,
@@ -136,7 +157,7 @@ def _sha256(path: Path) -> str:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
     """An flock held while converting; the kernel drops it if the process dies."""
     with lock_path.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -174,14 +195,14 @@ def _converted(
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
     complete; the lock makes concurrent importers of the same file wait for one conversion.
     """
-    digest = f"{(digest or _sha256(weights))[:16]}-v{importer.version}"
+    digest = f"{(digest or _file_digest(weights, cache_dir))[:16]}-v{importer.version}"
     root = Path(cache_dir).expanduser() / importer.folder
     final = root / digest
     if final.is_dir():
         return final
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(root / f".{digest}.lock"):
+        with exclusive(root / f".{digest}.lock"):
             if final.is_dir():
                 return final
             # Leftovers of a crashed conversion: nobody else can hold this digest's lock.

@@ -118,6 +118,7 @@ class LLMEngine:
             model_name=name,
             adapter=config.adapter,
             cpu_path=cpu_path,
+            cache_dir=server().cache_dir,
         )
         identity = _identity(config, loaded)
         cache_dir = server().cache_dir

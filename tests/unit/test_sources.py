@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,6 +85,27 @@ def test_gguf_converted_once(tmp_path: Path, cache: Path) -> None:
     assert resolve(copy, cache) == converted
     assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
     assert entries(cache / "gguf") == [converted.name]
+
+
+def test_a_gguf_is_hashed_once_until_it_changes(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    hashed: list[Path] = []
+    sha256 = sources._sha256
+    monkeypatch.setattr(sources, "_sha256", lambda path: hashed.append(path) or sha256(path))
+    converted = resolve(gguf, cache)
+    assert resolve(gguf, cache) == converted and hashed == [gguf]
+    # Rewritten in place, same size, the old mtime put back: its ctime still moved.
+    data = bytearray(gguf.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte
+    stat = gguf.stat()
+    gguf.write_bytes(bytes(data))
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert resolve(gguf, cache) != converted and hashed == [gguf, gguf]
+    # A copy is another file: hashed, and the same content finds the same conversion.
+    copy = shutil.copy2(gguf, tmp_path / "copy.gguf")
+    assert resolve(copy, cache) == resolve(gguf, cache) and len(hashed) == 3
 
 
 def test_concurrent_conversions_share_one_dir(tmp_path: Path, cache: Path) -> None:

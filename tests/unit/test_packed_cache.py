@@ -1,0 +1,227 @@
+"""The kernels' packed layout kept under cache_dir (models/packed_cache.py): a second load reads it
+instead of repacking and computes exactly what a fresh pack does; a changed key repacks; an
+unreadable file falls back to packing (issue 26: a cached load should be a read)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
+from tests.unit.test_kernels import _greedy
+
+PROMPT = mx.array([[1, 5, 9, 42, 7]])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama GGUF converted as the loader finds it: tied embedding (packed too), Q4_0."""
+    from mlxd import kernels
+    from mlxd.models.gguf import convert_gguf
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    root = tmp_path_factory.mktemp("packed-cache")
+    config = tiny_config(
+        "llama", hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=True
+    )
+    write_gguf(root / "m.gguf", config, tiny_weights(config), Q.Q4_0)
+    (root / "model").mkdir()
+    convert_gguf(root / "m.gguf", root / "model")
+    return root / "model"
+
+
+class Packings:
+    """Counts the layers packed (rather than read from the cache) while it is installed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from mlxd.models import packed
+
+        self.count = 0
+        original = packed._pack
+
+        def counted(*args: Any) -> Any:
+            self.count += 1
+            return original(*args)
+
+        monkeypatch.setattr(packed, "_pack", counted)
+
+
+def _load(model_dir: Path, cache_dir: Path | None, cpu_path: Any = None) -> Any:
+    from mlxd.models.loader import load_llm
+    from mlxd.models.packed_cache import wait_for_writes
+
+    loaded = load_llm(model_dir, model_name="m", cache_dir=cache_dir, cpu_path=cpu_path)
+    wait_for_writes()  # the file is written beside the model's first requests
+    return loaded
+
+
+def _files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "packed").glob("*/*.safetensors"))
+
+
+def _dot_choice() -> Any:
+    """A CPU path that runs every phase packed with the int8 dot-product layout."""
+    from mlxd.models.cpu_path import Choice, Phases, Timings
+
+    fast = (1.0, 2.0, 3.0, 40.0)
+    timings = Timings(fast, (2.0, 4.0, 6.0, 80.0), (9.0, 9.0, 9.0, 90.0), (0.5, 1.0, 1.5, 20.0))
+    phases = Phases(prefill=16)
+    choice = Choice("packed", ("packed",) * 4, phases, timings, 0)
+    assert choice.dot
+    return choice
+
+
+def test_the_second_load_reads_the_packed_layers_and_computes_the_same(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    fresh = _load(model_dir, None)  # packed here, nothing kept
+    packings = Packings(monkeypatch)
+    first = _load(model_dir, tmp_path)
+    packed_layers = packings.count
+    assert packed_layers > 0 and len(_files(tmp_path)) == 1
+    packings.count = 0
+    second = _load(model_dir, tmp_path)
+    assert packings.count == 0  # every layer read from the file
+    expected = fresh.model(PROMPT)
+    for loaded in (first, second):
+        assert mx.array_equal(loaded.model(PROMPT), expected).item()
+        assert _greedy(loaded.model, PROMPT, 8) == _greedy(fresh.model, PROMPT, 8)
+    assert second.nbytes == fresh.nbytes
+    # The tied embedding looks rows up from the packed table it read.
+    assert mx.array_equal(
+        second.model.model.embed_tokens(PROMPT), fresh.model.model.embed_tokens(PROMPT)
+    ).item()
+
+
+def test_another_layout_repacks_and_replaces_the_kept_one(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    _load(model_dir, tmp_path)
+    (float_layout,) = _files(tmp_path)
+    packings = Packings(monkeypatch)
+    dot = _load(model_dir, tmp_path, _dot_choice())
+    assert packings.count > 0
+    (dot_layout,) = _files(tmp_path)  # one packed copy per model
+    assert dot_layout != float_layout and dot_layout.parent == float_layout.parent
+    reference = _load(model_dir, None, _dot_choice())
+    packings.count = 0
+    again = _load(model_dir, tmp_path, _dot_choice())
+    assert packings.count == 0
+    assert mx.array_equal(again.model(PROMPT), reference.model(PROMPT)).item()
+    assert mx.array_equal(dot.model(PROMPT), reference.model(PROMPT)).item()
+
+
+def test_rewritten_weights_are_packed_again(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "model")
+    _load(copy, tmp_path / "cache")
+    packings = Packings(monkeypatch)
+    config = copy / "config.json"
+    stat = config.stat()
+    config.write_text(config.read_text())  # same bytes, rewritten: not trusted
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old mtime
+    _load(copy, tmp_path / "cache")
+    assert packings.count > 0
+    assert len(_files(tmp_path / "cache")) == 1  # the copy for the old files is gone
+
+
+def test_a_file_missing_some_layers_is_completed(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    fresh = _load(model_dir, None)
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    arrays, metadata = mx.load(str(kept), return_metadata=True)
+    assert isinstance(arrays, dict) and isinstance(metadata, dict)
+    layers = json.loads(metadata["layers"])
+    dropped = sorted(layers)[::2]
+    for name in dropped:
+        del layers[name], arrays[f"{name}.weight"], arrays[f"{name}.scale_bias"]
+    mx.save_safetensors(str(kept), arrays, metadata | {"layers": json.dumps(layers)})
+    del arrays
+    packings = Packings(monkeypatch)
+    # The rest is read (lazily), and kept again with the repacked ones by the writing thread.
+    loaded = _load(model_dir, tmp_path)
+    assert packings.count == len(dropped)
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+    packings.count = 0
+    _load(model_dir, tmp_path)
+    assert packings.count == 0
+
+
+def test_the_process_waits_for_the_write_before_it_exits(model_dir: Path, tmp_path: Path):
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "import mlx.core as mx\n"
+        "from mlxd.models.loader import load_llm\n"
+        "from mlxd.process_exit import exit_process\n"
+        "save = mx.save_safetensors\n"
+        "mx.save_safetensors = lambda *a, **k: (time.sleep(2), save(*a, **k))  # a slow disk\n"
+        "load_llm(Path(sys.argv[1]), model_name='m', cache_dir=Path(sys.argv[2]))\n"
+        "exit_process(0)\n"
+    )
+    command = [sys.executable, "-c", script, str(model_dir), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    (kept,) = _files(tmp_path)
+    arrays = mx.load(str(kept))  # whole: MLX checks every tensor against the file's size
+    assert isinstance(arrays, dict) and len(arrays) > 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "foreign"])
+def test_an_unreadable_cache_falls_back_to_packing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+):
+    fresh = _load(model_dir, None)
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    if damage == "truncated":
+        os.truncate(kept, kept.stat().st_size * 2 // 3)
+    elif damage == "empty":
+        kept.write_bytes(b"")
+    elif damage == "garbage":
+        kept.write_bytes(os.urandom(4096))
+    else:  # a valid safetensors file with other arrays under the layers' names
+        arrays, metadata = mx.load(str(kept), return_metadata=True)
+        assert isinstance(arrays, dict) and isinstance(metadata, dict)
+        mx.save_safetensors(str(kept), {k: v[:16] for k, v in arrays.items()}, metadata)
+    packings = Packings(monkeypatch)
+    loaded = _load(model_dir, tmp_path)
+    assert packings.count > 0
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+    # Kept again, whole: the next load reads it.
+    packings.count = 0
+    _load(model_dir, tmp_path)
+    assert packings.count == 0
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_next_load(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    (tmp_path / "packed").write_text("a file where the folder would go")
+    fresh = _load(model_dir, None)
+    loaded = _load(model_dir, tmp_path)
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+
+
+def test_the_key_names_the_isa_that_reads_the_layout(monkeypatch: pytest.MonkeyPatch):
+    from mlxd import kernels
+    from mlxd.models.packed_cache import layout_identity
+
+    here = layout_identity(False)
+    assert here["isa"] == kernels.isa() and here != layout_identity(True)
+    monkeypatch.setattr(kernels, "isa", lambda: "generic")
+    assert layout_identity(False) != here
