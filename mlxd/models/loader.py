@@ -28,7 +28,7 @@ from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
-from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
+from mlxd.models.kernel_layers import stores_half_kv, use_kernel_attention, use_kernel_layers
 from mlxd.models.layer_eval import evaluate_per_layer
 from mlxd.models.packed import (
     can_pack,
@@ -57,6 +57,9 @@ class LoadedModel:
     # Quantized layers of a packed model the kernels do not take, run float32: name → why.
     float32_layers: dict[str, str] = field(default_factory=dict)
     experts: str = ""  # which quantized expert layers run on MLX's quantized matmul, if any
+    # What the KV cache stores: "float16" on the CPU kernel path (cache.kv_dtype), else the
+    # compute dtype; None where that follows the stored weights (kept as stored).
+    kv_dtype: str | None = None
 
 
 def _target_dtype(dtype: str) -> str | None:
@@ -127,6 +130,7 @@ def load_llm(
     adapter: Path | None = None,
     before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
     cpu_path: Choice | None = None,
+    kv_dtype: str = "float16",
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
@@ -136,8 +140,9 @@ def load_llm(
     format, applied on top in the same dtype. `before_eval(model, config)` may replace the
     model while its weights are still lazy (a distributed rank keeps only its shard, so only
     that part is ever read). `cpu_path`: for dtype auto on the CPU, packed, float32 or both
-    (models/cpu_path.py; without one a packable model runs packed). Raises ModelLoadError
-    naming `model_name`.
+    (models/cpu_path.py; without one a packable model runs packed). `kv_dtype`: the
+    configured `cache.kv_dtype` (float16 is taken where `stores_half_kv` allows). Raises
+    ModelLoadError naming `model_name`.
     """
     path = check_model_dir(path, dtype, model_name)
     if adapter is not None and (problem := adapter_problem(adapter)):
@@ -171,6 +176,8 @@ def load_llm(
         experts = experts_summary(model) if packed else ""
         if experts:
             log.info("model '%s': %s", model_name, experts)
+        compute = "float32" if packed else target  # the activations' dtype (None: as stored)
+        half_kv = stores_half_kv(str(config.get("model_type", "")), compute, kv_dtype)
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
@@ -202,7 +209,7 @@ def load_llm(
             kernels.share_cores(plan == "packed" and not one_thread)
             # MLX composes rope, norms and attention from element-wise ops on the CPU.
             use_kernel_layers(model)
-            use_kernel_attention(model)
+            use_kernel_attention(model, mx.float16 if half_kv else None)
             if packed:
                 evaluate_per_layer(model)
     except ModelLoadError:
@@ -221,4 +228,5 @@ def load_llm(
         cpu_path=cpu_path if plan is not None else None,
         float32_layers=unpackable,
         experts=experts,
+        kv_dtype="float16" if half_kv else compute,
     )
