@@ -263,6 +263,7 @@ def test_attention_equals_mlx(kernel_isa: str, shape: tuple[int, ...]) -> None:
         (1, 4, 2, 12, 70, 256),
         (2, 4, 4, 7, 7, 80),
         (1, 4, 1, 1, 33, 80),
+        (1, 4, 2, 3, 21, 40),  # rows' tails (40 = 2 × 16 + 8) in the scalar conversion
     ],
 )
 def test_attention_reads_float16_keys_and_values(kernel_isa: str, shape: tuple[int, ...]) -> None:
@@ -283,6 +284,20 @@ def test_attention_reads_float16_keys_and_values(kernel_isa: str, shape: tuple[i
         assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), (shape, mask)
         # Its float32 path over the widened halves agrees: only the loads differ.
         assert mx.allclose(got, kernels.attention(q, wide_k, wide_v, 0.125, mask), atol=1e-5).item()
+
+
+def test_attention_widens_every_float16_value_exactly(kernel_isa: str) -> None:
+    """One key: its value comes out as it is, so each of the 65,536 half bit patterns
+    (subnormals, infinities, NaNs) must widen to exactly MLX's float32 (the last few through
+    the scalar conversion of a row's tail)."""
+    every = mx.array(np.arange(2**16, dtype=np.uint16).view(np.float16))
+    value = mx.concatenate([every, every[1:6]]).reshape(1, 1, 1, -1)
+    q, k = mx.ones((1, 1, 1, 64)), mx.zeros((1, 1, 1, 64), dtype=mx.float16)
+    got = np.array(kernels.attention(q, k, value, 0.125, None)).reshape(-1)
+    expected = np.array(value.astype(mx.float32)).reshape(-1)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan], expected[~nan])  # (-0 comes out 0: 0 + 1 × -0)
 
 
 def test_attention_refuses_mixed_or_other_kv_dtypes() -> None:
