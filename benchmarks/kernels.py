@@ -238,6 +238,33 @@ def kv_dtype_ms(isas: list[str], threads: int | None) -> None:
                 )
 
 
+def store_kv_as(model, dtype) -> None:
+    """The model's KernelAttention layers store their KV in `dtype` (None: float32)."""
+    from mlxd.models.kernel_layers import KernelAttention
+
+    for _, module in model.named_modules():
+        if isinstance(module, KernelAttention):
+            module.kv_dtype = dtype
+
+
+def kv_steps(model, rounds: int) -> None:
+    """Whole SmolLM2 decode steps with float32 and float16 KV at a short and a long context
+    (batches 1 and 8: each first prefills batch × context tokens)."""
+    import mlx.core as mx
+
+    print(f"\nwhole decode step, ms (median of {rounds}): float32 KV | float16 KV")
+    for context in (128, 2048):
+        for batch in (1, 8):
+            store_kv_as(model, None)
+            full = step_ms(model, batch, context, rounds)
+            store_kv_as(model, mx.float16)
+            half = step_ms(model, batch, context, rounds)
+            print(
+                f"batch {batch}, kv {context:>4}: {full:7.2f} | {half:7.2f} ({full / half:.2f}x)",
+                flush=True,
+            )
+
+
 def kv_memory(model, tokens: int) -> None:
     """A `tokens`-long SmolLM2 context prefilled (chunks of 512) with its KV in float32, then
     float16: the cache's bytes and the process's RSS growth while it is held."""
@@ -247,14 +274,10 @@ def kv_memory(model, tokens: int) -> None:
     import psutil
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxd.models.kernel_layers import KernelAttention
-
-    layers = [m for _, m in model.named_modules() if isinstance(m, KernelAttention)]
     process = psutil.Process()
     print(f"\nKV of one {tokens}-token SmolLM2 context (prefilled in chunks of 512)")
     for dtype in (None, mx.float16):
-        for layer in layers:
-            layer.kv_dtype = dtype
+        store_kv_as(model, dtype)
         gc.collect()
         mx.clear_cache()
         before = process.memory_info().rss
@@ -267,8 +290,6 @@ def kv_memory(model, tokens: int) -> None:
         label = "float16" if dtype is not None else "float32"
         print(f"{label}: cache arrays {held / 2**20:7.1f} MiB, RSS grew {grown / 2**20:7.1f} MiB")
         del cache
-    for layer in layers:
-        layer.kv_dtype = mx.float16
 
 
 def op_ms(model, batch: int, context: int, layers: int) -> list[tuple[str, float, float]]:
@@ -301,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-only", action="store_true", help="only the float16 vs float32 KV tables"
     )
-    parser.add_argument("--kv-tokens", type=int, default=8192, help="the KV memory's context")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=8192, help="the KV memory's context (0: skip)"
+    )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
@@ -334,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     packed = load_llm(model_dir, dtype="auto", model_name="smol")
     kernels.use_isa(chosen or isas[0])
-    kv_memory(packed.model, args.kv_tokens)
+    if args.kv_tokens:
+        kv_memory(packed.model, args.kv_tokens)
+    kv_steps(packed.model, args.rounds)
     if args.kv_only:
         return 0
     kernels.use_isa(chosen or isas[0])

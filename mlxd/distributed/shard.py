@@ -46,7 +46,7 @@ def load_rank(
     model_name: str,
     dtype: str = "auto",
     group: mx.distributed.Group | None = None,
-    kv_dtype: str = "float16",
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """This rank's part of the model in `path` (a resolved model dir, see
     models.sources.resolve_source), split over `group` (default: the world mlx.launch made).

@@ -143,14 +143,17 @@ def _standard_attention_classes() -> tuple[type, ...]:
 
 def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) -> bool:
     """Whether a model of config `model_type` computing in `compute_dtype` keeps its KV cache
-    in float16 (`cache.kv_dtype: float16`): on the CPU backend, where `KernelAttention` runs
-    it on the kernel with float32 activations. The loader and the memory estimate both ask."""
+    in float16 (`cache.kv_dtype`): on the CPU backend, where `KernelAttention` runs it on the
+    kernel with float32 activations; with `auto`, where the kernels widen halves in hardware
+    (every ISA variant but generic, whose software conversion made decode attention 4-12x
+    slower: docs/performance.md). The loader and the memory estimate both ask."""
     return (
-        kv_dtype == "float16"
+        kv_dtype != "float32"
         and compute_dtype == "float32"
         and backend_name() == "cpu"
         and kernels.available()
         and MODEL_REMAPPING.get(model_type, model_type) in STANDARD_ATTENTION_MODULES
+        and (kv_dtype == "float16" or kernels.isa() != "generic")
     )
 
 

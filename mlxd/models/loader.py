@@ -130,7 +130,7 @@ def load_llm(
     adapter: Path | None = None,
     before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
     cpu_path: Choice | None = None,
-    kv_dtype: str = "float16",
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 

@@ -406,7 +406,7 @@ def _load_draft(
     speculative: SpeculativeConfig,
     target: LoadedModel,
     cache_dir: Path,
-    kv_dtype: str = "float16",
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """Speculative mode draft's model, checked to share the target's vocabulary and to have
     caches that can be trimmed back after a rejected draft."""
