@@ -265,31 +265,43 @@ def kv_steps(model, rounds: int) -> None:
             )
 
 
-def kv_memory(model, tokens: int) -> None:
-    """A `tokens`-long SmolLM2 context prefilled (chunks of 512) with its KV in float32, then
-    float16: the cache's bytes and the process's RSS growth while it is held."""
-    import gc
+def kv_memory(model_dir: Path, tokens: int) -> None:
+    """A `tokens`-long SmolLM2 context with its KV in float32, then float16, each in a process
+    of its own (a process's RSS keeps what it freed): `kv_memory_here`'s line for each."""
+    import subprocess
 
+    print(f"\nKV of one {tokens}-token SmolLM2 context (prefilled in chunks of 512)", flush=True)
+    for dtype in ("float32", "float16"):
+        argv = [sys.executable, "-m", "benchmarks.kernels", "--kv-memory", dtype]
+        argv += ["--kv-tokens", str(tokens), "--model-dir", str(model_dir)]
+        subprocess.run(argv, check=True)
+
+
+def kv_memory_here(model_dir: Path, dtype: str, tokens: int) -> None:
+    """Load SmolLM2 as the engine does with `cache.kv_dtype: dtype`, prefill `tokens` tokens
+    and print the cache's bytes, the RSS it added and MLX's peak over the load."""
     import mlx.core as mx
     import psutil
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxd.models.loader import load_llm
+
+    model = load_llm(model_dir, dtype="auto", model_name="smol", kv_dtype=dtype).model
     process = psutil.Process()
-    print(f"\nKV of one {tokens}-token SmolLM2 context (prefilled in chunks of 512)")
-    for dtype in (None, mx.float16):
-        store_kv_as(model, dtype)
-        gc.collect()
-        mx.clear_cache()
-        before = process.memory_info().rss
-        cache = make_prompt_cache(model)
-        for start in range(0, tokens, 512):
-            ids = mx.arange(start, start + 512, dtype=mx.int32)[None] % 1000 + 100
-            mx.eval(model(ids, cache=cache)[:, -1])
-        held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
-        grown = process.memory_info().rss - before
-        label = "float16" if dtype is not None else "float32"
-        print(f"{label}: cache arrays {held / 2**20:7.1f} MiB, RSS grew {grown / 2**20:7.1f} MiB")
-        del cache
+    mx.clear_cache()
+    before, active = process.memory_info().rss, mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = make_prompt_cache(model)
+    for start in range(0, tokens, 512):
+        ids = mx.arange(start, start + 512, dtype=mx.int32)[None] % 1000 + 100
+        mx.eval(model(ids, cache=cache)[:, -1])
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    grown = process.memory_info().rss - before
+    peak = mx.get_peak_memory() - active
+    print(
+        f"{dtype}: cache arrays {held / 2**20:6.1f} MiB ({cache[0].keys.dtype}), RSS grew "
+        f"{grown / 2**20:6.1f} MiB, MLX peak above the weights {peak / 2**20:6.1f} MiB"
+    )
 
 
 def op_ms(model, batch: int, context: int, layers: int) -> list[tuple[str, float, float]]:
@@ -325,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-tokens", type=int, default=8192, help="the KV memory's context (0: skip)"
     )
+    parser.add_argument("--kv-memory", default=None, help=argparse.SUPPRESS)  # kv_memory's child
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
@@ -340,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if not kernels.available():
         print("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
         return 1
+    if args.kv_memory:
+        kv_memory_here(args.model_dir, args.kv_memory, args.kv_tokens)
+        return 0
     chosen = kernels.isa()
     isas = args.isas.split(",") if args.isas else kernels.isas()
     print(describe())
@@ -358,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     packed = load_llm(model_dir, dtype="auto", model_name="smol")
     kernels.use_isa(chosen or isas[0])
     if args.kv_tokens:
-        kv_memory(packed.model, args.kv_tokens)
+        kv_memory(model_dir, args.kv_tokens)
     kv_steps(packed.model, args.rounds)
     if args.kv_only:
         return 0
