@@ -55,9 +55,8 @@ def _exact_nucleus(logprobs: mx.array, top_p: float) -> list[set[int]]:
 @pytest.mark.parametrize("vocab", [500, 49_152, 128_256])
 def test_nucleus_from_candidates_keeps_what_the_full_sort_keeps(top_p, vocab):
     logprobs = _peaked_logprobs(4, vocab, seed=vocab)
-    nucleus = nucleus_candidates(logprobs, top_p)
-    assert nucleus is not None
-    ids, values = nucleus
+    ids, values, exact, _ = nucleus_candidates(logprobs, mx.full((4, 1), top_p))
+    assert exact is None or exact.tolist() == [True] * 4
     kept = [
         {i for i, v in zip(row_ids, row_values, strict=True) if v > -np.inf}
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
@@ -70,14 +69,14 @@ def test_nucleus_from_candidates_keeps_what_the_full_sort_keeps(top_p, vocab):
 
 def test_nucleus_keeps_ties_at_the_threshold():
     logprobs = mx.log(mx.array([[0.3, 0.2, 0.2, 0.2, 0.1]]))
-    ids, values = nucleus_candidates(logprobs, 0.6)
+    ids, values, _, _ = nucleus_candidates(logprobs, mx.array([[0.6]]))
     kept = {i for i, v in zip(ids[0].tolist(), values[0].tolist(), strict=True) if v > -np.inf}
     assert kept == _support(apply_top_p(logprobs, 0.6))[0] == {0, 1, 2, 3}
 
 
 def test_a_nucleus_beyond_the_candidates_falls_back_to_the_full_sort():
     flat = mx.full((2, 4096), -np.log(4096.0))
-    assert nucleus_candidates(flat, 0.9, candidates=1024) is None
+    assert nucleus_candidates(flat, mx.full((2, 1), 0.9)).exact.tolist() == [False, False]
     tokens = NucleusSampler(0.7, 0.9)(flat)
     assert tokens.shape == (2,)
     assert all(0 <= t < 4096 for t in tokens.tolist())
