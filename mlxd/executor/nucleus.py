@@ -89,14 +89,16 @@ class Unsettled:
         """Batch position → exact token, for the rows whose candidates fell short."""
         if mx.all(self.exact).item():
             return {}
-        redrawn = {}
-        for row in np.flatnonzero(~np.array(self.exact)).tolist():
-            sampler = self.samplers[row]
-            logprobs = (self.logits[row] - self.lse[row])[None]
-            masked = apply_top_p(logprobs, sampler.top_p)
-            token = mx.random.categorical(masked * (1.0 / sampler.temperature), key=self.keys[row])
-            redrawn[self.positions[row]] = cast(int, token.item())
-        return redrawn
+        short = np.flatnonzero(~np.array(self.exact)).tolist()
+        samplers = [self.samplers[row] for row in short]
+        rows = mx.array(short)
+        logprobs = self.logits[rows] - self.lse[rows]
+        top_p = mx.array([s.top_p for s in samplers], dtype=mx.float32)[:, None]
+        scale = mx.array([1.0 / s.temperature for s in samplers], dtype=mx.float32)[:, None]
+        masked = apply_top_p(logprobs, top_p)  # its rule with an array of thresholds per row
+        tokens = _categorical(masked * scale, [self.keys[row] for row in short])
+        drawn = cast(list[int], tokens.tolist())
+        return {self.positions[row]: token for row, token in zip(short, drawn, strict=True)}
 
 
 def settle(tokens: mx.array, unsettled: Unsettled | None) -> mx.array:
