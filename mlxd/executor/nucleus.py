@@ -26,7 +26,7 @@ rows share its batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
@@ -95,7 +95,8 @@ class Unsettled:
         logprobs = self.logits[rows] - self.lse[rows]
         top_p = mx.array([s.top_p for s in samplers], dtype=mx.float32)[:, None]
         scale = mx.array([1.0 / s.temperature for s in samplers], dtype=mx.float32)[:, None]
-        masked = apply_top_p(logprobs, top_p)  # its rule with an array of thresholds per row
+        # mlx-lm's rule broadcasts an [n, 1] array of thresholds as it does its float.
+        masked = apply_top_p(logprobs, cast(Any, top_p))
         tokens = _categorical(masked * scale, [self.keys[row] for row in short])
         drawn = cast(list[int], tokens.tolist())
         return {self.positions[row]: token for row, token in zip(short, drawn, strict=True)}
