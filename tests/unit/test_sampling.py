@@ -1,4 +1,4 @@
-"""Sampling parameters → mlx-lm logits processors."""
+"""Sampling parameters → mlx-lm logits processors and samplers; top-p from candidates."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_p
 
-from mlxd.executor.nucleus import NucleusSampler, nucleus_candidates
-from mlxd.executor.sampling import make_sequence_processors, make_sequence_sampler
+from mlxd.executor.nucleus import NucleusSampler, draw_nucleus, nucleus_candidates, settle
+from mlxd.executor.sampling import (
+    GREEDY,
+    make_sequence_processors,
+    make_sequence_sampler,
+    sample_rows,
+)
 from mlxd.types import SamplingParams
 
 
@@ -110,3 +115,77 @@ def test_seeded_nucleus_sampling_repeats():
 def test_top_p_with_min_p_keeps_mlx_lms_chain():
     params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)
     assert not isinstance(make_sequence_sampler(params, 49_152), NucleusSampler)
+
+
+def _head_and_tail(head: list[float], vocab: int) -> list[float]:
+    """Log-probabilities of `head` followed by an even share of the rest over the vocabulary."""
+    tail = (1 - sum(head)) / (vocab - len(head))
+    return np.log(head + [tail] * (vocab - len(head))).tolist()
+
+
+def _mlx_lm_distribution(logprobs: mx.array, temperature: float, top_p: float) -> np.ndarray:
+    """What mlx-lm's make_sampler(temperature, top_p) draws from, per token."""
+    return np.asarray(mx.softmax(apply_top_p(logprobs, top_p) / temperature, axis=-1))
+
+
+def test_rows_past_their_candidates_are_drawn_as_mlx_lm_draws_beside_rows_within():
+    # 16 candidates from groups of 4 over 512 tokens: the peaked row's nucleus (3 tokens) ends
+    # among them, the wide row's (40 tokens of 0.023) does not and is drawn again, in the same
+    # batched call; half the rows seeded, half from the global state.
+    vocab, copies, temperature = 512, 1500, 0.7
+    peaked = _head_and_tail([0.5, 0.3, 0.15], vocab)
+    wide = _head_and_tail([0.023] * 40, vocab)
+    logprobs = mx.array([peaked, wide] * copies)
+    samplers = [
+        NucleusSampler(temperature, 0.9, mx.random.key(row) if row % 4 < 2 else None)
+        for row in range(2 * copies)
+    ]
+    mx.random.seed(3)
+    tokens, unsettled = draw_nucleus(logprobs, samplers, candidates=16, group=4)
+    assert unsettled is not None
+    assert unsettled.exact.tolist() == [True, False] * copies
+    drawn = np.asarray(settle(tokens, unsettled)).reshape(copies, 2)
+    for column, row in enumerate((peaked, wide)):
+        expected = _mlx_lm_distribution(mx.array([row]), temperature, 0.9)[0]
+        counts = np.bincount(drawn[:, column], minlength=vocab)
+        support = expected > 0
+        assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(support))
+        # Chi-square against mlx-lm's distribution, generous: its mean is the degrees of
+        # freedom (2 and 39), its standard deviation √(2·df).
+        chi2 = (((counts - copies * expected) ** 2)[support] / (copies * expected[support])).sum()
+        df = support.sum() - 1
+        assert chi2 < df + 6 * np.sqrt(2 * df)
+
+
+def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
+    vocab = 4096
+    peaked = _peaked_logprobs(1, vocab, seed=5)
+    flat = mx.random.normal((1, vocab), key=mx.random.key(6)) * 0.1  # past the candidates
+
+    def seeded(seed: int) -> NucleusSampler:
+        sampler = make_sequence_sampler(
+            SamplingParams(temperature=0.7, top_p=0.9, seed=seed), vocab
+        )
+        assert isinstance(sampler, NucleusSampler)
+        return sampler
+
+    def tokens(logits: mx.array, samplers: list, rows: list[int]) -> list[list[int]]:
+        out = []
+        for _ in range(4):
+            draw = sample_rows(logits, samplers)
+            out.append(np.asarray(settle(draw.tokens, draw.unsettled))[rows].tolist())
+        return out
+
+    alone = tokens(mx.concatenate([peaked, flat]), [seeded(1), seeded(2)], [0, 1])
+    unseeded = make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9), vocab)
+    chain = make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05), vocab)
+    mixed = mx.concatenate([flat, peaked, peaked, flat, peaked, flat])
+    samplers = [
+        unseeded,
+        seeded(1),
+        GREEDY,
+        seeded(2),
+        chain,
+        make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=9), vocab),
+    ]
+    assert tokens(mixed, samplers, [1, 3]) == alone
