@@ -33,8 +33,10 @@ def exp_below(x: mx.array, top: mx.array) -> mx.array:
     return mx.where(shifted < _UNDERFLOW, 0.0, (p * r * r + r + 1.0) * scale)
 
 
-def logsumexp(logits: mx.array) -> mx.array:
-    """log Σ exp over the last axis, keeping it (as `mx.logsumexp(..., keepdims=True)`)."""
+def logsumexp(logits: mx.array, top: mx.array | None = None) -> mx.array:
+    """log Σ exp over the last axis, keeping it (as `mx.logsumexp(..., keepdims=True)`);
+    `top`: each row's maximum [n, 1] where the caller has it already."""
     logits = logits.astype(mx.float32)
-    top = logits.max(axis=-1, keepdims=True)
+    if top is None:
+        top = logits.max(axis=-1, keepdims=True)
     return top + mx.log(exp_below(logits, top).sum(axis=-1, keepdims=True))

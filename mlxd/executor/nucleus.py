@@ -128,8 +128,8 @@ def nucleus_candidates(
     logits: mx.array, top_p: mx.array, candidates: int = CANDIDATES, group: int = GROUP
 ) -> Nucleus:
     """The top-p nucleus of each row of `logits` [n, V] among its candidates; `top_p` [n, 1]."""
-    lse = logsumexp(logits)
     ids, values, bound = top_candidates(logits, candidates, group)
+    lse = logsumexp(logits, top=values[:, :1])  # the first candidate is the row's maximum
     logprobs = values - lse
     probs = mx.exp(logprobs)
     # mlx-lm drops a token when the tokens more likely than it hold top_p of the mass (the

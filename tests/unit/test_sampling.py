@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_p
 
+from mlxd.executor.logsumexp import exp_below, logsumexp
 from mlxd.executor.nucleus import NucleusSampler, draw_nucleus, nucleus_candidates, settle
 from mlxd.executor.sampling import (
     GREEDY,
@@ -189,3 +190,24 @@ def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
         make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=9), vocab),
     ]
     assert tokens(mixed, samplers, [1, 3]) == alone
+
+
+def test_logsumexp_from_multiply_adds_keeps_float32_precision():
+    rows = [
+        mx.random.normal((128_256,), key=mx.random.key(i)) * s for i, s in enumerate((0.1, 5, 30))
+    ]
+    masked = mx.full((128_256,), -mx.inf)
+    masked[:3] = mx.array([1.0, -80.0, -200.0])  # a constrained row: most tokens excluded
+    logits = mx.stack([*rows, masked])
+    wide = np.asarray(logits).astype(np.float64)
+    top = wide.max(axis=-1, keepdims=True)
+    expected = top[:, 0] + np.log(np.exp(wide - top).sum(axis=-1))
+    # The float32 sum over 128k terms rounds at ≈1e-5 (mx.logsumexp's too); each term's exp
+    # is within 3e-7 of the exact one.
+    assert np.allclose(np.asarray(logsumexp(logits))[:, 0], expected, rtol=1e-5, atol=1e-6)
+    top32 = np.asarray(logits).max(axis=-1, keepdims=True)
+    ours = np.asarray(exp_below(logits, mx.array(top32)))
+    exact = np.exp((np.asarray(logits) - top32).astype(np.float64))  # the same float32 shift
+    normal = exact > 1e-37
+    assert np.allclose(ours[normal], exact[normal], rtol=3e-7, atol=0)
+    assert (ours[exact < np.exp(-87.0)] == 0).all()  # below float32's normal range: none
