@@ -25,14 +25,14 @@ rows share its batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
-from mlxd.executor.logsumexp import logsumexp
+from mlxd.executor.logsumexp import exp_below, logsumexp
 
 # Enough for the nucleus of a trained model's distribution at top_p 0.9 (a flat one, such as
 # a random model's, takes the fallback).
@@ -111,6 +111,31 @@ def settle(tokens: mx.array, unsettled: Unsettled | None) -> mx.array:
     for position, token in redrawn.items():
         exact[position] = token
     return mx.array(exact, dtype=tokens.dtype)
+
+
+class TemperatureSampler(NucleusSampler):
+    """Temperature alone (top_p 1, as mlx-lm's `make_sampler(temp)`): drawn over the whole
+    vocabulary from its cumulative tempered weights and one uniform per row, not Gumbel noise
+    per token (two `log`s each: ≈16 ms for 32 × 49,152 on the CPU)."""
+
+    def __init__(
+        self, temperature: float, key: mx.array | None = None, wants_logprobs: bool = False
+    ):
+        super().__init__(temperature, 1.0, key, wants_logprobs)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return draw_tempered(logprobs, [self] * logprobs.shape[0])
+
+
+def draw_tempered(logits: mx.array, samplers: Sequence[NucleusSampler]) -> mx.array:
+    """A token per row of `logits` [n, V] with probability softmax(logits / temperature)."""
+    scale = mx.array([1.0 / s.temperature for s in samplers], dtype=mx.float32)[:, None]
+    tempered = logits.astype(mx.float32) * scale
+    cumulative = mx.cumsum(exp_below(tempered, tempered.max(axis=-1, keepdims=True)), axis=-1)
+    target = _uniform([s.step_key() for s in samplers]) * cumulative[:, -1:]
+    # The first token whose cumulative weight passes the target (a zero weight never does).
+    token = (cumulative <= target).sum(axis=-1)
+    return mx.minimum(token, logits.shape[-1] - 1).astype(mx.uint32)
 
 
 class Nucleus(NamedTuple):
@@ -198,15 +223,38 @@ def top_candidates(
 
 def _categorical(logits: mx.array, keys: list[mx.array | None]) -> mx.array:
     """A categorical draw per row: from MLX's global random state, or the row's own key."""
-    own_keys = {i: key for i, key in enumerate(keys) if key is not None}
-    seeded = list(own_keys)
-    if not seeded:
-        return mx.random.categorical(logits)
-    stacked = mx.stack(list(own_keys.values()))
     by_key = mx.vmap(lambda row, key: mx.random.categorical(row, key=key))
-    if len(seeded) == len(keys):
-        return by_key(logits, stacked)
+    return _per_row(
+        keys,
+        lambda rows: mx.random.categorical(logits if rows is None else logits[rows]),
+        lambda rows, stacked: by_key(logits if rows is None else logits[rows], stacked),
+    )
+
+
+def _uniform(keys: list[mx.array | None]) -> mx.array:
+    """A uniform draw in [0, 1) per row [n, 1], from the global state or the row's own key."""
+    by_key = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))
+    return _per_row(
+        keys,
+        lambda rows: mx.random.uniform(shape=(len(keys) if rows is None else rows.size, 1)),
+        lambda rows, stacked: by_key(stacked),
+    )
+
+
+def _per_row(
+    keys: list[mx.array | None],
+    from_state: Callable[[mx.array | None], mx.array],
+    from_keys: Callable[[mx.array | None, mx.array], mx.array],
+) -> mx.array:
+    """A draw per row in batch order: `from_state(rows)` for the rows without a key (None: all
+    rows), `from_keys(rows, keys)` for the seeded rows with their stacked keys."""
+    own_keys = {i: key for i, key in enumerate(keys) if key is not None}
+    if not own_keys:
+        return from_state(None)
+    stacked = mx.stack(list(own_keys.values()))
+    if len(own_keys) == len(keys):
+        return from_keys(None, stacked)
+    seeded = list(own_keys)
     unseeded = [i for i, key in enumerate(keys) if key is None]
-    own = by_key(logits[mx.array(seeded)], stacked)
-    drawn = mx.concatenate([own, mx.random.categorical(logits[mx.array(unseeded)])])
+    drawn = mx.concatenate([from_keys(mx.array(seeded), stacked), from_state(mx.array(unseeded))])
     return drawn[mx.array(np.argsort(seeded + unseeded))]

@@ -18,7 +18,13 @@ from mlx_lm.sample_utils import (
 )
 
 from mlxd.executor.logsumexp import logsumexp
-from mlxd.executor.nucleus import NucleusSampler, Unsettled, draw_nucleus
+from mlxd.executor.nucleus import (
+    NucleusSampler,
+    TemperatureSampler,
+    Unsettled,
+    draw_nucleus,
+    draw_tempered,
+)
 from mlxd.types import SamplingParams, TokenLogprob
 
 
@@ -59,13 +65,14 @@ def sample_rows(logits: mx.array, samplers: list) -> Draw:
     """Next token per row and, per row, its normalised log-probabilities (None when skipped).
 
     All top-p rows (`NucleusSampler`: any temperature, top_p or seed) are drawn in one batched
-    call; other rows sharing a sampler object in one call each. Greedy rows that did not ask
+    call, all temperature-only rows (`TemperatureSampler`) in another; other rows sharing a
+    sampler object in one call each. Greedy rows that did not ask
     for logprobs take the argmax of the raw logits (same token: a per-row shift keeps the
     argmax).
     """
     groups: dict[object, list[int]] = {}
     for row, sampler in enumerate(samplers):
-        kind = NucleusSampler if isinstance(sampler, NucleusSampler) else id(sampler)
+        kind = type(sampler) if isinstance(sampler, NucleusSampler) else id(sampler)
         groups.setdefault(kind, []).append(row)
     if len(groups) == 1:
         return _sample_group(logits, samplers)
@@ -91,7 +98,10 @@ def _sample_group(logits: mx.array, samplers: list) -> Draw:
     if skips_logprobs(sampler):
         return Draw(mx.argmax(logits, axis=-1), [None] * len(samplers), None)
     if isinstance(sampler, NucleusSampler):
-        tokens, unsettled = draw_nucleus(logits, samplers)
+        if isinstance(sampler, TemperatureSampler):
+            tokens, unsettled = draw_tempered(logits, samplers), None
+        else:
+            tokens, unsettled = draw_nucleus(logits, samplers)
         wanted = [s.wants_logprobs for s in samplers]
         normalised = logits - logsumexp(logits) if any(wanted) else None
         row_logprobs = [
@@ -141,11 +151,14 @@ def make_sequence_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
     top_k = params.top_k if 0 < params.top_k < vocab_size else 0
     if params.temperature == 0:
         return GREEDY if params.top_logprobs is None else GREEDY_WITH_LOGPROBS
+    # Their own objects: every top-p or temperature-only row is drawn in one batched call
+    # anyway (sample_rows).
+    key = None if params.seed is None else _seed_key(params.seed)
+    wants_logprobs = params.top_logprobs is not None
     if _nucleus_only(params.top_p, params.min_p, top_k):
-        # Its own object: every top-p row is drawn in one batched call anyway (sample_rows).
-        key = None if params.seed is None else _seed_key(params.seed)
-        wants_logprobs = params.top_logprobs is not None
         return NucleusSampler(params.temperature, params.top_p, key, wants_logprobs)
+    if params.min_p == 0.0 and top_k == 0 and not 0 < params.top_p < 1.0:
+        return TemperatureSampler(params.temperature, key, wants_logprobs)
     if params.seed is not None:
         return _seeded_sampler(params.temperature, params.top_p, params.min_p, top_k, params.seed)
     return _shared_sampler(params.temperature, params.top_p, params.min_p, top_k)

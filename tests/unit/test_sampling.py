@@ -8,7 +8,13 @@ import pytest
 from mlx_lm.sample_utils import apply_top_p
 
 from mlxd.executor.logsumexp import exp_below, logsumexp
-from mlxd.executor.nucleus import NucleusSampler, draw_nucleus, nucleus_candidates, settle
+from mlxd.executor.nucleus import (
+    NucleusSampler,
+    TemperatureSampler,
+    draw_nucleus,
+    nucleus_candidates,
+    settle,
+)
 from mlxd.executor.sampling import (
     GREEDY,
     make_sequence_processors,
@@ -163,11 +169,11 @@ def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
     peaked = _peaked_logprobs(1, vocab, seed=5)
     flat = mx.random.normal((1, vocab), key=mx.random.key(6)) * 0.1  # past the candidates
 
-    def seeded(seed: int) -> NucleusSampler:
+    def seeded(seed: int, top_p: float = 0.9) -> NucleusSampler:
         sampler = make_sequence_sampler(
-            SamplingParams(temperature=0.7, top_p=0.9, seed=seed), vocab
+            SamplingParams(temperature=0.7, top_p=top_p, seed=seed), vocab
         )
-        assert isinstance(sampler, NucleusSampler)
+        assert isinstance(sampler, NucleusSampler)  # TemperatureSampler at top_p 1
         return sampler
 
     def tokens(logits: mx.array, samplers: list, rows: list[int]) -> list[list[int]]:
@@ -177,10 +183,12 @@ def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
             out.append(np.asarray(settle(draw.tokens, draw.unsettled))[rows].tolist())
         return out
 
-    alone = tokens(mx.concatenate([peaked, flat]), [seeded(1), seeded(2)], [0, 1])
+    alone = tokens(
+        mx.concatenate([peaked, flat, peaked]), [seeded(1), seeded(2), seeded(3, 1.0)], [0, 1, 2]
+    )
     unseeded = make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9), vocab)
     chain = make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05), vocab)
-    mixed = mx.concatenate([flat, peaked, peaked, flat, peaked, flat])
+    mixed = mx.concatenate([flat, peaked, peaked, flat, peaked, flat, peaked, flat])
     samplers = [
         unseeded,
         seeded(1),
@@ -188,8 +196,10 @@ def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
         seeded(2),
         chain,
         make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=9), vocab),
+        seeded(3, 1.0),
+        make_sequence_sampler(SamplingParams(temperature=0.9), vocab),
     ]
-    assert tokens(mixed, samplers, [1, 3]) == alone
+    assert tokens(mixed, samplers, [1, 3, 6]) == alone
 
 
 def test_logsumexp_from_multiply_adds_keeps_float32_precision():
@@ -211,3 +221,29 @@ def test_logsumexp_from_multiply_adds_keeps_float32_precision():
     normal = exact > 1e-37
     assert np.allclose(ours[normal], exact[normal], rtol=3e-7, atol=0)
     assert (ours[exact < np.exp(-87.0)] == 0).all()  # below float32's normal range: none
+
+
+def test_temperature_alone_draws_the_tempered_softmax_seeded_or_not():
+    vocab, copies, temperature = 64, 3000, 0.7
+    logits = mx.random.normal((1, vocab), key=mx.random.key(8)) * 2
+    logits[0, 5] = -mx.inf  # a masked token is never drawn
+    samplers = [
+        make_sequence_sampler(
+            SamplingParams(temperature=temperature, seed=row if row % 2 else None), vocab
+        )
+        for row in range(copies)
+    ]
+    assert all(isinstance(s, TemperatureSampler) for s in samplers)
+    mx.random.seed(4)
+    draw = sample_rows(mx.repeat(logits, copies, axis=0), samplers)
+    assert draw.unsettled is None
+    counts = np.bincount(np.asarray(draw.tokens), minlength=vocab)
+    expected = np.asarray(mx.softmax(logits / temperature, axis=-1))[0]
+    assert counts[5] == 0
+    support = expected > 0
+    chi2 = (((counts - copies * expected) ** 2)[support] / (copies * expected[support])).sum()
+    df = support.sum() - 1
+    assert chi2 < df + 6 * np.sqrt(2 * df)
+    again = make_sequence_sampler(SamplingParams(temperature=temperature, seed=1), vocab)
+    alone = make_sequence_sampler(SamplingParams(temperature=temperature, seed=1), vocab)
+    assert [again(logits).item() for _ in range(5)] == [alone(logits).item() for _ in range(5)]
