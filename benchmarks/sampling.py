@@ -6,10 +6,11 @@ python -m benchmarks.sampling [--batches 1,8,32] [--vocabs 49152,128256] [--step
 Sampling table: one step's sampling of `batch` rows of logits (ms, fastest round), each from
 the logits as a decode step has them: "greedy" their argmax; "mlx-lm" `logsumexp` then
 `make_sampler(temp, top_p)`; "mlxd" `sample_rows` with a sampler per row (the way the engine
-samples), its tokens settled; "seeded" the same with a seed per row. "peaked": logits drawn as
-N(0, 5²), whose nucleus is tens to hundreds of tokens, as a trained model's is; "flat": a
-uniform distribution (a random model's), whose nucleus reaches beyond the candidates, so every
-row is drawn again from the full sort.
+samples), its tokens settled; "seeded" the same with a seed per row; "t only": temperature
+alone (top_p 1), mlx-lm's `logsumexp` + `make_sampler(temp)` against mlxd's. "peaked": logits
+drawn as N(0, 5²), whose nucleus is tens to hundreds of tokens, as a trained model's is;
+"flat": a uniform distribution (a random model's), whose nucleus reaches beyond the
+candidates, so every row is drawn again from the full sort.
 
 --steps: whole decode steps of SmolLM2 (the engine's load path and executor, story prompts,
 median ms over interleaved turns) with every row greedy, sampled, or sampled with its own seed.
@@ -36,7 +37,7 @@ from benchmarks.profile_step import best_ms, reexec_with_blas  # noqa: E402
 from mlxd.cli.loadgen import parse_levels, story_prompts  # noqa: E402
 
 TEMPERATURE, TOP_P = 0.7, 0.9
-STEP_KINDS = ("greedy", "sampled", "seeded")
+STEP_KINDS = ("greedy", "sampled", "seeded", "t only")
 
 
 def samplers(kind: str, batch: int, vocab: int) -> list[Any]:
@@ -45,6 +46,8 @@ def samplers(kind: str, batch: int, vocab: int) -> list[Any]:
 
     if kind == "greedy":
         return [make_sequence_sampler(SamplingParams(temperature=0), vocab)] * batch
+    if kind == "t only":
+        return [make_sequence_sampler(SamplingParams(temperature=TEMPERATURE), vocab)] * batch
     return [
         make_sequence_sampler(
             SamplingParams(
@@ -75,14 +78,16 @@ def sampling_table(batches: list[int], vocabs: list[int]) -> None:
     from mlx_lm.sample_utils import make_sampler
 
     full_sort = make_sampler(temp=TEMPERATURE, top_p=TOP_P)
+    tempered = make_sampler(temp=TEMPERATURE)
 
-    def mlx_lm(logits):
-        return full_sort(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    def mlx_lm(logits, sampler=full_sort):
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     print(f"\nsampling of one step, temperature {TEMPERATURE}, top_p {TOP_P}; ms per step")
     print(
         f"{'vocab':>7} {'batch':>5} {'logits':>6} | {'greedy':>6} | {'mlx-lm':>7} | "
-        f"{'mlxd':>6} | {'seeded':>6} | {'mlx-lm/mlxd':>11}"
+        f"{'mlxd':>6} | {'seeded':>6} | {'mlx-lm/mlxd':>11} | {'t only: mlx-lm':>14} | "
+        f"{'mlxd':>6}"
     )
     for vocab in vocabs:
         for batch in batches:
@@ -92,17 +97,19 @@ def sampling_table(batches: list[int], vocabs: list[int]) -> None:
                 mx.eval(logits)
                 greedy = best_ms(functools.partial(mx.argmax, logits, axis=-1), 3, 5)
                 theirs = best_ms(functools.partial(mlx_lm, logits), repeat=3, rounds=5)
-                ours, seeded = (
+                ours, seeded, ours_t = (
                     best_ms(
                         functools.partial(settled_tokens, logits, samplers(kind, batch, vocab)),
                         repeat=3,
                         rounds=5,
                     )
-                    for kind in ("sampled", "seeded")
+                    for kind in ("sampled", "seeded", "t only")
                 )
+                theirs_t = best_ms(functools.partial(mlx_lm, logits, tempered), 3, 5)
                 print(
                     f"{vocab:>7} {batch:>5} {shape:>6} | {greedy:>6.2f} | {theirs:>7.2f} | "
-                    f"{ours:>6.2f} | {seeded:>6.2f} | {theirs / ours:>10.1f}x",
+                    f"{ours:>6.2f} | {seeded:>6.2f} | {theirs / ours:>10.1f}x | "
+                    f"{theirs_t:>14.2f} | {ours_t:>6.2f}",
                     flush=True,
                 )
 
