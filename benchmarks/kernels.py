@@ -1,7 +1,7 @@
 """mlxd's CPU kernels against the MLX ops they replace, and whole SmolLM2 steps packed vs float32.
 
 python -m benchmarks.kernels [--batches 1,8,32] [--context 128] [--isas avx2,generic]
-                            [--int8-only]
+                            [--int8-only] [--kv-only]
 
 For each ISA variant of the kernels this CPU runs (csrc/simd.h; the dispatch's own choice
 first): each op at the shapes one SmolLM2 decode step uses (per call, ms, fastest round; the
@@ -11,7 +11,9 @@ same model dequantized to float32 on OpenBLAS (what the engine ran before), in t
 process, and a table of the packed/float32 ratios per ISA. First, per ISA, the quantized
 matmul by integer dot products (int8 x, csrc/qdot.cpp) against the float path and float32
 BLAS at decode rows, on SmolLM2's and Llama-3.2-1B's matmul shapes (random weights;
-`--int8-only`: that table alone). Runs with mlxd.accel's
+`--int8-only`: that table alone). Then, per ISA, the attention kernel over a float16 KV cache
+against float32 (cache.kv_dtype) at decode (KV length 128/1024/4096) and prefill, and the
+memory a long SmolLM2 context's KV takes in each (`--kv-only`: those alone). Runs with mlxd.accel's
 environment (the script re-executes itself), as the engine does. Compare ratios: absolute
 figures depend on the CPU and on what else it runs.
 """
@@ -194,6 +196,114 @@ def dot_lines(name: str, n: int, k: int, bits: int, isas: list[str], threads: in
         yield line
 
 
+# (name, query heads, kv heads, head dim, layers): SmolLM2-135M's attention and Llama-3.1-8B's.
+KV_SHAPES = [("SmolLM2", 9, 3, 64, 30), ("Llama-8B", 32, 8, 128, 32)]
+KV_LENGTHS = (128, 1024, 4096)
+
+
+def kv_dtype_ms(isas: list[str], threads: int | None) -> None:
+    """Per ISA and shape: the attention kernel's ms per layer with float32 and float16 keys and
+    values, at decode (batch 1 and 8) and for a 512-row prefill chunk (causal)."""
+    import mlx.core as mx
+
+    from mlxd import kernels
+
+    print("\nattention kernel, ms per layer: float32 KV | float16 KV (speed-up), fastest round")
+    for isa in isas:
+        kernels.use_isa(isa)
+        if threads:
+            kernels.set_threads(threads)
+        for name, heads, kv_heads, dim, layers in KV_SHAPES:
+            cases = [(f"decode batch {b}, kv {n}", b, 1, n) for b in (1, 8) for n in KV_LENGTHS]
+            cases += [(f"prefill 512 rows, kv {n}", 1, 512, n) for n in (512, 2048)]
+            for label, batch, rows, keys in cases:
+                q = mx.random.normal((batch, heads, rows, dim))
+                k, v = (mx.random.normal((batch, kv_heads, keys, dim)) for _ in range(2))
+                half_k, half_v = k.astype(mx.float16), v.astype(mx.float16)
+                mx.eval(q, k, v, half_k, half_v)
+                repeat = max(1, min(layers, 4096 // keys))  # a step's layers, in one evaluation
+
+                def run(keys_, values_, repeat=repeat, q=q):
+                    return [
+                        kernels.attention(q, keys_, values_, 0.125, "causal") for _ in range(repeat)
+                    ]
+
+                # A prefill chunk runs for long enough that fewer rounds tell as much.
+                times = {"repeat": 1, "rounds": 3} if rows > 1 else {}
+                full = best_ms(lambda k=k, v=v, run=run: run(k, v), **times) / repeat
+                half = best_ms(lambda k=half_k, v=half_v, run=run: run(k, v), **times) / repeat
+                print(
+                    f"[{isa}] {name:<8} {label:<26} {full:8.3f} | {half:8.3f} ({full / half:.2f}x)",
+                    flush=True,
+                )
+
+
+def store_kv_as(model, dtype) -> None:
+    """The model's KernelAttention layers store their KV in `dtype` (None: float32)."""
+    from mlxd.models.kernel_layers import KernelAttention
+
+    for _, module in model.named_modules():
+        if isinstance(module, KernelAttention):
+            module.kv_dtype = dtype
+
+
+def kv_steps(model, rounds: int) -> None:
+    """Whole SmolLM2 decode steps with float32 and float16 KV at a short and a long context
+    (batches 1 and 8: each first prefills batch × context tokens)."""
+    import mlx.core as mx
+
+    print(f"\nwhole decode step, ms (median of {rounds}): float32 KV | float16 KV")
+    for context in (128, 2048):
+        for batch in (1, 8):
+            store_kv_as(model, None)
+            full = step_ms(model, batch, context, rounds)
+            store_kv_as(model, mx.float16)
+            half = step_ms(model, batch, context, rounds)
+            print(
+                f"batch {batch}, kv {context:>4}: {full:7.2f} | {half:7.2f} ({full / half:.2f}x)",
+                flush=True,
+            )
+
+
+def kv_memory(model_dir: Path, tokens: int) -> None:
+    """A `tokens`-long SmolLM2 context with its KV in float32, then float16, each in a process
+    of its own (a process's RSS keeps what it freed): `kv_memory_here`'s line for each."""
+    import subprocess
+
+    print(f"\nKV of one {tokens}-token SmolLM2 context (prefilled in chunks of 512)", flush=True)
+    for dtype in ("float32", "float16"):
+        argv = [sys.executable, "-m", "benchmarks.kernels", "--kv-memory", dtype]
+        argv += ["--kv-tokens", str(tokens), "--model-dir", str(model_dir)]
+        subprocess.run(argv, check=True)
+
+
+def kv_memory_here(model_dir: Path, dtype: str, tokens: int) -> None:
+    """Load SmolLM2 as the engine does with `cache.kv_dtype: dtype`, prefill `tokens` tokens
+    and print the cache's bytes, the RSS it added and MLX's peak over the load."""
+    import mlx.core as mx
+    import psutil
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxd.models.loader import load_llm
+
+    model = load_llm(model_dir, dtype="auto", model_name="smol", kv_dtype=dtype).model
+    process = psutil.Process()
+    mx.clear_cache()
+    before, active = process.memory_info().rss, mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = make_prompt_cache(model)
+    for start in range(0, tokens, 512):
+        ids = mx.arange(start, start + 512, dtype=mx.int32)[None] % 1000 + 100
+        mx.eval(model(ids, cache=cache)[:, -1])
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    grown = process.memory_info().rss - before
+    peak = mx.get_peak_memory() - active
+    print(
+        f"{dtype}: cache arrays {held / 2**20:6.1f} MiB ({cache[0].keys.dtype}), RSS grew "
+        f"{grown / 2**20:6.1f} MiB, MLX peak above the weights {peak / 2**20:6.1f} MiB"
+    )
+
+
 def op_ms(model, batch: int, context: int, layers: int) -> list[tuple[str, float, float]]:
     """(op, MLX's ms, the kernel's ms) per call, each timed as `layers` calls in one evaluation,
     as a step's layers run (alone, dispatch dominates)."""
@@ -221,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--int8-only", action="store_true", help="only the integer dot-product path's table"
     )
+    parser.add_argument(
+        "--kv-only", action="store_true", help="only the float16 vs float32 KV tables"
+    )
+    parser.add_argument(
+        "--kv-tokens", type=int, default=8192, help="the KV memory's context (0: skip)"
+    )
+    parser.add_argument("--kv-memory", default=None, help=argparse.SUPPRESS)  # kv_memory's child
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
@@ -236,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if not kernels.available():
         print("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
         return 1
+    if args.kv_memory:
+        kv_memory_here(args.model_dir, args.kv_memory, args.kv_tokens)
+        return 0
     chosen = kernels.isa()
     isas = args.isas.split(",") if args.isas else kernels.isas()
     print(describe())
@@ -245,11 +365,19 @@ def main(argv: list[str] | None = None) -> int:
         f"kernel ISAs: built {kernels.built_isas()}, this CPU runs {kernels.isas()}; "
         f"the dispatch chose {chosen}"
     )
-    dot_ms(isas, args.threads)
+    if not args.kv_only:
+        dot_ms(isas, args.threads)
     if args.int8_only:
         return 0
+    kv_dtype_ms(isas, args.threads)
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     packed = load_llm(model_dir, dtype="auto", model_name="smol")
+    kernels.use_isa(chosen or isas[0])
+    if args.kv_tokens:
+        kv_memory(model_dir, args.kv_tokens)
+    kv_steps(packed.model, args.rounds)
+    if args.kv_only:
+        return 0
     kernels.use_isa(chosen or isas[0])
     if args.threads:
         kernels.set_threads(args.threads)

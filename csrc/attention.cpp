@@ -24,9 +24,14 @@ mx::array attention(
     const std::optional<mx::array>& mask,
     bool causal) {
   for (const auto* a : {&q, &k, &v}) {
-    if (a->ndim() != 4 || a->dtype() != mx::float32) {
-      throw std::invalid_argument("attention: q, k, v must be float32 [B, H, L, D]");
+    if (a->ndim() != 4) {
+      throw std::invalid_argument("attention: q, k, v must be [B, H, L, D]");
     }
+  }
+  if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
+      (k.dtype() != mx::float32 && k.dtype() != mx::float16)) {
+    throw std::invalid_argument(
+        "attention: q must be float32, and k and v both float32 or both float16");
   }
   const int B = q.shape(0), Hq = q.shape(1), Lq = q.shape(2), Hkv = k.shape(1), Lk = k.shape(2);
   if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != Lk ||
@@ -58,8 +63,8 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   const auto& ms = has_mask ? inputs[3].strides() : mx::Strides{0, 0, 0, 0};
   const AttentionArgs args{
       q.data<float>(),
-      k.data<float>(),
-      v.data<float>(),
+      k.data<void>(),
+      v.data<void>(),
       y.data<float>(),
       {q.strides()[0], q.strides()[1], q.strides()[2]},
       {k.strides()[0], k.strides()[1], k.strides()[2]},
@@ -68,6 +73,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       {ms[0], ms[1], ms[2], ms[3]},
       has_mask && inputs[3].dtype() == mx::bool_,
       causal_,
+      k.dtype() == mx::float16,
       q.shape(0),
       q.shape(1),
       q.shape(2),

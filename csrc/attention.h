@@ -8,7 +8,8 @@
 
 namespace mlxd {
 
-// q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], float32 (any strides).
+// q [B, Hq, Lq, D] float32, k [B, Hkv, Lk, D] and v [B, Hkv, Lk, Dv] both float32 or both
+// float16 (a 16-bit KV cache); any strides; the result is float32.
 // mask: none, causal (lower right: query i sees keys up to Lk - Lq + i), or an array that
 // broadcasts to [B, Hq, Lq, Lk], bool (true: attend) or float32 (added to the scores).
 mlx::core::array attention(

@@ -5,6 +5,10 @@
 // computes its scores, a vectorised softmax and the weighted sum of values directly; prefill
 // rows go in tiles of 8 over transposed keys (attend_tile). Rows or tiles are spread over the
 // threads.
+//
+// Keys and values are float32 or float16 (a 16-bit KV cache: half the bytes to read, as
+// llama.cpp's default f16 cache); each kernel below is a template on that type, widening halves
+// to float32 as it loads them (F16C, NEON's vcvt, a scalar conversion in the generic variant).
 
 #include <limits>
 
@@ -39,12 +43,35 @@ inline vf exp_nonpositive(vf x) {
   return p * scale;
 }
 
+// A key or value element as float32: KV is float, or uint16_t (the bits of an IEEE half).
+inline float kv_scalar(float x) {
+  return x;
+}
+
+inline float kv_scalar(uint16_t h) {
+#if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+// W consecutive keys or values as float32.
+inline vf kv_load(const float* p) {
+  return load(p);
+}
+
+inline vf kv_load(const uint16_t* p) {
+  return load_f16(p);
+}
+
 constexpr int MAX_HEAD_DIM = 256;  // q of one row (or a tile's rows) kept in registers/stack
 constexpr int MAX_CHUNKS = MAX_HEAD_DIM / W;
 
 // scale * q · k_j for the first `visible` keys.
+template <typename KV>
 inline void dot_scores(
-    const float* q, const float* k, int64_t k_stride, int D, int visible, float scale, float* out) {
+    const float* q, const KV* k, int64_t k_stride, int D, int visible, float scale, float* out) {
   if (D % W == 0 && D / W <= MAX_CHUNKS) {
     const int chunks = D / W;
     vf qv[MAX_CHUNKS];
@@ -52,26 +79,27 @@ inline void dot_scores(
       qv[c] = load(q + c * W) * scale;
     }
     for (int j = 0; j < visible; ++j) {
-      const float* kj = k + j * k_stride;
-      vf acc = qv[0] * load(kj);
+      const KV* kj = k + j * k_stride;
+      vf acc = qv[0] * kv_load(kj);
       for (int c = 1; c < chunks; ++c) {
-        acc += qv[c] * load(kj + c * W);
+        acc += qv[c] * kv_load(kj + c * W);
       }
       out[j] = hsum(acc);
     }
     return;
   }
   for (int j = 0; j < visible; ++j) {
-    const float* kj = k + j * k_stride;
+    const KV* kj = k + j * k_stride;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int d = 0; d < D; ++d) {
-      dot += q[d] * kj[d];
+      dot += q[d] * kv_scalar(kj[d]);
     }
     out[j] = dot * scale;
   }
 }
 
+template <typename KV>
 struct Args : AttentionArgs {
   int group() const {
     return Hq / Hkv;
@@ -85,11 +113,11 @@ struct Args : AttentionArgs {
   const float* q_row(int b, int h, int i) const {
     return q + b * qs[0] + h * qs[1] + i * qs[2];
   }
-  const float* keys(int b, int hk) const {
-    return k + b * ks[0] + hk * ks[1];
+  const KV* keys(int b, int hk) const {
+    return static_cast<const KV*>(k) + b * ks[0] + hk * ks[1];
   }
-  const float* values(int b, int hk) const {
-    return v + b * vs[0] + hk * vs[1];
+  const KV* values(int b, int hk) const {
+    return static_cast<const KV*>(v) + b * vs[0] + hk * vs[1];
   }
   float* out_row(int b, int h, int i) const {
     return y + ((size_t(b) * Hq + h) * Lq + i) * Dv;
@@ -104,7 +132,8 @@ inline void fill(float* begin, float* end, float value) {
 
 // Scores sc[0, visible) of row (b, h, i) in, padded to whole vectors: applies the mask, turns
 // them into unnormalised probabilities in place and returns their sum (0: none visible).
-float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
+template <typename KV>
+float softmax_in_place(const Args<KV>& a, int b, int h, int i, float* sc) {
   const int visible = a.visible(i), padded = a.padded();
   fill(sc + visible, sc + padded, NEG_INF);
   if (a.mask != nullptr) {
@@ -137,8 +166,21 @@ float softmax_in_place(const Args& a, int b, int h, int i, float* sc) {
   return hsum(total);
 }
 
+// acc[0, n) += p * x[0, n): whole vectors, then the rest one by one.
+template <typename KV>
+inline void add_weighted(float* acc, float p, const KV* x, int n) {
+  int d = 0;
+  for (; d + W <= n; d += W) {
+    store(acc + d, load(acc + d) + p * kv_load(x + d));
+  }
+  for (; d < n; ++d) {
+    acc[d] += p * kv_scalar(x[d]);
+  }
+}
+
 // One query row against its keys (decode: a row per head, no reuse of the keys to exploit).
-void attend_row(const Args& a, int b, int h, int i, float* sc, float* acc) {
+template <typename KV>
+void attend_row(const Args<KV>& a, int b, int h, int i, float* sc, float* acc) {
   const int hk = h / a.group();
   dot_scores(a.q_row(b, h, i), a.keys(b, hk), a.ks[2], a.D, a.visible(i), a.scale, sc);
   const float sum = softmax_in_place(a, b, h, i, sc);
@@ -148,16 +190,11 @@ void attend_row(const Args& a, int b, int h, int i, float* sc, float* acc) {
     return;
   }
   fill(acc, acc + a.Dv, 0.0f);
-  const float* vb = a.values(b, hk);
+  const KV* vb = a.values(b, hk);
   for (int j = 0; j < a.Lk; ++j) {
     const float p = sc[j];
-    if (p == 0.0f) {
-      continue;
-    }
-    const float* vj = vb + j * a.vs[2];
-#pragma omp simd
-    for (int d = 0; d < a.Dv; ++d) {
-      acc[d] += p * vj[d];
+    if (p != 0.0f) {
+      add_weighted(acc, p, vb + j * a.vs[2], a.Dv);
     }
   }
   const float inv = 1.0f / sum;
@@ -170,14 +207,15 @@ void attend_row(const Args& a, int b, int h, int i, float* sc, float* acc) {
 constexpr int TILE_ROWS = 8;  // query rows sharing each pass over a kv head's keys and values
 
 // Keys of every (b, kv head) W at a time, head dimension outermost: [B, Hkv, blocks, D, W].
-void transpose_keys(const Args& a, float* kt, int b, int hk) {
-  const float* kb = a.keys(b, hk);
+template <typename KV>
+void transpose_keys(const Args<KV>& a, float* kt, int b, int hk) {
+  const KV* kb = a.keys(b, hk);
   const int padded = a.padded();
   float* dst = kt + (size_t(b) * a.Hkv + hk) * padded * a.D;
   for (int j = 0; j < padded; ++j) {
     float* block = dst + size_t(j / W) * a.D * W + j % W;
     for (int d = 0; d < a.D; ++d) {
-      block[d * W] = j < a.Lk ? kb[j * a.ks[2] + d] : 0.0f;
+      block[d * W] = j < a.Lk ? kv_scalar(kb[j * a.ks[2] + d]) : 0.0f;
     }
   }
 }
@@ -185,18 +223,18 @@ void transpose_keys(const Args& a, float* kt, int b, int hk) {
 // acc[r] += p[r][j] * v[j][0, width) over the first `visible` values. FULL (width W) loads
 // each chunk as one vector; a partial chunk is copied lane by lane. Apart so that neither path
 // takes the accumulators' address: they stay in registers instead of a store per key.
-template <int ROWS, bool FULL>
+template <int ROWS, bool FULL, typename KV>
 inline void weigh_values(
-    const Args& a, const float* v, const float* sc, int visible, int width, vf (&acc)[ROWS]) {
+    const Args<KV>& a, const KV* v, const float* sc, int visible, int width, vf (&acc)[ROWS]) {
   const int padded = a.padded();
   for (int j = 0; j < visible; ++j) {
-    const float* vj = v + j * a.vs[2];
+    const KV* vj = v + j * a.vs[2];
     vf chunk = {};
     if constexpr (FULL) {
-      chunk = load(vj);
+      chunk = kv_load(vj);
     } else {
       for (int lane = 0; lane < width; ++lane) {
-        chunk[lane] = vj[lane];
+        chunk[lane] = kv_scalar(vj[lane]);
       }
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -209,8 +247,8 @@ inline void weigh_values(
 // r % Lq) in one pass over its keys and one over its values: each key block and value row read
 // from cache feeds every row, where a row at a time re-read them all per row.
 // ROWS is a compile-time count so that the tile's accumulators stay in registers.
-template <int ROWS>
-void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* sc) {
+template <int ROWS, typename KV>
+void attend_tile(const Args<KV>& a, const float* kt, int b, int hk, int r0, float* sc) {
   const int padded = a.padded(), D = a.D;
   int hs[ROWS], is[ROWS], most = 0;
   float qscaled[ROWS][MAX_HEAD_DIM];
@@ -242,7 +280,7 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* s
     const float sum = softmax_in_place(a, b, hs[r], is[r], sc + size_t(r) * padded);
     inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // nothing visible: zeros, not NaN
   }
-  const float* vb = a.values(b, hk);
+  const KV* vb = a.values(b, hk);
   for (int d0 = 0; d0 < a.Dv; d0 += W) {
     const int width = imin(W, a.Dv - d0);
     vf acc[ROWS] = {};
@@ -258,7 +296,8 @@ void attend_tile(const Args& a, const float* kt, int b, int hk, int r0, float* s
   }
 }
 
-void attend_rows(const Args& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
+template <typename KV>
+void attend_rows(const Args<KV>& a, const float* kt, int b, int hk, int r0, int rows, float* sc) {
   switch (rows) {
     case 1: return attend_tile<1>(a, kt, b, hk, r0, sc);
     case 2: return attend_tile<2>(a, kt, b, hk, r0, sc);
@@ -271,10 +310,8 @@ void attend_rows(const Args& a, const float* kt, int b, int hk, int r0, int rows
   }
 }
 
-}  // namespace
-
-void attention(const AttentionArgs& args, int threads) {
-  const Args a{args};
+template <typename KV>
+void attend(const Args<KV>& a, int threads) {
   const int padded = a.padded(), group_rows = a.group() * a.Lq;
   // Tiles when each key serves several query rows (prefill, verification); decode rows go
   // one at a time, where transposing the keys would cost more than it saves.
@@ -303,6 +340,16 @@ void attention(const AttentionArgs& args, int threads) {
           a, row / (a.Hq * a.Lq), row / a.Lq % a.Hq, row % a.Lq, scores.data(), acc.data());
     }
   });
+}
+
+}  // namespace
+
+void attention(const AttentionArgs& args, int threads) {
+  if (args.kv_half) {
+    attend(Args<uint16_t>{args}, threads);
+  } else {
+    attend(Args<float>{args}, threads);
+  }
 }
 
 }  // namespace MLXD_ISA

@@ -107,7 +107,8 @@ NB_MODULE(_cpu, m) {
       "scale"_a,
       "mask"_a.none(),
       "causal"_a,
-      "Scaled dot-product attention of float32 q, k, v [B, H, L, D] (grouped-query heads).");
+      "Scaled dot-product attention of float32 q and float32 or float16 k, v [B, H, L, D] "
+      "(grouped-query heads; float32 result).");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

@@ -9,15 +9,17 @@
 
 namespace mlxd {
 
-// Attention over float32 q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] given by
-// their strides (batch, head, row; the last dimension is contiguous) into a contiguous y.
+// Attention over float32 q [B, Hq, Lq, D] and k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], both
+// float32 or both float16 (kv_half: a 16-bit KV cache), given by their strides (batch, head,
+// row; the last dimension is contiguous) into a contiguous float32 y.
 struct AttentionArgs {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // float, or uint16_t bits of IEEE halves when kv_half
   float* y;
   int64_t qs[3], ks[3], vs[3];
   const void* mask;  // nullptr, or bool / float32 [B, Hq, Lq, Lk] with strides ms
   int64_t ms[4];
-  bool bool_mask, causal;
+  bool bool_mask, causal, kv_half;
   int B, Hq, Lq, D, Hkv, Lk, Dv;
   float scale;
 };

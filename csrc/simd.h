@@ -106,10 +106,29 @@ inline vf load_f16(const uint16_t* p) {
 #elif defined(MLXD_ISA_NEON)
   return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 #else
-  vf v;
-  for (int lane = 0; lane < W; ++lane) {
-    v[lane] = half_to_float(p[lane]);
-  }
+  // half_to_float on every lane at once, without its branches (a loop of it was ≈15x slower
+  // than the float32 loads it replaces in attention): the exponent rebiased, then infinities
+  // and NaNs, and subnormals (normalised by a float subtraction), selected per lane.
+  typedef uint16_t vh __attribute__((vector_size(W * 2)));
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  vh halves;
+  std::memcpy(&halves, p, sizeof(halves));
+  const vu h = __builtin_convertvector(halves, vu);
+  const vu top = vu{} + (0x7C00u << 13);  // the exponent's bits, moved to float's place
+  vu bits = (h & 0x7FFFu) << 13;
+  const vu exponent = bits & top;
+  bits += (127 - 15) << 23;
+  bits = exponent == top ? bits + ((128 - 16) << 23) : bits;
+  vf normal, subnormal;
+  std::memcpy(&normal, &bits, sizeof(normal));
+  const vu shifted = bits + (1u << 23);
+  std::memcpy(&subnormal, &shifted, sizeof(subnormal));
+  subnormal -= 6.10351562e-05f;  // 2^-14: the subnormal's value left in the mantissa
+  vf v = exponent == 0 ? subnormal : normal;
+  vu out;
+  std::memcpy(&out, &v, sizeof(out));
+  out |= (h & 0x8000u) << 16;
+  std::memcpy(&v, &out, sizeof(v));
   return v;
 #endif
 }

@@ -50,9 +50,17 @@ class CacheCounters:
 
 
 class PrefixCache:
-    def __init__(self, identity: dict[str, Any], config: CacheConfig, directory: Path | None):
+    def __init__(
+        self,
+        identity: dict[str, Any],
+        config: CacheConfig,
+        directory: Path | None,
+        kv_dtype: str | None = None,
+    ):
         """`identity` (source, weights, dtype, …) goes into the fingerprint with the block
-        layout, so blocks of another model, dtype or layout are never used."""
+        layout, so blocks of another model, dtype or layout are never used. `kv_dtype`: the
+        dtype of the model's KV (None: not known before its first block), which SSD blocks
+        must have too."""
         self.fingerprint = fingerprint(
             **identity,
             block_size=config.block_size,
@@ -61,9 +69,16 @@ class PrefixCache:
         )
         self.block_size = config.block_size
         self.codec = KVCodec(config.kv_bits, config.kv_group_size)
+        self.kv_dtype = kv_dtype
         self.counters = CacheCounters()
         self.ssd = (
-            SsdTier(directory / self.fingerprint, self.fingerprint, config.ssd, config.ssd_ttl)
+            SsdTier(
+                directory / self.fingerprint,
+                self.fingerprint,
+                config.ssd,
+                config.ssd_ttl,
+                getattr(mx, kv_dtype) if kv_dtype else None,
+            )
             if directory is not None
             else None
         )
@@ -197,6 +212,7 @@ class PrefixCache:
             "collisions": c.collisions,
             "block_size": self.block_size,
             "kv_bits": self.codec.bits,
+            "kv_dtype": self.kv_dtype,
             "fingerprint": self.fingerprint,
         }
 
@@ -213,14 +229,19 @@ class PrefixCache:
 
 
 def open_prefix_cache(
-    model: Any, identity: dict[str, Any], config: CacheConfig, cache_dir: Path | None
+    model: Any,
+    identity: dict[str, Any],
+    config: CacheConfig,
+    cache_dir: Path | None,
+    kv_dtype: str | None = None,
 ) -> PrefixCache | None:
     """The prefix cache for a loaded model, or None if its cache layout cannot be cut into
-    blocks; the SSD tier goes under `cache_dir`/kv."""
+    blocks; the SSD tier goes under `cache_dir`/kv. `kv_dtype`: see `PrefixCache`."""
     if not supports_prefix_cache(make_prompt_cache(model)):
         log.info("kv cache: this architecture's cache cannot be split into blocks; disabled")
         return None
-    return PrefixCache(identity, config, cache_dir / "kv" if cache_dir is not None else None)
+    directory = cache_dir / "kv" if cache_dir is not None else None
+    return PrefixCache(identity, config, directory, kv_dtype)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

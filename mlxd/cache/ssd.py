@@ -53,8 +53,18 @@ def checksum(arrays: dict[str, mx.array]) -> str:
 
 
 class SsdTier:
-    def __init__(self, directory: Path, fingerprint: str, budget: int, ttl: float | None):
+    def __init__(
+        self,
+        directory: Path,
+        fingerprint: str,
+        budget: int,
+        ttl: float | None,
+        dtype: mx.Dtype | None = None,
+    ):
+        """`dtype`: what a block's keys and values (or their scales) must be, if known: a
+        file of another (an older float32 cache's) is deleted, not loaded."""
         self.directory = directory
+        self.dtype = dtype
         self.fingerprint = fingerprint
         self.budget = budget
         self.ttl = ttl
@@ -104,6 +114,7 @@ class SsdTier:
                 and meta.get("fingerprint") == self.fingerprint
                 and meta.get("key") == key
                 and meta.get("checksum") == checksum({**arrays, "tokens": stored})
+                and self._holds_dtype(arrays)
             )
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
             log.warning("kv cache: unreadable block %s (%s): deleted", entry.path.name, exc)
@@ -124,6 +135,12 @@ class SsdTier:
         except OSError:
             self._forget(key)
         return block
+
+    def _holds_dtype(self, arrays: dict[str, mx.array]) -> bool:
+        """Every float array (not the packed integers of a quantized block) is `dtype`."""
+        return self.dtype is None or all(
+            a.dtype == self.dtype for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)
+        )
 
     def resize(self, budget: int, ttl: float | None) -> None:
         with self._lock:

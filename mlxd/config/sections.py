@@ -112,6 +112,15 @@ class CacheConfig(Section):
     kv_group_size: Literal[32, 64, 128] = Field(
         64, description="Group size for KV quantization (must divide the model's head size)."
     )
+    kv_dtype: Literal["auto", "float16", "float32"] = Field(
+        "auto",
+        description="Element type of the live KV cache on the CPU, where mlxd's attention "
+        "kernel runs the model (llama, mistral, qwen2, qwen3 architectures): float16 is half "
+        "the bytes, as llama.cpp's default f16 cache; float32 keeps the compute dtype; auto "
+        "is float16 where the CPU converts halves in hardware (F16C, NEON; not the kernels' "
+        "generic variant, where attention over halves is several times slower). Other "
+        "backends and architectures keep the compute dtype.",
+    )
     ssd_ttl: Duration | None = Field(
         7 * 86400.0,
         description="Drop SSD blocks unused for this long; null keeps them until the ssd "

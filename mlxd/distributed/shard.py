@@ -46,6 +46,7 @@ def load_rank(
     model_name: str,
     dtype: str = "auto",
     group: mx.distributed.Group | None = None,
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """This rank's part of the model in `path` (a resolved model dir, see
     models.sources.resolve_source), split over `group` (default: the world mlx.launch made).
@@ -59,6 +60,7 @@ def load_rank(
             path,
             dtype=dtype,
             model_name=model_name,
+            kv_dtype=kv_dtype,
             before_eval=lambda model, config: split_model(model, config, strategy, group),
         )
     except ModelLoadError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import cast
+from typing import NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +17,14 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from mlxd.executor.nucleus import NucleusSampler
+from mlxd.executor.logsumexp import logsumexp
+from mlxd.executor.nucleus import (
+    NucleusSampler,
+    TemperatureSampler,
+    Unsettled,
+    draw_nucleus,
+    draw_tempered,
+)
 from mlxd.types import SamplingParams, TokenLogprob
 
 
@@ -44,50 +51,77 @@ def skips_logprobs(sampler: object) -> bool:
     return isinstance(sampler, GreedySampler) and not sampler.wants_logprobs
 
 
-def sample_rows(logits: mx.array, samplers: list) -> tuple[mx.array, list[mx.array | None]]:
+class Draw(NamedTuple):
+    """A step's next token per row, its normalised log-probabilities per row (None when
+    skipped), and the rows drawn from nucleus candidates, to settle before a token is used
+    (nucleus.Unsettled; None when there are none)."""
+
+    tokens: mx.array
+    logprobs: list[mx.array | None]
+    unsettled: Unsettled | None
+
+
+def sample_rows(logits: mx.array, samplers: list) -> Draw:
     """Next token per row and, per row, its normalised log-probabilities (None when skipped).
 
-    Rows sharing a sampler object are sampled in one call; greedy rows that did not ask for
-    logprobs take the argmax of the raw logits (same token: a per-row shift keeps the argmax).
+    All top-p rows (`NucleusSampler`: any temperature, top_p or seed) are drawn in one batched
+    call, all temperature-only rows (`TemperatureSampler`) in another; other rows sharing a
+    sampler object in one call each. Greedy rows that did not ask
+    for logprobs take the argmax of the raw logits (same token: a per-row shift keeps the
+    argmax).
     """
-    groups: dict[int, list[int]] = {}
+    groups: dict[object, list[int]] = {}
     for row, sampler in enumerate(samplers):
-        groups.setdefault(id(sampler), []).append(row)
+        kind = type(sampler) if isinstance(sampler, NucleusSampler) else id(sampler)
+        groups.setdefault(kind, []).append(row)
     if len(groups) == 1:
-        return _sample_group(logits, samplers[0], len(samplers))
+        return _sample_group(logits, samplers)
     pieces: list[mx.array] = []
     logprobs: list[mx.array | None] = [None] * len(samplers)
     order: list[int] = []
+    unsettled = None
     for rows in groups.values():
-        tokens, group_logprobs = _sample_group(logits[mx.array(rows)], samplers[rows[0]], len(rows))
-        pieces.append(tokens)
+        group = _sample_group(logits[mx.array(rows)], [samplers[row] for row in rows])
+        pieces.append(group.tokens)
         order.extend(rows)
-        for row, row_logprobs in zip(rows, group_logprobs, strict=True):
+        for row, row_logprobs in zip(rows, group.logprobs, strict=True):
             logprobs[row] = row_logprobs
+        if group.unsettled is not None:  # only the one nucleus group has any
+            group.unsettled.positions = rows
+            unsettled = group.unsettled
     inverse = np.argsort(np.array(order))  # back to batch order
-    return mx.concatenate(pieces, axis=0)[mx.array(inverse)], logprobs
+    return Draw(mx.concatenate(pieces, axis=0)[mx.array(inverse)], logprobs, unsettled)
 
 
-def _sample_group(logits: mx.array, sampler, rows: int) -> tuple[mx.array, list]:
+def _sample_group(logits: mx.array, samplers: list) -> Draw:
+    sampler = samplers[0]
     if skips_logprobs(sampler):
-        return mx.argmax(logits, axis=-1), [None] * rows
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs), list(logprobs)
+        return Draw(mx.argmax(logits, axis=-1), [None] * len(samplers), None)
+    if isinstance(sampler, NucleusSampler):
+        if isinstance(sampler, TemperatureSampler):
+            tokens, unsettled = draw_tempered(logits, samplers), None
+        else:
+            tokens, unsettled = draw_nucleus(logits, samplers)
+        wanted = [s.wants_logprobs for s in samplers]
+        normalised = logits - logsumexp(logits) if any(wanted) else None
+        row_logprobs = [
+            normalised[row] if normalised is not None and wants else None
+            for row, wants in enumerate(wanted)
+        ]
+        return Draw(tokens, row_logprobs, unsettled)
+    logprobs = logits - logsumexp(logits)
+    return Draw(sampler(logprobs), list(logprobs), None)
 
 
 @lru_cache(maxsize=256)
 def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
-    # Sequences holding the *same* sampler object are sampled in one batched call by
-    # mlx-lm's GenerationBatch, so unseeded samplers are shared per parameter set.
-    if _nucleus_only(top_p, min_p, top_k):
-        return NucleusSampler(temperature, top_p)
+    # Sequences holding the *same* sampler object are sampled in one batched call, so unseeded
+    # samplers are shared per parameter set.
     return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
 
 def _seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, seed: int):
-    key = mx.random.key(seed % 2**64)  # mlx takes uint64 only; negative seeds wrap
-    if _nucleus_only(top_p, min_p, top_k):
-        return NucleusSampler(temperature, top_p, key)
+    key = _seed_key(seed)
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
@@ -103,6 +137,10 @@ def _seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, 
     return sample
 
 
+def _seed_key(seed: int) -> mx.array:
+    return mx.random.key(seed % 2**64)  # mlx takes uint64 only; negative seeds wrap
+
+
 def _nucleus_only(top_p: float, min_p: float, top_k: int) -> bool:
     """Top-p without min-p or top-k: the common non-greedy request, sampled from a partial
     selection of the vocabulary (executor/nucleus.py) instead of a full sort."""
@@ -113,6 +151,14 @@ def make_sequence_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
     top_k = params.top_k if 0 < params.top_k < vocab_size else 0
     if params.temperature == 0:
         return GREEDY if params.top_logprobs is None else GREEDY_WITH_LOGPROBS
+    # Their own objects: every top-p or temperature-only row is drawn in one batched call
+    # anyway (sample_rows).
+    key = None if params.seed is None else _seed_key(params.seed)
+    wants_logprobs = params.top_logprobs is not None
+    if _nucleus_only(params.top_p, params.min_p, top_k):
+        return NucleusSampler(params.temperature, params.top_p, key, wants_logprobs)
+    if params.min_p == 0.0 and top_k == 0 and not 0 < params.top_p < 1.0:
+        return TemperatureSampler(params.temperature, key, wants_logprobs)
     if params.seed is not None:
         return _seeded_sampler(params.temperature, params.top_p, params.min_p, top_k, params.seed)
     return _shared_sampler(params.temperature, params.top_p, params.min_p, top_k)

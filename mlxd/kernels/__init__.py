@@ -330,7 +330,8 @@ def rope(
 def attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None
 ) -> mx.array:
-    """mx.fast.scaled_dot_product_attention for float32 q, k, v [B, H, L, D] (no sinks)."""
+    """mx.fast.scaled_dot_product_attention for float32 q and k, v [B, H, L, D] both float32
+    or both float16 (a 16-bit KV cache), no sinks; float32 out."""
     if _cpu is None:
         raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
     causal = isinstance(mask, str)

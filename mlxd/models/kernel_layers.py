@@ -5,18 +5,29 @@ mx.fast.scaled_dot_product_attention from element-wise ops and BLAS calls: ≈50
 for one decode token, per layer and call, more than the layer's matmuls once those run packed;
 the kernels do the same arithmetic in a few µs (docs/performance.md). Only float32 inputs take
 them; anything else (other dtypes, attention sinks, a quantized KV cache) goes to MLX as before.
+
+Attention's keys and values may be float16: `KernelAttention` stores the KV cache in float16
+where `stores_half_kv` says so (half the bytes of float32, as llama.cpp's default f16 cache),
+and the kernel widens them as it reads.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.models import base
+from mlx_lm.utils import MODEL_REMAPPING
 
 from mlxd import kernels
+from mlxd.accel import backend_name
+
+# mlx-lm model modules (mlx_lm.models.<name>) whose attention is standard (see
+# _standard_attention_classes); mistral and smollm2 load as llama.
+STANDARD_ATTENTION_MODULES = ("llama", "qwen2", "qwen3")
 
 
 class KernelRoPE(nn.Module):
@@ -99,13 +110,20 @@ def kernel_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention` (models/base.py), on the kernel where it can."""
+    """mlx-lm's `scaled_dot_product_attention` (models/base.py), on the kernel where it can:
+    float32 queries, float32 or float16 keys and values."""
+    quantized = hasattr(cache, "bits")  # a quantized KV cache: keys and values are tuples
     if (
         sinks is None
-        and not hasattr(cache, "bits")  # a quantized KV cache
-        and all(a.ndim == 4 and a.dtype == mx.float32 for a in (queries, keys, values))
+        and not quantized
+        and queries.dtype == mx.float32
+        and keys.dtype == values.dtype
+        and keys.dtype in (mx.float32, mx.float16)
+        and all(a.ndim == 4 for a in (queries, keys, values))
     ):
         return kernels.attention(queries, keys, values, scale, mask)
+    if not quantized and keys.dtype != queries.dtype:  # a float16 cache: MLX wants one dtype
+        keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
     # mlx-lm passes "causal" as the mask too, which its annotation leaves out.
     result: mx.array = base.scaled_dot_product_attention(
         queries, keys, values, cache, scale=scale, mask=cast(Any, mask), sinks=sinks
@@ -116,11 +134,27 @@ def kernel_attention(
 def _standard_attention_classes() -> tuple[type, ...]:
     """mlx-lm attention classes whose forward is exactly: q/k/v projections, (qwen3: a
     per-head RMSNorm of q and k,) RoPE at the cache's offset, the cache update,
-    `scaled_dot_product_attention` and the output projection (read in their sources; mistral
-    and smollm2 load as llama)."""
-    from mlx_lm.models import llama, qwen2, qwen3
+    `scaled_dot_product_attention` and the output projection (read in their sources)."""
+    return tuple(
+        importlib.import_module(f"mlx_lm.models.{name}").Attention
+        for name in STANDARD_ATTENTION_MODULES
+    )
 
-    return (llama.Attention, qwen2.Attention, qwen3.Attention)
+
+def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) -> bool:
+    """Whether a model of config `model_type` computing in `compute_dtype` keeps its KV cache
+    in float16 (`cache.kv_dtype`): on the CPU backend, where `KernelAttention` runs it on the
+    kernel with float32 activations; with `auto`, where the kernels widen halves in hardware
+    (every ISA variant but generic, whose software conversion made decode attention 4-12x
+    slower: docs/performance.md). The loader and the memory estimate both ask."""
+    return (
+        kv_dtype != "float32"
+        and compute_dtype == "float32"
+        and backend_name() == "cpu"
+        and kernels.available()
+        and MODEL_REMAPPING.get(model_type, model_type) in STANDARD_ATTENTION_MODULES
+        and (kv_dtype == "float16" or kernels.isa() != "generic")
+    )
 
 
 class KernelAttention(nn.Module):
@@ -133,6 +167,10 @@ class KernelAttention(nn.Module):
     only once all but its last ≈100 dispatches have run; scheduled layer by layer, the stream
     computes layer i while Python builds layer i + 1 (12.3–14.5 → 10.3–11.0 ms a SmolLM2
     batch-1 step, packed). The arithmetic is unchanged.
+
+    `kv_dtype`: the dtype float32 keys and values are stored in the cache in (None: as
+    computed); each cache takes the dtype of its first write, and a prefix cache's blocks
+    that of the cache they were cut from.
     """
 
     def __init__(self, attention: nn.Module) -> None:
@@ -146,6 +184,7 @@ class KernelAttention(nn.Module):
         if self.per_head_norm:
             self.q_norm, self.k_norm = attention.q_norm, attention.k_norm
         self.eager = False
+        self.kv_dtype: mx.Dtype | None = None
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if self.eager:
@@ -160,14 +199,21 @@ class KernelAttention(nn.Module):
         offset = 0 if cache is None else cache.offset
         queries, keys = self.rope(queries, offset=offset), self.rope(keys, offset=offset)
         if cache is not None:
+            if (
+                self.kv_dtype is not None
+                and keys.dtype == mx.float32
+                and not hasattr(cache, "bits")
+            ):
+                keys, values = keys.astype(self.kv_dtype), values.astype(self.kv_dtype)
             keys, values = cache.update_and_fetch(keys, values)
         output = kernel_attention(queries, keys, values, cache, self.scale, mask)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def use_kernel_attention(model: nn.Module) -> int:
+def use_kernel_attention(model: nn.Module, kv_dtype: mx.Dtype | None = None) -> int:
     """Replace `model`'s standard attention modules (llama, qwen2, qwen3) by `KernelAttention`
-    holding the same layers; how many. Other architectures keep mlx-lm's attention on MLX."""
+    holding the same layers, its KV cache stored in `kv_dtype` (None: as computed); how many.
+    Other architectures keep mlx-lm's attention on MLX."""
     if not kernels.available():
         return 0
     standard = _standard_attention_classes()
@@ -176,6 +222,8 @@ def use_kernel_attention(model: nn.Module) -> int:
         for name, module in model.named_modules()
         if type(module) in standard
     ]
+    for _, attention in swaps:
+        attention.kv_dtype = kv_dtype
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)

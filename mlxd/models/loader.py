@@ -28,7 +28,7 @@ from mlxd.errors import ModelLoadError
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
-from mlxd.models.kernel_layers import use_kernel_attention, use_kernel_layers
+from mlxd.models.kernel_layers import stores_half_kv, use_kernel_attention, use_kernel_layers
 from mlxd.models.layer_eval import evaluate_per_layer
 from mlxd.models.packed import (
     can_pack,
@@ -58,6 +58,9 @@ class LoadedModel:
     # Quantized layers of a packed model the kernels do not take, run float32: name → why.
     float32_layers: dict[str, str] = field(default_factory=dict)
     experts: str = ""  # where quantized expert layers run (packed, MLX's quantized matmul), if any
+    # What the KV cache stores: "float16" on the CPU kernel path (cache.kv_dtype), else the
+    # compute dtype; None where that follows the stored weights (kept as stored).
+    kv_dtype: str | None = None
 
 
 def _target_dtype(dtype: str) -> str | None:
@@ -151,6 +154,7 @@ def load_llm(
     before_eval: Callable[[nn.Module, dict[str, Any]], nn.Module] | None = None,
     cpu_path: Choice | None = None,
     cache_dir: Path | None = None,
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """Load model and tokenizer from a local model dir (see sources.resolve_source).
 
@@ -162,7 +166,8 @@ def load_llm(
     that part is ever read). `cpu_path`: for dtype auto on the CPU, packed, float32 or both
     (models/cpu_path.py; without one a packable model runs packed). `cache_dir`: where the
     packed layout is kept for the next load (models/packed_cache.py; None: packed every time).
-    Raises ModelLoadError naming `model_name`.
+    `kv_dtype`: the configured `cache.kv_dtype` (float16 is taken where `stores_half_kv`
+    allows). Raises ModelLoadError naming `model_name`.
     """
     path = check_model_dir(path, dtype, model_name)
     if adapter is not None and (problem := adapter_problem(adapter)):
@@ -196,6 +201,8 @@ def load_llm(
         experts = experts_summary(model) if packed else ""
         if experts:
             log.info("model '%s': %s", model_name, experts)
+        compute = "float32" if packed else target  # the activations' dtype (None: as stored)
+        half_kv = stores_half_kv(str(config.get("model_type", "")), compute, kv_dtype)
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
@@ -230,7 +237,7 @@ def load_llm(
             kernels.share_cores(plan == "packed" and not one_thread)
             # MLX composes rope, norms and attention from element-wise ops on the CPU.
             use_kernel_layers(model)
-            use_kernel_attention(model)
+            use_kernel_attention(model, mx.float16 if half_kv else None)
             if packed:
                 evaluate_per_layer(model)
     except ModelLoadError:
@@ -249,4 +256,5 @@ def load_llm(
         cpu_path=cpu_path if plan is not None else None,
         float32_layers=unpackable,
         experts=experts,
+        kv_dtype="float16" if half_kv else compute,
     )

@@ -14,8 +14,10 @@ from typing import Any
 from mlxd.config import TEXT_KINDS, ModelConfig
 from mlxd.memory_need import MemoryNeed
 from mlxd.models.estimate import tensors_weight_bytes
+from mlxd.models.gguf_arch import architecture_of
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits
+from mlxd.models.kernel_layers import stores_half_kv
 from mlxd.models.loader import _target_dtype
 
 # Bits per weight of each GGUF type the importer holds exactly in MLX's affine layout (a scale
@@ -34,6 +36,7 @@ class KVGeometry:
     key_dim: int
     value_dim: int
     context: int | None  # the model's own context length
+    model_type: str = ""  # mlx-lm's (config.json's), which decides where the KV is float16
 
     def bytes_per_token(self, itemsize: int) -> int:
         return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
@@ -53,10 +56,16 @@ def model_need(
     kv, shape = 0, ""
     if geometry is not None and context:
         target = _target_dtype(config.dtype)
-        itemsize = 4 if target == "float32" else 2  # the KV takes the compute dtype
+        # The KV takes the compute dtype, but for a float16 cache on the CPU kernel path.
+        if config.kind == "llm" and stores_half_kv(
+            geometry.model_type, target, config.cache.kv_dtype
+        ):
+            itemsize, dtype = 2, "float16"
+        else:
+            itemsize = 4 if target == "float32" else 2
+            dtype = "float32" if itemsize == 4 else "16-bit"
         sequences = config.batch.max_batch_size
         kv = sequences * context * geometry.bytes_per_token(itemsize)
-        dtype = "float32" if itemsize == 4 else "16-bit"
         shape = f"{sequences} sequences x {context} tokens, {dtype}"
     return MemoryNeed(weights, kv, shape, config.cache.ram, extra)
 
@@ -113,12 +122,14 @@ def _gguf_geometry(metadata: dict[str, Any]) -> KVGeometry | None:
         return None
     kv_heads = value("attention.head_count_kv", heads)
     key_dim = value("attention.key_length") or hidden // heads
+    architecture = architecture_of(metadata)
     return KVGeometry(
         layers=layers,
         kv_heads=max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
         key_dim=key_dim,
         value_dim=value("attention.value_length") or key_dim,
         context=value("context_length"),
+        model_type=architecture.model_type if architecture else "",
     )
 
 
@@ -137,4 +148,5 @@ def _config_geometry(config: dict[str, Any]) -> KVGeometry | None:
         key_dim=head_dim,
         value_dim=head_dim,
         context=int(context) if context else None,
+        model_type=str(config.get("model_type", "")),
     )

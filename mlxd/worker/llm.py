@@ -119,16 +119,17 @@ class LLMEngine:
             adapter=config.adapter,
             cpu_path=cpu_path,
             cache_dir=server().cache_dir,
+            kv_dtype=config.cache.kv_dtype,
         )
         identity = _identity(config, loaded)
         cache_dir = server().cache_dir
         draft = None
         if config.speculative and config.speculative.mode == "draft":
             draft = await asyncio.to_thread(
-                _load_draft, name, config.speculative, loaded, cache_dir
+                _load_draft, name, config.speculative, loaded, cache_dir, config.cache.kv_dtype
             )
         prefix_cache = await asyncio.to_thread(
-            open_prefix_cache, loaded.model, identity, config.cache, cache_dir
+            open_prefix_cache, loaded.model, identity, config.cache, cache_dir, loaded.kv_dtype
         )
         return cls(name, config, loaded, prefix_cache, draft=draft)
 
@@ -334,6 +335,7 @@ class LLMEngine:
         return {
             "kind": self.kind,
             "dtype": self.loaded.dtype,
+            "kv_dtype": self.loaded.kv_dtype,
             "cpu_path": self.loaded.cpu_path.as_dict() if self.loaded.cpu_path else None,
             "float32_layers": float32_summary(self.loaded.float32_layers) or None,
             "experts": self.loaded.experts or None,
@@ -401,14 +403,20 @@ _NO_CACHE: dict[str, Any] = {
 
 
 def _load_draft(
-    name: str, speculative: SpeculativeConfig, target: LoadedModel, cache_dir: Path
+    name: str,
+    speculative: SpeculativeConfig,
+    target: LoadedModel,
+    cache_dir: Path,
+    kv_dtype: str = "auto",
 ) -> LoadedModel:
     """Speculative mode draft's model, checked to share the target's vocabulary and to have
     caches that can be trimmed back after a rejected draft."""
     weights = speculative.draft
     if weights is None:  # a config built without its file's Config
         raise ModelLoadError(f"model '{name}': speculative.model was not resolved")
-    draft = load_llm(resolve_draft(weights, cache_dir), dtype=weights.dtype, model_name=name)
+    draft = load_llm(
+        resolve_draft(weights, cache_dir), dtype=weights.dtype, model_name=name, kv_dtype=kv_dtype
+    )
     vocab, draft_vocab = target.config.get("vocab_size"), draft.config.get("vocab_size")
     if vocab != draft_vocab:
         raise ModelLoadError(
@@ -425,7 +433,8 @@ def _load_draft(
 
 def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
     """What makes this model's KV what it is: its source, weight files, compute dtype and
-    adapter (no key without one, so a base model's SSD blocks stay valid)."""
+    adapter (no key without one, so a base model's SSD blocks stay valid), and the KV's dtype
+    where it is not the compute dtype (a float16 cache: never mixed with float32 blocks)."""
     identity: dict[str, Any] = {
         "source": config.source,
         "path": str(loaded.path),
@@ -433,6 +442,8 @@ def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
         "dtype": loaded.dtype,
         "model": loaded.config,
     }
+    if loaded.kv_dtype == "float16" and loaded.dtype != "float16":
+        identity["kv_dtype"] = loaded.kv_dtype
     if config.adapter is not None:
         identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}
     return identity

@@ -207,6 +207,7 @@ def load_member(
         model_name=name,
         dtype=config.dtype,
         group=group,
+        kv_dtype=config.cache.kv_dtype,
     )
     ranks = gather_object(rank_info(), group, stream=stream)
     for index, info in enumerate(ranks):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -156,6 +157,30 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI):
         )
 
     assert sample() == sample()
+
+
+def test_seeded_top_p_sampling_repeats_beside_other_requests(client: openai.OpenAI):
+    """Top-p rows are drawn in one batched call: a seeded one draws its own tokens whatever
+    requests share its batch."""
+
+    def ask(seed: int | None, content: str = "Tell me a story about a fox.") -> str:
+        reply = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": content}],
+            temperature=0.7,
+            top_p=0.9,
+            seed=seed,
+            max_tokens=24,
+        )
+        return reply.choices[0].message.content or ""
+
+    alone = ask(11)
+    with ThreadPoolExecutor(4) as pool:
+        beside = [pool.submit(ask, None, "Name three birds."), pool.submit(ask, 5)]
+        again = pool.submit(ask, 11)
+        beside.append(pool.submit(ask, None))
+        assert again.result() == alone
+        assert all(future.result() for future in beside)
 
 
 def test_logprobs(client: openai.OpenAI):

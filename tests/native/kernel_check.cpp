@@ -66,13 +66,20 @@ int check(const Kernels& k) {
       if (worst > 1e-3) { printf("%s qdot bits %d K %d M %d precise %d: error %g\n", k.isa, bits, K, M, precise, worst); ++bad; }
     }
   }
-  // attention: decode and tiled prefill, causal, D 64
-  for (int Lq : {1, 12}) {
+  // attention: decode and tiled prefill, causal, D 64; float32 K/V, then float16 (a 16-bit cache)
+  for (bool half : {false, true}) for (int Lq : {1, 12}) {
     const int B = 1, Hq = 4, Hkv = 2, Lk = 37, D = 64;
     std::vector<float> q(B*Hq*Lq*D), kk(B*Hkv*Lk*D), v(B*Hkv*Lk*D), y(B*Hq*Lq*D);
     for (auto* a : {&q, &kk, &v}) for (auto& e : *a) e = (rand() % 2001 - 1000) / 1000.0f;
-    AttentionArgs a{q.data(), kk.data(), v.data(), y.data(), {Hq*Lq*D, Lq*D, D}, {Hkv*Lk*D, Lk*D, D}, {Hkv*Lk*D, Lk*D, D},
-                    nullptr, {0,0,0,0}, false, true, B, Hq, Lq, D, Hkv, Lk, D, 0.125f};
+    std::vector<uint16_t> kh(kk.size()), vh(v.size());
+    if (half) {  // the reference sees the halves' values
+      for (size_t e = 0; e < kk.size(); ++e) { kh[e] = to_half(kk[e]); kk[e] = float(static_cast<__fp16>(kk[e])); }
+      for (size_t e = 0; e < v.size(); ++e) { vh[e] = to_half(v[e]); v[e] = float(static_cast<__fp16>(v[e])); }
+    }
+    const void* kp = half ? static_cast<const void*>(kh.data()) : kk.data();
+    const void* vp = half ? static_cast<const void*>(vh.data()) : v.data();
+    AttentionArgs a{q.data(), kp, vp, y.data(), {Hq*Lq*D, Lq*D, D}, {Hkv*Lk*D, Lk*D, D}, {Hkv*Lk*D, Lk*D, D},
+                    nullptr, {0,0,0,0}, false, true, half, B, Hq, Lq, D, Hkv, Lk, D, 0.125f};
     k.attention(a, 2);
     double worst = 0;
     for (int h = 0; h < Hq; ++h) for (int i = 0; i < Lq; ++i) {
@@ -81,7 +88,7 @@ int check(const Kernels& k) {
       for (auto& e : s) { e = std::exp(e - top); sum += e; }
       for (int e = 0; e < D; ++e) { double o = 0; for (int j = 0; j < vis; ++j) o += s[j] * v[(hk*Lk+j)*D+e]; worst = std::fmax(worst, std::fabs(o / sum - y[(h*Lq+i)*D+e])); }
     }
-    if (worst > 1e-5) { printf("%s attention Lq %d: error %g\n", k.isa, Lq, worst); ++bad; }
+    if (worst > 1e-5) { printf("%s attention half %d Lq %d: error %g\n", k.isa, half, Lq, worst); ++bad; }
   }
   printf("%s: %s\n", k.isa, bad ? "FAILED" : "ok");
   return bad;

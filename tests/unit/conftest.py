@@ -25,7 +25,9 @@ def smol(mlxd_cache_dir: Path):
     home_cache = Path.home() / ".cache/mlxd"
     cache_dir = home_cache if (home_cache / "gguf").is_dir() else mlxd_cache_dir
     path = resolve_source(SMOL_GGUF, model_name="smol", cache_dir=cache_dir)
-    return load_llm(path, dtype="float32", model_name="smol")
+    # The float32 reference throughout, its KV cache included (the engine's default is
+    # float16 on the CPU: `smol_packed`, tests/unit/test_kv_dtype.py).
+    return load_llm(path, dtype="float32", model_name="smol", kv_dtype="float32")
 
 
 @pytest.fixture(scope="session")

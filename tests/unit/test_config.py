@@ -92,6 +92,7 @@ def test_full_example_round_trips():
         "block_size": 32,
         "kv_bits": 8,
         "kv_group_size": 32,
+        "kv_dtype": "auto",
         "ssd_ttl": 2 * 86400.0,
     }
     assert (smol.parsers.tool_calls, smol.parsers.reasoning) == ("hermes", None)

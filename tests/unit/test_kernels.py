@@ -249,6 +249,68 @@ def test_attention_equals_mlx(kernel_isa: str, shape: tuple[int, ...]) -> None:
     assert mx.allclose(got[:, :, 1:], expected[:, :, 1:], rtol=1e-4, atol=1e-5).item(), shape
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # (B, q heads, kv heads, query rows, keys, head dim): decode rows (KV lengths past a
+        # vector's multiple), prefill tiles, GQA groups of 3 and 4, head dims 64/128/256 and
+        # one (80) that is not a whole number of AVX-512 vectors.
+        (4, 9, 3, 1, 129, 64),
+        (2, 9, 3, 16, 40, 64),
+        (2, 32, 8, 1, 300, 128),
+        (1, 8, 2, 24, 130, 128),
+        (1, 8, 4, 1, 77, 256),
+        (1, 4, 2, 12, 70, 256),
+        (2, 4, 4, 7, 7, 80),
+        (1, 4, 1, 1, 33, 80),
+        (1, 4, 2, 3, 21, 40),  # rows' tails (40 = 2 × 16 + 8) in the scalar conversion
+    ],
+)
+def test_attention_reads_float16_keys_and_values(kernel_isa: str, shape: tuple[int, ...]) -> None:
+    """A float16 KV cache: the kernel widens the halves as it reads (F16C, NEON, or the
+    generic variant's scalar conversion) and computes in float32, so it equals MLX's attention
+    over the same halves widened to float32, and stays float32 out."""
+    b, hq, hkv, lq, lk, d = shape
+    mx.random.seed(sum(shape) + 1)
+    q = mx.random.normal((b, lq, hq, d)).transpose(0, 2, 1, 3)
+    k = mx.random.normal((b, hkv, lk + 3, d)).astype(mx.float16)[:, :, :lk]  # a cache's view
+    v = mx.random.normal((b, hkv, lk, d)).astype(mx.float16)
+    wide_k, wide_v = k.astype(mx.float32), v.astype(mx.float32)
+    for mask in (None, "causal", mx.random.uniform(shape=(b, 1, lq, lk)) > 0.3):
+        expected = mx.fast.scaled_dot_product_attention(q, wide_k, wide_v, scale=0.125, mask=mask)
+        expected = mx.where(mx.isnan(expected), 0.0, expected)
+        got = kernel_attention(q, k, v, cache=None, scale=0.125, mask=mask)
+        assert got.dtype == mx.float32
+        assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), (shape, mask)
+        # Its float32 path over the widened halves agrees: only the loads differ.
+        assert mx.allclose(got, kernels.attention(q, wide_k, wide_v, 0.125, mask), atol=1e-5).item()
+
+
+def test_attention_widens_every_float16_value_exactly(kernel_isa: str) -> None:
+    """One key: its value comes out as it is, so each of the 65,536 half bit patterns
+    (subnormals, infinities, NaNs) must widen to exactly MLX's float32 (the last few through
+    the scalar conversion of a row's tail)."""
+    every = mx.array(np.arange(2**16, dtype=np.uint16).view(np.float16))
+    value = mx.concatenate([every, every[1:6]]).reshape(1, 1, 1, -1)
+    q, k = mx.ones((1, 1, 1, 64)), mx.zeros((1, 1, 1, 64), dtype=mx.float16)
+    got = np.array(kernels.attention(q, k, value, 0.125, None)).reshape(-1)
+    expected = np.array(value.astype(mx.float32)).reshape(-1)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan], expected[~nan])  # (-0 comes out 0: 0 + 1 × -0)
+
+
+def test_attention_refuses_mixed_or_other_kv_dtypes() -> None:
+    q = mx.random.normal((1, 2, 1, 64))
+    k = mx.random.normal((1, 2, 4, 64))
+    for keys, values in ((k.astype(mx.float16), k), (k.astype(mx.bfloat16),) * 2):
+        with pytest.raises(ValueError, match="both float32 or both float16"):
+            kernels.attention(q, keys, values, 0.125, None)
+    # kernel_attention, mlx-lm's drop-in, sends those to MLX instead (cast to q's dtype).
+    mixed = kernel_attention(q, k.astype(mx.bfloat16), k.astype(mx.bfloat16), None, 0.125, None)
+    assert mixed.dtype == mx.float32
+
+
 def test_assemble_kv_lays_the_blocks_out_per_layer_with_room() -> None:
     blocks = [mx.random.normal((3, 2, tokens, 8)) for tokens in (4, 4, 2)]
     layers = kernels.assemble_kv(blocks, 16)

@@ -21,14 +21,14 @@ from mlxd.config import CacheConfig
 LAYERS, HEADS, DIM, BS = 3, 2, 64, 4
 
 
-def layers_for(length: int, seed: int = 0) -> list[KVCache]:
+def layers_for(length: int, seed: int = 0, dtype: mx.Dtype = mx.float32) -> list[KVCache]:
     """A single sequence's per-layer cache, as the generator hands it out."""
     mx.random.seed(seed)
     caches = []
     for _ in range(LAYERS):
         cache = KVCache()
-        cache.keys = mx.random.normal((1, HEADS, length, DIM))
-        cache.values = mx.random.normal((1, HEADS, length, DIM))
+        cache.keys = mx.random.normal((1, HEADS, length, DIM)).astype(dtype)
+        cache.values = mx.random.normal((1, HEADS, length, DIM)).astype(dtype)
         cache.offset = length
         caches.append(cache)
     return caches
@@ -38,9 +38,11 @@ def block(key: str, nbytes: int = 100) -> Block:
     return Block(key, ROOT, (1,), {"keys": mx.zeros((nbytes // 4,), dtype=mx.float32)})
 
 
-def prefix_cache(tmp_path: Path | None = None, **config) -> PrefixCache:
+def prefix_cache(
+    tmp_path: Path | None = None, kv_dtype: str | None = None, **config
+) -> PrefixCache:
     cache = CacheConfig(block_size=BS, **config)
-    return PrefixCache({"model": "m"}, cache, tmp_path)
+    return PrefixCache({"model": "m"}, cache, tmp_path, kv_dtype)
 
 
 # -- block identity -----------------------------------------------------------------------
@@ -413,4 +415,72 @@ def test_quantized_blocks_round_trip_through_ssd(tmp_path: Path, bits: int) -> N
     again.prefetch(prompt, again.keys(prompt))
     rebuilt = again.acquire(again.match(prompt, again.keys(prompt)))
     assert mx.array_equal(rebuilt[1].keys_and_values()[1], expected[1].keys_and_values()[1])
+    again.close()
+
+
+# -- a float16 KV cache (the CPU kernel path's default) -------------------------------------
+
+
+def test_float16_blocks_round_trip_through_ram_and_ssd_as_float16(tmp_path: Path) -> None:
+    """Blocks cut from a float16 cache stay float16 (half the bytes), are assembled back
+    bit for bit, and a sequence's next float16 writes keep its batch cache float16."""
+    cache = prefix_cache(tmp_path, kv_dtype="float16", ssd=10**8)
+    prompt = list(range(13))
+    layers = layers_for(len(prompt), dtype=mx.float16)
+    cache.store(prompt, cache.keys(prompt), layers)
+    assert cache.stats()["kv_dtype"] == "float16"
+    assert cache.stats()["bytes"]["ram"] == 3 * LAYERS * 2 * HEADS * BS * DIM * 2
+    match = cache.match(prompt, cache.keys(prompt))
+    rebuilt = cache.acquire(match, room=4)
+    for original, cached in zip(layers, rebuilt, strict=True):
+        keys, values = cached.keys_and_values()
+        assert keys.dtype == values.dtype == mx.float16
+        assert mx.array_equal(keys, original.keys[:, :, :12]).item()
+        assert mx.array_equal(values, original.values[:, :, :12]).item()
+    batch = type(rebuilt[0]).merge([rebuilt[0]])
+    new = mx.random.normal((1, HEADS, 1, DIM)).astype(mx.float16)
+    keys, values = batch.update_and_fetch(new, new)
+    assert keys.dtype == mx.float16 and mx.array_equal(keys[:, :, -1:], new).item()
+    cache.release(match.blocks)
+    cache.ssd.flush()
+    cache.close()
+
+    again = prefix_cache(tmp_path, kv_dtype="float16", ssd=10**8)  # a restart: from disk
+    again.prefetch(prompt, again.keys(prompt))
+    rebuilt = again.acquire(again.match(prompt, again.keys(prompt)))
+    assert again.stats()["hits"] == {"ram": 0, "ssd": 1}
+    assert rebuilt[2].keys.dtype == mx.float16
+    assert mx.array_equal(rebuilt[2].keys_and_values()[1], layers[2].values[:, :, :12]).item()
+    again.close()
+
+
+def test_float32_blocks_on_disk_are_never_loaded_into_a_float16_cache(tmp_path: Path) -> None:
+    """A file of an older float32 cache under the same fingerprint (the fingerprint keys the
+    KV dtype too: worker/llm.py's identity) is deleted on load, not mixed in."""
+    old, prompt = stored_ssd(tmp_path)  # float32 blocks
+    old.close()
+    assert len(files(old)) == 3
+    half = prefix_cache(tmp_path, kv_dtype="float16", ssd=10**8)
+    assert half.fingerprint == old.fingerprint
+    half.prefetch(prompt, half.keys(prompt))
+    assert half.match(prompt, half.keys(prompt)).blocks == []
+    assert len(files(half)) == 2  # the first block was read, refused and deleted
+    half.close()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_float16_blocks_dequantize_to_float16(tmp_path: Path, bits: int) -> None:
+    cache = prefix_cache(tmp_path, kv_dtype="float16", ssd=10**8, kv_bits=bits)
+    prompt = list(range(13))
+    layers = layers_for(len(prompt), dtype=mx.float16)
+    cache.store(prompt, cache.keys(prompt), layers)
+    cache.ssd.flush()
+    cache.close()
+    again = prefix_cache(tmp_path, kv_dtype="float16", ssd=10**8, kv_bits=bits)
+    again.prefetch(prompt, again.keys(prompt))
+    [first, *_] = again.acquire(again.match(prompt, again.keys(prompt)))
+    keys, _ = first.keys_and_values()
+    assert keys.dtype == mx.float16
+    error = mx.abs(keys.astype(mx.float32) - layers[0].keys[:, :, :12].astype(mx.float32))
+    assert mx.max(error).item() < (0.5 if bits == 4 else 0.05)
     again.close()

@@ -1,4 +1,4 @@
-"""Sampling parameters → mlx-lm logits processors."""
+"""Sampling parameters → mlx-lm logits processors and samplers; top-p from candidates."""
 
 from __future__ import annotations
 
@@ -7,8 +7,20 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_p
 
-from mlxd.executor.nucleus import NucleusSampler, nucleus_candidates
-from mlxd.executor.sampling import make_sequence_processors, make_sequence_sampler
+from mlxd.executor.logsumexp import exp_below, logsumexp
+from mlxd.executor.nucleus import (
+    NucleusSampler,
+    TemperatureSampler,
+    draw_nucleus,
+    nucleus_candidates,
+    settle,
+)
+from mlxd.executor.sampling import (
+    GREEDY,
+    make_sequence_processors,
+    make_sequence_sampler,
+    sample_rows,
+)
 from mlxd.types import SamplingParams
 
 
@@ -55,9 +67,8 @@ def _exact_nucleus(logprobs: mx.array, top_p: float) -> list[set[int]]:
 @pytest.mark.parametrize("vocab", [500, 49_152, 128_256])
 def test_nucleus_from_candidates_keeps_what_the_full_sort_keeps(top_p, vocab):
     logprobs = _peaked_logprobs(4, vocab, seed=vocab)
-    nucleus = nucleus_candidates(logprobs, top_p)
-    assert nucleus is not None
-    ids, values = nucleus
+    ids, values, exact, _ = nucleus_candidates(logprobs, mx.full((4, 1), top_p))
+    assert exact is None or exact.tolist() == [True] * 4
     kept = [
         {i for i, v in zip(row_ids, row_values, strict=True) if v > -np.inf}
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
@@ -70,14 +81,14 @@ def test_nucleus_from_candidates_keeps_what_the_full_sort_keeps(top_p, vocab):
 
 def test_nucleus_keeps_ties_at_the_threshold():
     logprobs = mx.log(mx.array([[0.3, 0.2, 0.2, 0.2, 0.1]]))
-    ids, values = nucleus_candidates(logprobs, 0.6)
+    ids, values, _, _ = nucleus_candidates(logprobs, mx.array([[0.6]]))
     kept = {i for i, v in zip(ids[0].tolist(), values[0].tolist(), strict=True) if v > -np.inf}
     assert kept == _support(apply_top_p(logprobs, 0.6))[0] == {0, 1, 2, 3}
 
 
 def test_a_nucleus_beyond_the_candidates_falls_back_to_the_full_sort():
     flat = mx.full((2, 4096), -np.log(4096.0))
-    assert nucleus_candidates(flat, 0.9, candidates=1024) is None
+    assert nucleus_candidates(flat, mx.full((2, 1), 0.9)).exact.tolist() == [False, False]
     tokens = NucleusSampler(0.7, 0.9)(flat)
     assert tokens.shape == (2,)
     assert all(0 <= t < 4096 for t in tokens.tolist())
@@ -111,3 +122,128 @@ def test_seeded_nucleus_sampling_repeats():
 def test_top_p_with_min_p_keeps_mlx_lms_chain():
     params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)
     assert not isinstance(make_sequence_sampler(params, 49_152), NucleusSampler)
+
+
+def _head_and_tail(head: list[float], vocab: int) -> list[float]:
+    """Log-probabilities of `head` followed by an even share of the rest over the vocabulary."""
+    tail = (1 - sum(head)) / (vocab - len(head))
+    return np.log(head + [tail] * (vocab - len(head))).tolist()
+
+
+def _mlx_lm_distribution(logprobs: mx.array, temperature: float, top_p: float) -> np.ndarray:
+    """What mlx-lm's make_sampler(temperature, top_p) draws from, per token."""
+    return np.asarray(mx.softmax(apply_top_p(logprobs, top_p) / temperature, axis=-1))
+
+
+def test_rows_past_their_candidates_are_drawn_as_mlx_lm_draws_beside_rows_within():
+    # 16 candidates from groups of 4 over 512 tokens: the peaked row's nucleus (3 tokens) ends
+    # among them, the wide row's (40 tokens of 0.023) does not and is drawn again, in the same
+    # batched call; half the rows seeded, half from the global state.
+    vocab, copies, temperature = 512, 1500, 0.7
+    peaked = _head_and_tail([0.5, 0.3, 0.15], vocab)
+    wide = _head_and_tail([0.023] * 40, vocab)
+    logprobs = mx.array([peaked, wide] * copies)
+    samplers = [
+        NucleusSampler(temperature, 0.9, mx.random.key(row) if row % 4 < 2 else None)
+        for row in range(2 * copies)
+    ]
+    mx.random.seed(3)
+    tokens, unsettled = draw_nucleus(logprobs, samplers, candidates=16, group=4)
+    assert unsettled is not None
+    assert unsettled.exact.tolist() == [True, False] * copies
+    drawn = np.asarray(settle(tokens, unsettled)).reshape(copies, 2)
+    for column, row in enumerate((peaked, wide)):
+        expected = _mlx_lm_distribution(mx.array([row]), temperature, 0.9)[0]
+        counts = np.bincount(drawn[:, column], minlength=vocab)
+        support = expected > 0
+        assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(support))
+        # Chi-square against mlx-lm's distribution, generous: its mean is the degrees of
+        # freedom (2 and 39), its standard deviation √(2·df).
+        chi2 = (((counts - copies * expected) ** 2)[support] / (copies * expected[support])).sum()
+        df = support.sum() - 1
+        assert chi2 < df + 6 * np.sqrt(2 * df)
+
+
+def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
+    vocab = 4096
+    peaked = _peaked_logprobs(1, vocab, seed=5)
+    flat = mx.random.normal((1, vocab), key=mx.random.key(6)) * 0.1  # past the candidates
+
+    def seeded(seed: int, top_p: float = 0.9) -> NucleusSampler:
+        sampler = make_sequence_sampler(
+            SamplingParams(temperature=0.7, top_p=top_p, seed=seed), vocab
+        )
+        assert isinstance(sampler, NucleusSampler)  # TemperatureSampler at top_p 1
+        return sampler
+
+    def tokens(logits: mx.array, samplers: list, rows: list[int]) -> list[list[int]]:
+        out = []
+        for _ in range(4):
+            draw = sample_rows(logits, samplers)
+            out.append(np.asarray(settle(draw.tokens, draw.unsettled))[rows].tolist())
+        return out
+
+    alone = tokens(
+        mx.concatenate([peaked, flat, peaked]), [seeded(1), seeded(2), seeded(3, 1.0)], [0, 1, 2]
+    )
+    unseeded = make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9), vocab)
+    chain = make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05), vocab)
+    mixed = mx.concatenate([flat, peaked, peaked, flat, peaked, flat, peaked, flat])
+    samplers = [
+        unseeded,
+        seeded(1),
+        GREEDY,
+        seeded(2),
+        chain,
+        make_sequence_sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=9), vocab),
+        seeded(3, 1.0),
+        make_sequence_sampler(SamplingParams(temperature=0.9), vocab),
+    ]
+    assert tokens(mixed, samplers, [1, 3, 6]) == alone
+
+
+def test_logsumexp_from_multiply_adds_keeps_float32_precision():
+    rows = [
+        mx.random.normal((128_256,), key=mx.random.key(i)) * s for i, s in enumerate((0.1, 5, 30))
+    ]
+    masked = mx.full((128_256,), -mx.inf)
+    masked[:3] = mx.array([1.0, -80.0, -200.0])  # a constrained row: most tokens excluded
+    logits = mx.stack([*rows, masked])
+    wide = np.asarray(logits).astype(np.float64)
+    top = wide.max(axis=-1, keepdims=True)
+    expected = top[:, 0] + np.log(np.exp(wide - top).sum(axis=-1))
+    # The float32 sum over 128k terms rounds at ≈1e-5 (mx.logsumexp's too); each term's exp
+    # is within 3e-7 of the exact one.
+    assert np.allclose(np.asarray(logsumexp(logits))[:, 0], expected, rtol=1e-5, atol=1e-6)
+    top32 = np.asarray(logits).max(axis=-1, keepdims=True)
+    ours = np.asarray(exp_below(logits, mx.array(top32)))
+    exact = np.exp((np.asarray(logits) - top32).astype(np.float64))  # the same float32 shift
+    normal = exact > 1e-37
+    assert np.allclose(ours[normal], exact[normal], rtol=3e-7, atol=0)
+    assert (ours[exact < np.exp(-87.0)] == 0).all()  # below float32's normal range: none
+
+
+def test_temperature_alone_draws_the_tempered_softmax_seeded_or_not():
+    vocab, copies, temperature = 64, 3000, 0.7
+    logits = mx.random.normal((1, vocab), key=mx.random.key(8)) * 2
+    logits[0, 5] = -mx.inf  # a masked token is never drawn
+    samplers = [
+        make_sequence_sampler(
+            SamplingParams(temperature=temperature, seed=row if row % 2 else None), vocab
+        )
+        for row in range(copies)
+    ]
+    assert all(isinstance(s, TemperatureSampler) for s in samplers)
+    mx.random.seed(4)
+    draw = sample_rows(mx.repeat(logits, copies, axis=0), samplers)
+    assert draw.unsettled is None
+    counts = np.bincount(np.asarray(draw.tokens), minlength=vocab)
+    expected = np.asarray(mx.softmax(logits / temperature, axis=-1))[0]
+    assert counts[5] == 0
+    support = expected > 0
+    chi2 = (((counts - copies * expected) ** 2)[support] / (copies * expected[support])).sum()
+    df = support.sum() - 1
+    assert chi2 < df + 6 * np.sqrt(2 * df)
+    again = make_sequence_sampler(SamplingParams(temperature=temperature, seed=1), vocab)
+    alone = make_sequence_sampler(SamplingParams(temperature=temperature, seed=1), vocab)
+    assert [again(logits).item() for _ in range(5)] == [alone(logits).item() for _ in range(5)]

@@ -4,6 +4,8 @@ prefix cache, and the default budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import psutil
 import pytest
 
@@ -33,6 +35,10 @@ def test_the_need_counts_kv_at_full_batch_and_context_and_the_prefix_cache(smol)
     config = ModelConfig.model_validate(
         {"source": SMOL_GGUF, "batch": {"max_batch_size": 8}, "cache": {"ram": "64MiB"}}
     )
+    # On the CPU kernels' path the KV is float16 (cache.kv_dtype's default): half of float32.
+    config = config.model_copy(
+        update={"cache": config.cache.model_copy(update={"kv_dtype": "float32"})}
+    )
     need = model_need(config, weights, geometry, extra=1000)
     assert need.kv == 8 * 8192 * SMOL_KV_TOKEN_F32  # the model's own context
     assert need.total == weights + need.kv + 64 * 2**20 + 1000
@@ -50,3 +56,30 @@ def test_the_need_counts_kv_at_full_batch_and_context_and_the_prefix_cache(smol)
 def test_an_unset_budget_is_three_quarters_of_physical_memory():
     assert ServerConfig().budget_bytes == int(psutil.virtual_memory().total * 0.75)
     assert ServerConfig(memory_budget="2GiB").budget_bytes == 2 * 2**30
+
+
+def test_a_float16_kv_cache_is_counted_at_two_bytes_where_the_kernels_store_it(
+    smol, monkeypatch: pytest.MonkeyPatch
+):
+    """cache.kv_dtype auto (the default) on the CPU kernel path: a llama-family model's KV is
+    counted as the loader will store it, float16 where the kernels widen halves in hardware."""
+    from mlxd import kernels
+
+    weights, geometry = estimate_weight_bytes(smol.path, "auto"), dir_geometry(smol.path)
+    config = ModelConfig.model_validate({"source": SMOL_GGUF, "batch": {"max_batch_size": 4}})
+    assert config.cache.kv_dtype == "auto"
+    f32 = 4 * 8192 * SMOL_KV_TOKEN_F32
+    if kernels.isa() != "generic":
+        need = model_need(config, weights, geometry)
+        assert need.kv == f32 // 2
+        assert "KV (4 sequences x 8192 tokens, float16)" in need.describe()
+    # An architecture whose attention stays on MLX keeps the compute dtype (float32).
+    assert geometry is not None
+    assert model_need(config, weights, replace(geometry, model_type="gemma2")).kv == f32
+    # The generic variant (no F16C or NEON) keeps float32 unless the YAML asks for float16.
+    monkeypatch.setattr(kernels, "isa", lambda: "generic")
+    assert model_need(config, weights, geometry).kv == f32
+    half = config.model_copy(
+        update={"cache": config.cache.model_copy(update={"kv_dtype": "float16"})}
+    )
+    assert model_need(half, weights, geometry).kv == f32 // 2
