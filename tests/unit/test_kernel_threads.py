@@ -63,4 +63,3 @@ for worker in workers:
     worker.join()
 assert not failures
 """)
-
