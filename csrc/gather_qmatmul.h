@@ -2,7 +2,7 @@
 #pragma once
 
 #include "mlx/array.h"
-#include "cpu_primitive.h"
+#include "qmatmul.h"
 
 namespace mlxd {
 
@@ -19,10 +19,9 @@ mlx::core::array gather_qmatmul(
     bool dot,
     bool precise);
 
-class GatherQMatmul : public CpuPrimitive {
+class GatherQMatmul : public PackedPrimitive {
  public:
-  GatherQMatmul(mlx::core::Stream stream, int bits, bool dot, bool precise)
-      : CpuPrimitive(stream), bits_(bits), dot_(dot), precise_(precise) {}
+  using PackedPrimitive::PackedPrimitive;
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -31,15 +30,6 @@ class GatherQMatmul : public CpuPrimitive {
   const char* name() const override {
     return "GatherQMatmulCPU";
   }
-  bool is_equivalent(const mlx::core::Primitive& other) const override {
-    const auto& same = static_cast<const GatherQMatmul&>(other);
-    return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;
-  }
-
- private:
-  int bits_;
-  bool dot_;
-  bool precise_;
 };
 
 }  // namespace mlxd

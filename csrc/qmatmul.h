@@ -17,10 +17,26 @@ mlx::core::array qmatmul(
     bool dot,
     bool precise);
 
-class QMatmul : public CpuPrimitive {
+// What the primitives over packed weights share: the weights' width and layout.
+class PackedPrimitive : public CpuPrimitive {
  public:
-  QMatmul(mlx::core::Stream stream, int bits, bool dot, bool precise)
+  PackedPrimitive(mlx::core::Stream stream, int bits, bool dot, bool precise)
       : CpuPrimitive(stream), bits_(bits), dot_(dot), precise_(precise) {}
+
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    const auto& same = static_cast<const PackedPrimitive&>(other);
+    return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;
+  }
+
+ protected:
+  int bits_;
+  bool dot_;
+  bool precise_;
+};
+
+class QMatmul : public PackedPrimitive {
+ public:
+  using PackedPrimitive::PackedPrimitive;
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -29,15 +45,6 @@ class QMatmul : public CpuPrimitive {
   const char* name() const override {
     return "QMatmulCPU";
   }
-  bool is_equivalent(const mlx::core::Primitive& other) const override {
-    const auto& same = static_cast<const QMatmul&>(other);
-    return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;
-  }
-
- private:
-  int bits_;
-  bool dot_;
-  bool precise_;
 };
 
 }  // namespace mlxd
