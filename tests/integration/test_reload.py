@@ -257,13 +257,15 @@ def test_lazy_model_loads_once_on_first_use_and_unloads_when_idle(tmp_path, mlxd
 
 def test_memory_budget_evicts_idle_models_and_refuses_what_cannot_fit(tmp_path, mlxd_cache_dir):
     # Each model: 128 MiB of packed 4/8-bit weights + KV for 8 x 512 tokens (180 MiB; 90 MiB
-    # for b's 4) + a 64 MiB prefix cache ≈ 370 MiB; two do not fit, 'huge' never does.
+    # for b's 4) + a 64 MiB prefix cache ≈ 370 MiB; two do not fit, 'huge' never does. KV in
+    # float32 on every CPU (float16's `auto` depends on the kernels' ISA variant).
+    f32 = {"kv_dtype": "float32"}
     config = {
         "server": {"cache_dir": str(mlxd_cache_dir), "memory_budget": "450MiB"},
         "models": {
-            "a": smol(load="lazy"),
-            "b": smol(load="lazy", batch={"max_batch_size": 4}),
-            "huge": smol(load="lazy", cache={"ram": "1GiB"}),
+            "a": smol(load="lazy", cache={"ram": "64MiB", **f32}),
+            "b": smol(load="lazy", batch={"max_batch_size": 4}, cache={"ram": "64MiB", **f32}),
+            "huge": smol(load="lazy", cache={"ram": "1GiB", **f32}),
         },
     }
     daemon = start_daemon(tmp_path, config)
