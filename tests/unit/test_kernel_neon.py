@@ -6,6 +6,7 @@ no x86 header) and checked against float64 references under qemu-user
 from __future__ import annotations
 
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,7 +17,10 @@ from tests.conftest import NOT_APPLICABLE
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
-SOURCES = ["qmatmul.cpp", "qdot.cpp", "attention_kernel.cpp", "pointwise.cpp", "variant.cpp"]
+# The per-variant sources, as csrc/CMakeLists.txt lists them (one list to keep).
+_LISTED = re.search(r"set\(KERNEL_SOURCES([^)]*)\)", (ROOT / "csrc/CMakeLists.txt").read_text())
+assert _LISTED is not None
+SOURCES = _LISTED.group(1).split()
 # As csrc/CMakeLists.txt: (flags, the vector family the variant's code is written for).
 FLAGS = {
     "generic": ([], "GENERIC"),
