@@ -172,10 +172,8 @@ def pack_experts(
     if weight.ndim != 3 or not packable(rows, group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit experts {weight.shape}, group size {group_size}")
     w, s, b = (a.reshape(experts * rows, -1) for a in (weight, scales, biases))
-    if dot:
-        flat = pack_dot(w, s, b, group_size, bits, precise=precise)
-    else:
-        flat = pack(w, s, b, group_size, bits)
+    layout = _dot_layout if dot else _float_layout
+    flat = _pack_rows(w, s, b, group_size, bits, layout, dot, dot and precise)
     return Packed(
         flat.weight.reshape(experts, rows, -1),
         flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
