@@ -408,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         default=Path("~/.cache/mlxd").expanduser(),
         help="where the demo GGUF is converted once (ignored with --model-dir)",
     )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="mlxd: tokens a sequence may hold (default: the model's own; mlxd sizes the KV "
+        "cache for max_batch_size sequences of it, and refuses a model whose KV cannot fit)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     args = parser.parse_args(argv)
     if unknown := set(args.sampling) - set(SAMPLING):
@@ -437,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = free_port()
         if name == "mlxd":
-            cmd = mlxd_command(model_dir, port, log_dir, args.speculative_tokens)
+            context = {"context_length": args.context_length} if args.context_length else {}
+            cmd = mlxd_command(model_dir, port, log_dir, args.speculative_tokens, context)
             model_id = MODEL_NAME
         else:
             cmd, model_id = baseline_command(model_dir, port), BASELINE_MODEL_ID

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from benchmarks.gguf_import import SHAPES, add_llama3_metadata
@@ -60,10 +61,9 @@ def _random(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return (rng.standard_normal(shape, np.float32) * STD).astype(np.float16)
 
 
-def write_f16_gguf(path: Path, name: str) -> None:
-    """The F16 GGUF llama.cpp's converter would write for a model of shape `name`."""
-    import gguf
-
+def _llama_writer(path: Path, name: str) -> tuple[gguf.GGUFWriter, np.ndarray]:
+    """A GGUF writer holding the metadata (tokenizer included) of shape `name`, and the
+    RoPE frequencies that go with it."""
     vocab = SHAPES[name][-1]
     writer = gguf.GGUFWriter(path, "llama")
     rope = add_llama3_metadata(writer, SHAPES[name])
@@ -71,6 +71,22 @@ def write_f16_gguf(path: Path, name: str) -> None:
     writer.add_bos_token_id(vocab - 2)
     writer.add_eos_token_id(vocab - 1)
     writer.add_chat_template(CHATML)  # both servers format chats the same way
+    return writer, rope
+
+
+def write_vocab_gguf(path: Path, name: str) -> None:
+    """The metadata of shape `name`'s GGUF and no tensors: the tokenizer for
+    `write_mlx_4bit` where no llama.cpp peer needs the weights."""
+    writer, _ = _llama_writer(path, name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+
+
+def write_f16_gguf(path: Path, name: str) -> None:
+    """The F16 GGUF llama.cpp's converter would write for a model of shape `name`."""
+    writer, rope = _llama_writer(path, name)
     writer.add_tensor_info("rope_freqs.weight", rope.shape, rope.dtype, rope.nbytes)
     specs = list(tensors(name))
     for gguf_name, _, shape in specs:
