@@ -18,6 +18,10 @@ the maxima of groups of `GROUP` adjacent tokens, then the tokens of the `CANDIDA
 the highest maxima (they hold the `CANDIDATES` highest tokens: a group without one of them has
 its maximum below all of them), partitioned again.
 
+On a GPU the candidates are the whole vocabulary: sorting it is cheap there (mlx_lm.server's
+sampled tokens cost ≈ its greedy ones on an H200, docs/performance.md), and a flat row would
+otherwise be drawn twice, with a wait between.
+
 All rows go through one batched call: temperature and top_p per row as arrays, and per-row
 keys for seeded requests (`mx.vmap` over them), so a seeded row draws the same tokens whatever
 rows share its batch.
@@ -172,12 +176,15 @@ def nucleus_candidates(
 def draw_nucleus(
     logits: mx.array,
     samplers: Sequence[NucleusSampler],
-    candidates: int = CANDIDATES,
+    candidates: int | None = None,
     group: int = GROUP,
 ) -> tuple[mx.array, Unsettled | None]:
     """A token per row of `logits` [n, V], row i with `samplers[i]`'s temperature, top_p and
     key; with the check of the rows drawn from candidates (None when they were the whole
-    vocabulary)."""
+    vocabulary). `candidates`: CANDIDATES on the CPU, the whole vocabulary on a GPU."""
+    if candidates is None:
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        candidates = logits.shape[-1] if on_gpu else CANDIDATES
     top_p = mx.array([s.top_p for s in samplers], dtype=mx.float32)[:, None]
     nucleus = nucleus_candidates(logits, top_p, candidates, group)
     scale = mx.array([1.0 / s.temperature for s in samplers], dtype=mx.float32)[:, None]
