@@ -18,8 +18,7 @@
 //   4 bits: per 8 inputs k..k+7, 64 bytes: byte 4j+i = q[n0 + j][k+i] | q[n0 + j][k+4+i] << 4
 // so each 32-bit lane holds one output row's 4 consecutive inputs, and a dot product of a weight
 // vector with 4 bytes of x broadcast sums them per row with no horizontal sums. Scales and
-// biases as the float path's: per tile and block of 32 inputs 16 scales then 16 biases; tiles
-// in pairs, block by block (paired_unit in simd.h).
+// biases as the float path's: per tile and block of 32 inputs 16 scales then 16 biases.
 
 #include "parallel.h"
 #include "qdot_tiles.h"

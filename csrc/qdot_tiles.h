@@ -38,7 +38,7 @@ constexpr int MAX_ROWS = 2;
 constexpr int NV = TILES * V;
 constexpr int GROUP = TILES * LANES;  // output rows per work item
 constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 4;
-constexpr int PREFETCH_BLOCKS = 8;  // as the float path's
+constexpr int PREFETCH_BLOCKS = 4;  // as the float path's
 
 // Where the dot product takes q as signed (q - OFFSET: sdot is signed x signed; maddubs's pair
 // sums of 255 x 127 would saturate int16), the sum misses OFFSET * sum_k x8_k: the bias term
@@ -127,29 +127,26 @@ struct Quantized {
 template <typename S>
 struct Problem {
   Quantized x;
-  // [N / 32 tile pairs, K / 32 blocks, 2 tiles, 32 * bits / 8 * 16 bytes] (pack_dot's layout)
-  const uint8_t* w;
-  const S* scale_bias;  // [N / 32 tile pairs, K / 32 blocks, 2 tiles, 2 (scale, bias), 16]
+  const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes] (pack_dot's layout)
+  const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;  // M: rows of x (of y)
 
-  // Block `block` of vector v of work item g's weights (tile g * TILES + v / V, lanes from
-  // (v % V) * W), 4-byte lanes; see paired_unit.
+  // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W), 4-byte
+  // lanes.
   template <int BITS>
-  const uint8_t* weights(int g, int v, int block) const {
-    const size_t unit = paired_unit(g * TILES + v / V, K / BLOCK, block);
-    return w + unit * (BLOCK * BITS / 8 * LANES) + (v % V) * W * 4;
+  const uint8_t* weights(int g, int v) const {
+    return w + size_t(g * TILES + v / V) * K * BITS / 8 * LANES + (v % V) * W * 4;
   }
   const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
-    return scale_bias + paired_unit(g * TILES + v / V, K / BLOCK, block) * 2 * LANES + (v % V) * W;
+    return scale_bias + (size_t(g * TILES + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
   }
   float* out(int m, int g, int v) const {
     return y + size_t(m) * N + g * GROUP + v * W;
   }
 };
 
-// The weight bytes of inputs k..k+3 (lo) and k+4..k+7 (hi) of the block at `at` for its W
-// rows.
+// The weight bytes of inputs k..k+3 (lo) and k+4..k+7 (hi) for the W rows at `at`.
 template <int BITS>
 inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
   if constexpr (BITS == 4) {
@@ -181,7 +178,7 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
         const int kk = k + 8 * u;
         vi lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
-          load_eight<BITS>(p.template weights<BITS>(g, v, b), kk - b * BLOCK, lo[v], hi[v]);
+          load_eight<BITS>(p.template weights<BITS>(g, v), kk, lo[v], hi[v]);
         }
         for (int i = 0; i < MB; ++i) {
           const int8_t* xr = p.x.x8 + (size_t(m0) * TERMS + i) * p.K + kk;

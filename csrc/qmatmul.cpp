@@ -11,8 +11,7 @@
 //   8 bits: 16 bytes, q[n0 + j][k] for j < 16
 //   4 bits: 16 bytes per pair (k, k + 1), byte j = q[n0 + j][k] | q[n0 + j][k + 1] << 4
 // and per tile and block of 32 inputs 16 scales then 16 biases, float16 (when that is exact,
-// as for a GGUF's) or float32: w = scale * q + bias (MLX's affine quantization). Tiles go in
-// pairs, block by block, weights and scales alike (see paired_unit in simd.h). At batch 1 a
+// as for a GGUF's) or float32: w = scale * q + bias (MLX's affine quantization). At batch 1 a
 // step streams every weight from memory, so the bytes per weight set its pace: 4.5 bits here
 // with float16 scales, as a Q4_1 GGUF.
 //

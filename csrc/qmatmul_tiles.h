@@ -54,7 +54,7 @@ static_assert(BUFFER_ROWS * NV + NV + 1 <= REGISTERS, "a buffered pass fits the 
 constexpr int BUFFER_MIN_ROWS = 32;
 // Inputs per buffered chunk: 16 KB of float32 weights, which stay in L1 whatever K is.
 constexpr int CHUNK = 4096 / GROUP;
-constexpr int PREFETCH_BLOCKS = 8;  // how far ahead (blocks of 32 inputs) weights are fetched
+constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weights are fetched
 
 static_assert(CHUNK % BLOCK == 0, "chunks hold whole blocks");
 
@@ -65,28 +65,26 @@ inline vf to_float(vi q) {
 template <typename S>
 struct Problem {
   const float* x;  // [M, K]
-  const uint8_t* w;  // [N / 32 tile pairs, K / 32 blocks, 2 tiles, 32 * bits / 8 * 16 bytes]
-  const S* scale_bias;  // [N / 32 tile pairs, K / 32 blocks, 2 tiles, 2 (scale, bias), 16]
+  const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes]
+  const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;
   int threads;
 
-  // Block `block` of vector v of work item g's weights (tile g * TILES + v / V, lanes from
-  // (v % V) * W); see paired_unit.
+  // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W).
   template <int BITS>
-  const uint8_t* weights(int g, int v, int block) const {
-    const size_t unit = paired_unit(g * TILES + v / V, K / BLOCK, block);
-    return w + unit * (BLOCK * BITS / 8 * LANES) + (v % V) * W;
+  const uint8_t* weights(int g, int v) const {
+    return w + size_t(g * TILES + v / V) * K * BITS / 8 * LANES + (v % V) * W;
   }
   const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
-    return scale_bias + paired_unit(g * TILES + v / V, K / BLOCK, block) * 2 * LANES + (v % V) * W;
+    return scale_bias + (size_t(g * TILES + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
   }
   float* out(int m, int g, int v) const {
     return y + size_t(m) * N + g * GROUP + v * W;
   }
 };
 
-// q of inputs k and k + 1 (of the block at `at`) for the W rows at `at`, as float32.
+// q of inputs k and k + 1 for the W rows at `at`, as float32.
 template <int BITS>
 inline void widen_pair(const uint8_t* at, int k, vf& q0, vf& q1) {
   if constexpr (BITS == 4) {
@@ -115,7 +113,7 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
         const int kk = k + 2 * u;
         vf q0[NV], q1[NV];
         for (int v = 0; v < NV; ++v) {
-          widen_pair<BITS>(p.template weights<BITS>(g, v, b), kk - b * BLOCK, q0[v], q1[v]);
+          widen_pair<BITS>(p.template weights<BITS>(g, v), kk, q0[v], q1[v]);
         }
         for (int i = 0; i < MB; ++i) {
           const float* xr = p.x + size_t(m0 + i) * p.K + kk;
@@ -152,7 +150,7 @@ void dequantize_chunk(const Problem<S>& p, int g, int k0, int count, float* buf)
       const vf bias = load_scales(p.scales(g, v, b) + LANES);
       for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
         vf q0, q1;
-        widen_pair<BITS>(p.template weights<BITS>(g, v, b), k - b * BLOCK, q0, q1);
+        widen_pair<BITS>(p.template weights<BITS>(g, v), k, q0, q1);
         store(buf + size_t(k - k0) * GROUP + v * W, q0 * scale + bias);
         store(buf + size_t(k + 1 - k0) * GROUP + v * W, q1 * scale + bias);
       }

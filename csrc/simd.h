@@ -207,26 +207,14 @@ inline void with_rows(int count, F&& f) {
   f(std::integral_constant<int, MOST>{});
 }
 
-// Packed tiles are stored in pairs, block by block (mlxd.kernels.pack): block `block` of tile
-// `tile` is unit (tile / 2 * blocks + block) * 2 + tile % 2 of the weights (a unit: a tile's
-// block) and of the scales. A thread then reads a work item's weights as one stream and its
-// scales as another. With each tile and its scales apart (four streams a work item), one row
-// times a 128,256 x 2,048 4-bit matrix read its 164 MB at 15 (float) and 17 (int8) GB/s on one
-// Zen 5 core, 28 and 32 on two, where a plain read of memory runs at 40 and 46; paired, 22 and
-// 21 on one core, 38-44 and 32-41 on two. A Llama-3.2-1B-shaped decode step: 37 -> 29 ms.
-inline size_t paired_unit(int tile, int blocks, int block) {
-  return (size_t(tile / 2) * blocks + block) * 2 + tile % 2;
-}
-
 // The hardware prefetcher alone streamed a decode step's weights at ≈10 GB/s of the ≈33 the
 // machine reads: a kernel asks for block `block` (of 32 inputs, BLOCK_BYTES a tile) of each of
 // work item g's tiles, and its scales, a few blocks before it reaches them (past the end:
-// harmless). `p` is the kernel's Problem: `weights<BITS>(g, v, block)` and
-// `scales(g, v, block)`.
+// harmless). `p` is the kernel's Problem: `weights<BITS>(g, v)` and `scales(g, v, block)`.
 template <int BITS, int TILES, int V, int BLOCK_BYTES, typename P>
 inline void prefetch_block(const P& p, int g, int block) {
   for (int t = 0; t < TILES; ++t) {
-    const uint8_t* ahead = p.template weights<BITS>(g, t * V, block);
+    const uint8_t* ahead = p.template weights<BITS>(g, t * V) + block * BLOCK_BYTES;
     for (int line = 0; line < BLOCK_BYTES; line += 64) {
       __builtin_prefetch(ahead + line);
     }

@@ -26,10 +26,7 @@ import numpy as np
 
 BLOCK = 32  # inputs per scale and bias in the kernel
 LANES = 16  # output rows per tile
-# Tiles are stored in pairs, block by block: a work item's weights (and its scales) stream from
-# one place. Two streams per tile pair a thread reads 1.4x faster than four (csrc/simd.h).
-PAIR = 2 * LANES
-PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of PAIR)
+PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of LANES)
 
 
 ISA_ENV = "MLXD_KERNELS_ISA"
@@ -96,8 +93,7 @@ class Packed:
     """Weights [N, K] in the kernel's layout, or a stack of E such (`pack_experts`): [E, N, K]."""
 
     weight: mx.array  # uint8 [(E,) N, K * bits / 8], tiled
-    # float16 or float32 [(E,) N / 32 tile pairs, K / 32 blocks, 2 tiles, 2 (scale, bias), 16]
-    scale_bias: mx.array
+    scale_bias: mx.array  # float16 or float32 [(E,) N / 16, K / 32, 2 (scale, bias), 16]
     bits: int
     dot: bool = False  # pack_dot's layout: multiplied by integer dot products
     precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
@@ -120,8 +116,8 @@ def why_not_packable(rows: int, group_size: int, bits: int) -> str | None:
         return f"{bits}-bit (the kernels take 4 and 8)"
     if group_size % BLOCK:
         return f"groups of {group_size} (the kernels take multiples of {BLOCK})"
-    if rows % PAIR:
-        return f"{rows} output rows (the kernels take multiples of {PAIR})"
+    if rows % (2 * LANES):
+        return f"{rows} output rows (the kernels take multiples of {2 * LANES})"
     return None
 
 
@@ -133,7 +129,7 @@ def pack(
     The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
     for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
     per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
-    exactly (a GGUF's do), else float32. Tiles in pairs, block by block (`_paired`).
+    exactly (a GGUF's do), else float32.
     """
     return _pack_rows(weight, scales, biases, group_size, bits, _float_layout)
 
@@ -180,7 +176,7 @@ def pack_experts(
     flat = _pack_rows(w, s, b, group_size, bits, layout, dot, dot and precise)
     return Packed(
         flat.weight.reshape(experts, rows, -1),
-        flat.scale_bias.reshape(experts, rows // PAIR, *flat.scale_bias.shape[1:]),
+        flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
         bits,
         dot,
         precise,
@@ -192,17 +188,15 @@ def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     the packed layout with MLX ops: an embedding lookup from the table `pack` made."""
     assert not packed.dot  # pack's layout
     rows, inputs = packed.shape
-    blocks = inputs // BLOCK
     flat = ids.reshape(-1)
-    pair, half, lane = flat // PAIR, flat // LANES % 2, (flat % LANES)[:, None, None]
-    # [pairs, blocks, 2 tiles, bytes per row and block, 16 rows] (see `pack`) → each id's tile
-    # [n, blocks, bytes, 16], then its lane.
-    data = packed.weight.reshape(rows // PAIR, blocks, 2, -1, LANES)[pair, :, half]
-    values = mx.take_along_axis(data, lane[..., None], axis=3)[..., 0]
+    tile, lane = flat // LANES, (flat % LANES)[:, None, None]
+    # [tiles, bytes per row, 16 rows] (see `pack`) → the tile of each id, then its lane.
+    data = packed.weight.reshape(rows // LANES, -1, LANES)[tile]
+    values = mx.take_along_axis(data, lane, axis=2)[..., 0]
     if packed.bits == 4:  # the earlier input in the low nibble
         values = mx.stack([values & 0xF, values >> 4], axis=-1)
-    values = values.reshape(flat.shape[0], blocks, BLOCK).astype(mx.float32)
-    both = packed.scale_bias[pair, :, half]  # [n, blocks, 2, 16]
+    values = values.reshape(flat.shape[0], inputs // BLOCK, BLOCK).astype(mx.float32)
+    both = packed.scale_bias[tile]  # [n, blocks, 2, 16]
     both = mx.take_along_axis(both, lane[..., None], axis=3)[..., 0].astype(mx.float32)
     out = values * both[..., 0:1] + both[..., 1:2]
     return out.reshape(*ids.shape, inputs)
@@ -230,20 +224,14 @@ def _pack_rows(
     # MLX evaluates on this thread (the arrays belong to its stream); numpy on the packers.
     raw = _row_bytes(weight)
     scales32, biases32 = (np.asarray(a.astype(mx.float32)) for a in (scales, biases))
-    blocks = inputs // BLOCK
     packed_weight = np.empty((rows, words * 4), np.uint8)
-    both = np.empty((rows // PAIR, blocks, 2, 2, LANES), np.float32)
+    both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
 
     def pack_slice(start: int) -> None:
         stop = min(start + PACK_ROWS, rows)
         tiles = slice(start // LANES, stop // LANES)
-        packed_weight[start:stop] = _paired(layout(raw[tiles], bits), blocks).reshape(
-            stop - start, -1
-        )
-        tile_scales = _scales_biases(scales32[start:stop], biases32[start:stop], group_size)
-        both[start // PAIR : stop // PAIR] = _paired(tile_scales, blocks).reshape(
-            -1, blocks, 2, 2, LANES
-        )
+        packed_weight[start:stop] = layout(raw[tiles], bits).reshape(stop - start, -1)
+        both[tiles] = _scales_biases(scales32[start:stop], biases32[start:stop], group_size)
 
     for _ in _packers.map(pack_slice, range(0, rows, PACK_ROWS)):
         pass  # raises what a slice raised
@@ -286,12 +274,6 @@ def _dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
     else:
         tiles = tiles.reshape(count, LANES, width // 4, 4)
     return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
-
-
-def _paired(tiles: np.ndarray, blocks: int) -> np.ndarray:
-    """Per tile [tiles, ...] with its blocks one after another → [tiles / 2, blocks, 2, ...]:
-    each pair of tiles block by block."""
-    return tiles.reshape(tiles.shape[0] // 2, 2, blocks, -1).transpose(0, 2, 1, 3)
 
 
 def _scales_biases(scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:

@@ -366,7 +366,7 @@ def fits(packed: Packed, module: Quantized, dot: bool) -> bool:
     *experts, rows, words = module.weight.shape
     inputs = words * 32 // module.bits
     width = KERNEL_BITS[module.bits]
-    tiles = (*experts, rows // kernels.PAIR, inputs // kernels.BLOCK, 2, 2, kernels.LANES)
+    tiles = (*experts, rows // kernels.LANES, inputs // kernels.BLOCK, 2, kernels.LANES)
     return (
         packed.bits == width
         and packed.dot == dot

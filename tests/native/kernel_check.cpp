@@ -12,17 +12,6 @@ namespace mlxd { extern const Kernels kernels_generic, kernels_neon, kernels_neo
 using namespace mlxd;
 static uint16_t to_half(float f) {  // exact for the scales and biases used (k / 2^n)
   __fp16 h = static_cast<__fp16>(f); uint16_t b; std::memcpy(&b, &h, 2); return b; }
-// Per-tile data (each tile's blocks one after another, `unit` values a block) → the kernels'
-// layout: tiles in pairs, block by block (paired_unit in csrc/simd.h).
-template <typename T>
-std::vector<T> paired(const std::vector<T>& per_tile, int tiles, int blocks) {
-  const size_t unit = per_tile.size() / (size_t(tiles) * blocks);
-  std::vector<T> out(per_tile.size());
-  for (int t = 0; t < tiles; ++t) for (int b = 0; b < blocks; ++b)
-    std::memcpy(&out[((size_t(t / 2) * blocks + b) * 2 + t % 2) * unit],
-                &per_tile[(size_t(t) * blocks + b) * unit], unit * sizeof(T));
-  return out;
-}
 int check(const Kernels& k) {
   int bad = 0; srand(1);
   for (int bits : {4, 8}) for (int K : {64, 576}) for (int M : {1, 3, 7, 9, 33, 40}) {
@@ -42,8 +31,6 @@ int check(const Kernels& k) {
       sb[((t*(K/32)+b)*2+0)*16+j] = to_half(sc[(t*16+j)*(K/32)+b]);
       sb[((t*(K/32)+b)*2+1)*16+j] = to_half(bi[(t*16+j)*(K/32)+b]);
     }
-    w = paired(w, N / 16, K / 32);
-    sb = paired(sb, N / 16, K / 32);
     std::vector<float> y(M * N);
     k.qmatmul_f16(x.data(), w.data(), sb.data(), y.data(), M, N, K, bits, 2);
     double worst = 0;
@@ -59,7 +46,6 @@ int check(const Kernels& k) {
       if (bits == 8) for (int kk = 0; kk < K; kk += 4) for (int j = 0; j < 16; ++j) for (int i = 0; i < 4; ++i) wd[at++] = q[(t*16+j)*K+kk+i];
       else for (int kk = 0; kk < K; kk += 8) for (int j = 0; j < 16; ++j) for (int i = 0; i < 4; ++i) wd[at++] = q[(t*16+j)*K+kk+i] | q[(t*16+j)*K+kk+4+i] << 4;
     }
-    wd = paired(wd, N / 16, K / 32);
     for (bool precise : {false, true}) {  // x as one int8 term, or two (the rest in steps of d / 254)
       std::vector<double> xr(M * K);
       for (int m = 0; m < M; ++m) for (int b = 0; b < K / 32; ++b) {
