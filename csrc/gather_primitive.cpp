@@ -30,12 +30,11 @@ mx::array gather_qmatmul(
   const int K = x.shape(1);
   const int E = w.shape(0);
   const int N = w.shape(1);
-  // As qmatmul's: K in blocks of 32 inputs, N in work items of two 16-row tiles.
-  if (indices.shape(0) != x.shape(0) || K % 32 != 0 || N % 32 != 0 ||
-      w.shape(2) * 8 != K * bits || scale_bias.size() != size_t(E) * N * (K / 16) ||
-      (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
-    throw std::invalid_argument("gather_qmatmul: shapes of x, indices, w and scale_bias do not agree");
+  const char* disagree = "gather_qmatmul: shapes of x, indices, w and scale_bias do not agree";
+  if (indices.shape(0) != x.shape(0)) {
+    throw std::invalid_argument(disagree);
   }
+  PackedPrimitive::check_weights(disagree, bits, E, N, K, w.shape(2), scale_bias);
   auto stream = mx::default_stream(mx::Device::cpu);
   return mx::array(
       {x.shape(0), indices.shape(1), N},

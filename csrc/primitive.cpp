@@ -25,12 +25,8 @@ mx::array qmatmul(
   }
   const int K = x.shape(-1);
   const int N = w.shape(0);
-  // K in blocks of 32 inputs, N in the kernel's work items of two 16-row tiles.
-  if (K % 32 != 0 || N % 32 != 0 || w.shape(1) * 8 != K * bits ||
-      scale_bias.size() != size_t(N) * (K / 16) ||
-      (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
-    throw std::invalid_argument("qmatmul: shapes of x, w and scale_bias do not agree");
-  }
+  PackedPrimitive::check_weights(
+      "qmatmul: shapes of x, w and scale_bias do not agree", bits, 1, N, K, w.shape(1), scale_bias);
   auto stream = mx::default_stream(mx::Device::cpu);
   auto shape = x.shape();
   shape.back() = N;
@@ -39,6 +35,21 @@ mx::array qmatmul(
       mx::float32,
       std::make_shared<QMatmul>(stream, bits, dot, precise),
       {mx::astype(x, mx::float32, stream), w, scale_bias});
+}
+
+void PackedPrimitive::check_weights(
+    const char* disagree,
+    int bits,
+    int experts,
+    int N,
+    int K,
+    int row_bytes,
+    const mx::array& scale_bias) {
+  if (K % 32 != 0 || N % 32 != 0 || row_bytes * 8 != K * bits ||
+      scale_bias.size() != size_t(experts) * N * (K / 16) ||
+      (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
+    throw std::invalid_argument(disagree);
+  }
 }
 
 void QMatmul::eval_cpu(

@@ -23,6 +23,18 @@ class PackedPrimitive : public CpuPrimitive {
   PackedPrimitive(mlx::core::Stream stream, int bits, bool dot, bool precise)
       : CpuPrimitive(stream), bits_(bits), dot_(dot), precise_(precise) {}
 
+  // Whether `experts` packed matrices [N, K] of `bits` agree with w's `row_bytes` and
+  // `scale_bias`: K in blocks of 32 inputs, N in multiples of 32 rows (mlxd.kernels.packable's
+  // rule), float16 or float32 scales. Throws std::invalid_argument(`disagree`) otherwise.
+  static void check_weights(
+      const char* disagree,
+      int bits,
+      int experts,
+      int N,
+      int K,
+      int row_bytes,
+      const mlx::core::array& scale_bias);
+
   bool is_equivalent(const mlx::core::Primitive& other) const override {
     const auto& same = static_cast<const PackedPrimitive&>(other);
     return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;

@@ -17,7 +17,7 @@ from mlxd import kernels
 # (N outputs, K inputs, group size, bits, scale dtype): every K of the models mlxd serves
 # (SmolLM2 576, Llama-3.2-1B 2048, 8B 4096 and its MLP's 14,336, 8,192), every group size
 # and width; float16 scales as a GGUF's, float32 as an MLX-quantized float32 model's. 160
-# outputs: an odd number of work items for two threads (5 pairs of 16-row tiles).
+# outputs: 10 one-tile work items, claimed in an odd number of chunks (5 of 2) by two threads.
 SHAPES = [
     (160, 576, 32, 4, mx.float16),
     (160, 576, 64, 8, mx.float32),
