@@ -5,45 +5,23 @@
 #pragma once
 
 #include "parallel.h"
-#include "simd.h"
+#include "tiles.h"
 
 namespace mlxd {
 namespace MLXD_ISA {
 
 namespace {
 
-constexpr int BLOCK = 32;  // inputs per scale, bias and x scale
-constexpr int LANES = 16;  // output rows per tile
-constexpr int V = LANES / W;  // vectors per tile
-
-// One tile a work item on every ISA. On AVX-512 two (as 32 zmm allow) meant four streams a
-// work item, each tile's weights and scales: one row times a 128,256 x 2,048 4-bit matrix read
-// at 17 GB/s (int8 path) on one Zen 5 core and 32 on two; one tile, 31 and 44. A Llama-3.2-1B-
-// shaped decode step: 38 -> 27 ms at batch 1, 86 -> 89 ms at batch 8 (a broadcast of x then
-// feeds one vector of output rows, not two).
 // Rows per pass: as many as leave the accumulators, a step's weight vectors (two per vector of
 // output rows: low and high nibbles, or two groups of 4 inputs) and the broadcasts in registers.
 #if defined(MLXD_ISA_AVX512)
-constexpr int REGISTERS = 32;
-constexpr int TILES = 1;
 constexpr int MAX_ROWS = 8;
-#elif defined(MLXD_ISA_AVX2)
-constexpr int REGISTERS = 16;
-constexpr int TILES = 1;
-constexpr int MAX_ROWS = 4;
-#elif defined(MLXD_ISA_NEON)
-constexpr int REGISTERS = 32;
-constexpr int TILES = 1;
+#elif defined(MLXD_ISA_AVX2) || defined(MLXD_ISA_NEON)
 constexpr int MAX_ROWS = 4;
 #else
-constexpr int REGISTERS = 16;
-constexpr int TILES = 1;
 constexpr int MAX_ROWS = 2;
 #endif
-constexpr int NV = TILES * V;
-constexpr int GROUP = TILES * LANES;  // output rows per work item
 constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 4;
-constexpr int PREFETCH_BLOCKS = 4;  // as the float path's
 
 // Where the dot product takes q as signed (q - OFFSET: sdot is signed x signed; maddubs's pair
 // sums of 255 x 127 would saturate int16), the sum misses OFFSET * sum_k x8_k: the bias term

@@ -4,49 +4,29 @@
 // row of x. Included once per ISA variant (simd.h), inside its namespace.
 #pragma once
 
-#include "simd.h"
+#include "tiles.h"
 
 namespace mlxd {
 namespace MLXD_ISA {
 
 namespace {
 
-constexpr int BLOCK = 32;  // inputs sharing one scale and bias
-constexpr int LANES = 16;  // output rows per tile (the packed layout)
-constexpr int V = LANES / W;  // vectors per tile
-
-// One tile a work item on every ISA. On AVX-512 two (as 32 zmm allow) meant four streams a
-// work item, each tile's weights and scales: one row times a 128,256 x 2,048 4-bit matrix read
-// at 17 GB/s (int8 path) on one Zen 5 core and 32 on two; one tile, 31 and 44. A Llama-3.2-1B-
-// shaped decode step: 38 -> 27 ms at batch 1, 86 -> 89 ms at batch 8 (a broadcast of x then
-// feeds one vector of output rows, not two).
-// A work item is TILES tiles (NV vectors of output rows). A pass in registers takes up to
-// MAX_ROWS rows of x, a buffered pass BUFFER_ROWS: as many as leave the accumulators, the
-// weight vectors and a broadcast in the registers (32 zmm on AVX-512, 16 ymm on AVX2, 32 on
-// NEON, 16 xmm for the generic variant on x86-64), so that no hot loop spills to the stack.
+// A pass in registers takes up to MAX_ROWS rows of x, a buffered pass BUFFER_ROWS: as many as
+// leave the accumulators, the weight vectors and a broadcast in the registers, so that no hot
+// loop spills to the stack.
 #if defined(MLXD_ISA_AVX512)
-constexpr int REGISTERS = 32;
-constexpr int TILES = 1;
 constexpr int MAX_ROWS = 8;
 constexpr int BUFFER_ROWS = 12;
 #elif defined(MLXD_ISA_AVX2)
-constexpr int REGISTERS = 16;
-constexpr int TILES = 1;
 constexpr int MAX_ROWS = 5;
 constexpr int BUFFER_ROWS = 6;
 #elif defined(MLXD_ISA_NEON)
-constexpr int REGISTERS = 32;
-constexpr int TILES = 1;
 constexpr int MAX_ROWS = 4;
 constexpr int BUFFER_ROWS = 6;
 #else
-constexpr int REGISTERS = 16;
-constexpr int TILES = 1;
 constexpr int MAX_ROWS = 2;
 constexpr int BUFFER_ROWS = 2;
 #endif
-constexpr int NV = TILES * V;
-constexpr int GROUP = TILES * LANES;  // output rows per work item
 // Registers a pass in registers has for its accumulators: the rest hold a pair of inputs'
 // weights (2 x NV) and the broadcast x values.
 constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 2;
@@ -59,7 +39,6 @@ static_assert(BUFFER_ROWS * NV + NV + 1 <= REGISTERS, "a buffered pass fits the 
 constexpr int BUFFER_MIN_ROWS = 32;
 // Inputs per buffered chunk: 16 KB of float32 weights, which stay in L1 whatever K is.
 constexpr int CHUNK = 4096 / GROUP;
-constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weights are fetched
 
 static_assert(CHUNK % BLOCK == 0, "chunks hold whole blocks");
 
