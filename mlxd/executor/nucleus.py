@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
+from mlxd.accel import backend_name
 from mlxd.executor.logsumexp import exp_below, logsumexp
 
 # Enough for the nucleus of a trained model's distribution at top_p 0.9 (a flat one, such as
@@ -183,8 +184,7 @@ def draw_nucleus(
     key; with the check of the rows drawn from candidates (None when they were the whole
     vocabulary). `candidates`: CANDIDATES on the CPU, the whole vocabulary on a GPU."""
     if candidates is None:
-        on_gpu = mx.default_device().type == mx.DeviceType.gpu
-        candidates = logits.shape[-1] if on_gpu else CANDIDATES
+        candidates = CANDIDATES if backend_name() == "cpu" else logits.shape[-1]
     top_p = mx.array([s.top_p for s in samplers], dtype=mx.float32)[:, None]
     nucleus = nucleus_candidates(logits, top_p, candidates, group)
     scale = mx.array([1.0 / s.temperature for s in samplers], dtype=mx.float32)[:, None]
