@@ -15,13 +15,14 @@ async def until(
 ) -> AsyncGenerator[Event, None]:
     """`events` until `deadline`; then the sequence is cancelled (its slot freed) and the
     request fails with 408 (an error event once a stream has started)."""
-    loop = asyncio.get_running_loop()
     try:
         while True:
             try:
-                # Timing out cancels the wait inside the engine's stream, which cancels
-                # the sequence.
-                event = await asyncio.wait_for(anext(events), max(deadline - loop.time(), 0))
+                # Timing out cancels the wait inside the engine's stream, which cancels the
+                # sequence. Not asyncio.wait_for: on Python 3.11 it drops a cancel (a client
+                # that left) landing as an event arrives, and the sequence runs on.
+                async with asyncio.timeout_at(deadline):
+                    event = await anext(events)
             except StopAsyncIteration:
                 return
             except TimeoutError:
