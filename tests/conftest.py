@@ -8,16 +8,34 @@ import pytest
 NOT_APPLICABLE = "not applicable here:"
 
 
+# Lines of a daemon's log a failed test's report carries (its access log left out).
+LOG_TAIL = 60
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
+    if report.failed:
+        _attach_daemon_logs(item, report)
     if os.environ.get("CI") != "true" or not report.skipped:
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if not reason.removeprefix("Skipped: ").startswith(NOT_APPLICABLE):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, which must run every test: {reason}"
+
+
+def _attach_daemon_logs(item: pytest.Item, report: pytest.TestReport) -> None:
+    """The end of every daemon's log the test used: a worker's crash (faulthandler's stacks,
+    "killed by SIGSEGV") is there, not in the test's own output."""
+    for name, value in getattr(item, "funcargs", {}).items():
+        log_path = getattr(value, "log_path", None)
+        if not isinstance(log_path, Path) or not log_path.is_file():
+            continue
+        lines = log_path.read_text(errors="replace").splitlines()
+        kept = [line for line in lines if " mlxd.access: " not in line][-LOG_TAIL:]
+        report.sections.append((f"daemon log ({name}: {log_path})", "\n".join(kept)))
 
 
 @pytest.fixture(scope="session")

@@ -304,7 +304,9 @@ class Reconciler:
             loading = runtime.loading or self._start_load(runtime)
             self._publish()
             try:
-                await asyncio.wait_for(asyncio.shield(loading), deadline - time.monotonic())
+                # (asyncio.timeout: 3.11's wait_for drops a cancel landing as the load ends.)
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await asyncio.shield(loading)
             except TimeoutError:
                 raise Unavailable(
                     f"model '{name}' is still loading after {self.server.load_timeout:.0f}s "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import inspect
 import logging
 import os
@@ -282,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         "daemon's unix socket at this path, the other ranks follow rank 0",
     )
     args = parser.parse_args(argv)
+    # A crash in native code (a kernel, MLX) leaves every thread's Python stack in the
+    # daemon's log, not only "killed by SIGSEGV".
+    faulthandler.enable()
     if args.connect is not None:
         exit_process(_rank(args.connect))
 
