@@ -237,6 +237,11 @@ def test_keep_alive_zero_unloads_and_the_next_request_reloads(
     assert daemon.status()["models"]["smol"]["state"] != "loaded"
     assert "smol:latest" not in {m.model for m in client.ps().models}
 
+    # Streamed: the unload comes once the last line went out (outside the request's context).
+    lines = list(client.chat(model="smol", messages=FRANCE, stream=True, keep_alive=0))
+    assert lines[-1].done and "Paris" in "".join(line.message.content for line in lines)
+    assert daemon.status()["models"]["smol"]["state"] != "loaded"
+
     again = client.chat(model="smol", messages=FRANCE, options=GREEDY, keep_alive="5m")
     assert "Paris" in again.message.content
     status = daemon.status()["models"]["smol"]

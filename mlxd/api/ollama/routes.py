@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -53,10 +53,16 @@ def _keep_alive(model: str, value: Any) -> float | None:
     return seconds
 
 
-async def _unload_if_asked(model: str, seconds: float | None) -> None:
-    """keep_alive 0 after an answer: unload, when the caller may unload it for everyone."""
-    if seconds == 0 and auth.caller().admin:
-        await current_app.daemon.unload_model(model, auth.caller())
+def _unload_if_asked(model: str, seconds: float | None) -> Callable[[], Awaitable[None]]:
+    """What keep_alive 0 does after an answer: unload, when the caller may unload it for
+    everyone. The caller and the daemon are bound now: a stream ends outside the request."""
+    caller, daemon = auth.caller(), current_app.daemon
+
+    async def unload() -> None:
+        if seconds == 0 and caller.admin:
+            await daemon.unload_model(model, caller)
+
+    return unload
 
 
 async def _respond(
@@ -64,7 +70,7 @@ async def _respond(
     chunks: AsyncGenerator[dict[str, Any], None],
     render: Any,
     stream: bool,
-    after: Any,
+    after: Callable[[], Awaitable[None]],
 ) -> Any:
     """NDJSON (one line per chunk, the last with `done: true`) or, with `stream: false`, the
     chunks folded into one object. `after` runs once the answer is complete (keep_alive 0).
@@ -135,7 +141,7 @@ async def chat() -> Any:
         return {"message": message, **stats}
 
     head = {"model": body.model, "created_at": iso_time()}
-    return await _respond(head, chunks, render, body.stream, lambda: _unload_if_asked(model, keep))
+    return await _respond(head, chunks, render, body.stream, _unload_if_asked(model, keep))
 
 
 @blueprint.post("/api/generate")
@@ -177,7 +183,7 @@ async def generate() -> Any:
         return {**out, **{k: v for k, v in chunk.items() if k not in ("content", "thinking")}}
 
     head = {"model": body.model, "created_at": iso_time()}
-    return await _respond(head, chunks, render, body.stream, lambda: _unload_if_asked(model, keep))
+    return await _respond(head, chunks, render, body.stream, _unload_if_asked(model, keep))
 
 
 @blueprint.post("/api/embed")
@@ -189,7 +195,7 @@ async def embed() -> Any:
     result, loaded = await embed_texts(
         model, inputs, dimensions=body.dimensions, truncate=body.truncate, param="input"
     )
-    await _unload_if_asked(model, keep)
+    await _unload_if_asked(model, keep)()
     return {
         "model": body.model,
         "embeddings": [vector.tolist() for vector in result.vectors],
@@ -205,5 +211,5 @@ async def embeddings_legacy() -> Any:
     model = body.model
     keep = _keep_alive(model, body.keep_alive)
     result, _ = await embed_texts(model, [body.prompt], param="prompt")
-    await _unload_if_asked(model, keep)
+    await _unload_if_asked(model, keep)()
     return {"embedding": result.vectors[0].tolist()}
