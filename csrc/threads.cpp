@@ -1,8 +1,12 @@
 // The kernels' thread pool (see parallel.h for why it is not OpenMP).
 //
-// One job at a time (a second caller runs its loop alone): the job's fields are written only
-// while no helper is inside a job (`inside_`), and a helper reads them only after seeing the
-// generation that published them. Helpers spin politely (yielding the core to anything else
+// One job at a time (a second caller runs its loop alone). The caller writes a job's fields
+// only while no helper is inside (`inside_`), and says so first (`writing_`): a helper enters,
+// then looks, and leaves again while a job is being written. Each side writes its flag before
+// reading the other's (sequentially consistent), so either the caller sees the helper inside
+// and waits, or the helper sees the write and stays out. (Without `writing_`, a helper that woke
+// for a job the caller had already finished alone could enter as the next job was being written
+// and run a torn one: a chunk function with another job's closure, or a chunk counted twice.) Helpers spin politely (yielding the core to anything else
 // runnable) for a while after each job, as a decode step's kernels follow each other within
 // microseconds, then sleep until the next.
 #include "parallel.h"
@@ -67,6 +71,7 @@ class Pool {
       return;
     }
     grow(threads - 1);
+    writing_.store(true, std::memory_order_seq_cst);
     for (Spin spin(HELPER_SPIN); inside_.load(std::memory_order_seq_cst) != 0;) {
       spin.wait();  // a helper still leaving the previous job
     }
@@ -74,6 +79,7 @@ class Pool {
     next_.store(0, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_seq_cst);
+    writing_.store(false, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(sleep_);
       wake_.notify_all();
@@ -111,6 +117,13 @@ class Pool {
       await(seen);
       inside_.fetch_add(1, std::memory_order_seq_cst);
       const uint64_t generation = generation_.load(std::memory_order_seq_cst);
+      if (writing_.load(std::memory_order_seq_cst)) {
+        inside_.fetch_sub(1, std::memory_order_seq_cst);
+        while (writing_.load(std::memory_order_seq_cst)) {
+          relax();  // a job is being written: look again once it is published
+        }
+        continue;
+      }
       if (generation != seen) {
         seen = generation;
         if (index < job_.helpers) {
@@ -141,6 +154,7 @@ class Pool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> next_{0}, done_{0};
   std::atomic<int> inside_{0}, sleepers_{0};
+  std::atomic<bool> writing_{false};
   std::mutex sleep_;
   std::condition_variable wake_;
 };
