@@ -39,11 +39,7 @@ mx::array attention(
     throw std::invalid_argument("attention: shapes of q, k and v do not agree");
   }
   auto stream = mx::default_stream(mx::Device::cpu);
-  // Rows must be contiguous for the vector loops; a KV cache's views already are.
-  auto rows = [&](const mx::array& a) {
-    return a.strides()[3] == 1 ? a : mx::contiguous(a, false, stream);
-  };
-  std::vector<mx::array> inputs = {rows(q), rows(k), rows(v)};
+  std::vector<mx::array> inputs = {q, k, v};
   if (mask) {
     auto m = mask->dtype() == mx::bool_ ? *mask : mx::astype(*mask, mx::float32, stream);
     inputs.push_back(mx::broadcast_to(m, {B, Hq, Lq, Lk}, stream));
@@ -55,32 +51,57 @@ mx::array attention(
       inputs);
 }
 
+namespace {
+
+// An input's data and its batch, head and row strides, its last axis contiguous.
+struct Rows {
+  const void* data;
+  int64_t strides[3];
+};
+
+}  // namespace
+
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
   auto& encoder = prepare(inputs, outputs);
   auto& y = outputs[0];
+  // The kernel walks the last axis element by element. Strides are known only now (a lazy
+  // array reports row order), so an input whose last axis is strided is copied into row order.
+  auto rows_of = [&](const mx::array& a, auto element) -> Rows {
+    using T = decltype(element);
+    const auto& st = a.strides();
+    if (st[3] == 1) {
+      return {a.data<T>(), {st[0], st[1], st[2]}};
+    }
+    const int64_t row = a.shape(3), head = row * a.shape(2), batch = head * a.shape(1);
+    return {rows<T>(a, encoder), {batch, head, row}};
+  };
+  const bool kv_half = inputs[1].dtype() == mx::float16;
+  const Rows q = rows_of(inputs[0], float{});
+  const Rows k = kv_half ? rows_of(inputs[1], uint16_t{}) : rows_of(inputs[1], float{});
+  const Rows v = kv_half ? rows_of(inputs[2], uint16_t{}) : rows_of(inputs[2], float{});
   const bool has_mask = has_mask_;
   const auto& ms = has_mask ? inputs[3].strides() : mx::Strides{0, 0, 0, 0};
+  const auto& shape = inputs[0].shape();
   const AttentionArgs args{
-      q.data<float>(),
-      k.data<void>(),
-      v.data<void>(),
+      static_cast<const float*>(q.data),
+      k.data,
+      v.data,
       y.data<float>(),
-      {q.strides()[0], q.strides()[1], q.strides()[2]},
-      {k.strides()[0], k.strides()[1], k.strides()[2]},
-      {v.strides()[0], v.strides()[1], v.strides()[2]},
+      {q.strides[0], q.strides[1], q.strides[2]},
+      {k.strides[0], k.strides[1], k.strides[2]},
+      {v.strides[0], v.strides[1], v.strides[2]},
       has_mask ? inputs[3].data<void>() : nullptr,
       {ms[0], ms[1], ms[2], ms[3]},
       has_mask && inputs[3].dtype() == mx::bool_,
       causal_,
-      k.dtype() == mx::float16,
-      q.shape(0),
-      q.shape(1),
-      q.shape(2),
-      q.shape(3),
-      k.shape(1),
-      k.shape(2),
-      v.shape(3),
+      kv_half,
+      shape[0],
+      shape[1],
+      shape[2],
+      shape[3],
+      inputs[1].shape(1),
+      inputs[1].shape(2),
+      inputs[2].shape(3),
       scale_};
   encoder.dispatch([args, threads = threads_on(stream()), run = kernels().attention]() {
     run(args, threads);

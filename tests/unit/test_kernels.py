@@ -300,6 +300,23 @@ def test_attention_widens_every_float16_value_exactly(kernel_isa: str) -> None:
     assert np.array_equal(got[~nan], expected[~nan])  # (-0 comes out 0: 0 + 1 × -0)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_attention_reads_inputs_whose_last_axis_is_strided(dtype: mx.Dtype) -> None:
+    """q, k and v transposed so their last axis steps over rows, and still lazy (an unevaluated
+    array reports row order): the kernel learns their strides when it runs, and copies."""
+    mx.random.seed(7)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 3, 9, 64
+    q = mx.random.normal((b, hq, d, lq)).swapaxes(2, 3)
+    k = mx.random.normal((b, hkv, d, lk)).astype(dtype).swapaxes(2, 3)
+    v = mx.random.normal((b, hkv, d, lk)).astype(dtype).swapaxes(2, 3)
+    wide_k, wide_v = (a.astype(mx.float32) for a in (k, v))
+    for mask in (None, mx.random.uniform(shape=(b, 1, lq, lk)) > 0.3):
+        expected = mx.fast.scaled_dot_product_attention(q, wide_k, wide_v, scale=0.125, mask=mask)
+        expected = mx.where(mx.isnan(expected), 0.0, expected)
+        got = kernels.attention(q, k, v, 0.125, mask)
+        assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), mask
+
+
 def test_attention_refuses_mixed_or_other_kv_dtypes() -> None:
     q = mx.random.normal((1, 2, 1, 64))
     k = mx.random.normal((1, 2, 4, 64))
