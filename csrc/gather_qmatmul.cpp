@@ -33,7 +33,7 @@ void run(const Gather<S>& a) {
   // Experts differ in their row counts at prefill: ranges of work items go to whichever thread
   // is free (parallel.h).
   parallel_for(threads, int64_t(routing.selected) * items, [&](int64_t begin, int64_t end) {
-    Scratch buf(size_t(CHUNK) * GROUP);
+    Scratch buf(BUFFER_FLOATS);
     for (int item = int(begin); item < int(end); ++item) {
       const int e = routing.active()[item / items], g = item % items, first = start[e];
       const int count = start[e + 1] - first;

@@ -29,18 +29,24 @@ namespace MLXD_ISA {
 
 namespace {
 
-// Work items are split over the threads; each walks every row of x in passes.
+// Work items are split over the threads; each walks every row of x in passes. Buffered
+// passes take BUFFER_TILES tiles a work item (N is a multiple of 32).
 template <int BITS, typename S>
 void run(const Problem<S>& p) {
-  const bool registers = in_registers(p.M);
-  Scratch xsum(registers ? size_t(p.M) * (p.K / BLOCK) : 0);
-  if (registers) {
-    block_sums(p.x, p.M, p.K, xsum.data());
+  if (!in_registers(p.M)) {
+    parallel_for(p.threads, p.N / (BUFFER_TILES * LANES), [&](int64_t first, int64_t last) {
+      Scratch buf(BUFFER_FLOATS);
+      for (int g = int(first); g < int(last); ++g) {
+        buffered_item<BITS, BUFFER_TILES, S>(p, buf.data(), g);
+      }
+    });
+    return;
   }
+  Scratch xsum(size_t(p.M) * (p.K / BLOCK));
+  block_sums(p.x, p.M, p.K, xsum.data());
   parallel_for(p.threads, p.N / GROUP, [&](int64_t first, int64_t last) {
-    Scratch buf(registers ? 0 : size_t(CHUNK) * GROUP);
     for (int g = int(first); g < int(last); ++g) {
-      work_item<BITS, S>(p, xsum.data(), buf.data(), g);
+      work_item<BITS, S>(p, xsum.data(), nullptr, g);
     }
   });
 }

@@ -27,20 +27,35 @@ constexpr int BUFFER_ROWS = 6;
 constexpr int MAX_ROWS = 2;
 constexpr int BUFFER_ROWS = 2;
 #endif
+// The dense matmul's buffered passes take two tiles a work item on AVX-512, as its 32 zmm
+// allow: each broadcast of x then feeds two vectors of output rows, not one. (Passes in
+// registers stream the weights from memory and keep one tile: two streams a work item, not
+// four; tiles.h.) A Llama-3.2-1B-shaped decode step on a Zen 5 core pair, one tile -> two:
+// 32 rows 264 -> 231 ms, 64 rows 505 -> 437 ms.
+#if defined(MLXD_ISA_AVX512)
+constexpr int BUFFER_TILES = 2;
+#else
+constexpr int BUFFER_TILES = 1;
+#endif
 // Registers a pass in registers has for its accumulators: the rest hold a pair of inputs'
 // weights (2 x NV) and the broadcast x values.
 constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 2;
 #if !defined(MLXD_ISA_GENERIC)  // (x86-64's 16 xmm are not where the generic variant runs fast)
 static_assert(MAX_ROWS * NV <= ACCUMULATORS, "a pass's accumulators fit the registers");
-static_assert(BUFFER_ROWS * NV + NV + 1 <= REGISTERS, "a buffered pass fits the registers");
+static_assert(BUFFER_ROWS * BUFFER_TILES * V + BUFFER_TILES * V + 1 <= REGISTERS,
+              "a buffered pass fits the registers");
 #endif
 // From this many rows on, dequantizing a chunk of weights once into a buffer beats widening
 // them in registers for every pass.
 constexpr int BUFFER_MIN_ROWS = 32;
-// Inputs per buffered chunk: 16 KB of float32 weights, which stay in L1 whatever K is.
-constexpr int CHUNK = 4096 / GROUP;
+// A buffered chunk: 16 KB of float32 weights, which stay in L1 whatever K is.
+constexpr int BUFFER_FLOATS = 4096;
+// Inputs per buffered chunk of a work item of T tiles.
+template <int T>
+constexpr int CHUNK = BUFFER_FLOATS / (T * LANES);
 
-static_assert(CHUNK % BLOCK == 0, "chunks hold whole blocks");
+static_assert(CHUNK<BUFFER_TILES> % BLOCK == 0 && CHUNK<TILES> % BLOCK == 0,
+              "chunks hold whole blocks");
 
 inline vf to_float(vi q) {
   return __builtin_convertvector(q, vf);
@@ -55,16 +70,19 @@ struct Problem {
   int M, N, K;
   int threads;
 
-  // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W).
-  template <int BITS>
+  // Vector v of work item g's weights, work items of T tiles (tile g * T + v / V, lanes from
+  // (v % V) * W).
+  template <int BITS, int T = TILES>
   const uint8_t* weights(int g, int v) const {
-    return w + size_t(g * TILES + v / V) * K * BITS / 8 * LANES + (v % V) * W;
+    return w + size_t(g * T + v / V) * K * BITS / 8 * LANES + (v % V) * W;
   }
+  template <int T = TILES>
   const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
-    return scale_bias + (size_t(g * TILES + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
+    return scale_bias + (size_t(g * T + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
   }
+  template <int T = TILES>
   float* out(int m, int g, int v) const {
-    return y + size_t(m) * N + g * GROUP + v * W;
+    return y + size_t(m) * N + g * T * LANES + v * W;
   }
 };
 
@@ -125,48 +143,66 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
   }
 }
 
-// Work item g's weights of inputs [k0, k0 + count) as float32 into buf [count][GROUP].
-template <int BITS, typename S>
+// Work item g's weights (T tiles: T * V vectors) of inputs [k0, k0 + count) as float32 into
+// buf [count][T * LANES].
+template <int BITS, int T, typename S>
 void dequantize_chunk(const Problem<S>& p, int g, int k0, int count, float* buf) {
+  constexpr int NVT = T * V, ROW = T * LANES;
   for (int b = k0 / BLOCK; b < (k0 + count) / BLOCK; ++b) {
-    for (int v = 0; v < NV; ++v) {
-      const vf scale = load_scales(p.scales(g, v, b));
-      const vf bias = load_scales(p.scales(g, v, b) + LANES);
+    for (int v = 0; v < NVT; ++v) {
+      const vf scale = load_scales(p.template scales<T>(g, v, b));
+      const vf bias = load_scales(p.template scales<T>(g, v, b) + LANES);
       for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 2) {
         vf q0, q1;
-        widen_pair<BITS>(p.template weights<BITS>(g, v), k, q0, q1);
-        store(buf + size_t(k - k0) * GROUP + v * W, q0 * scale + bias);
-        store(buf + size_t(k + 1 - k0) * GROUP + v * W, q1 * scale + bias);
+        widen_pair<BITS>(p.template weights<BITS, T>(g, v), k, q0, q1);
+        store(buf + size_t(k - k0) * ROW + v * W, q0 * scale + bias);
+        store(buf + size_t(k + 1 - k0) * ROW + v * W, q1 * scale + bias);
       }
     }
   }
 }
 
-// y[m0 .. m0 + MB, work item g] += x[.., k0 .. k0 + count] @ buf: per input NV loads and MB
-// broadcasts feed MB x NV FMAs.
-template <int MB, typename S>
+// y[m0 .. m0 + MB, work item g of T tiles] += x[.., k0 .. k0 + count] @ buf: per input T * V
+// loads and MB broadcasts feed MB x T * V FMAs.
+template <int MB, int T, typename S>
 void rows_from_buffer(const Problem<S>& p, const float* buf, int g, int k0, int count, int m0) {
-  vf acc[MB][NV];
+  constexpr int NVT = T * V, ROW = T * LANES;
+  vf acc[MB][NVT];
   for (int i = 0; i < MB; ++i) {
-    for (int v = 0; v < NV; ++v) {
-      acc[i][v] = k0 == 0 ? vf{} : load(p.out(m0 + i, g, v));
+    for (int v = 0; v < NVT; ++v) {
+      acc[i][v] = k0 == 0 ? vf{} : load(p.template out<T>(m0 + i, g, v));
     }
   }
   for (int k = 0; k < count; ++k) {
-    vf w[NV];
-    for (int v = 0; v < NV; ++v) {
-      w[v] = load(buf + size_t(k) * GROUP + v * W);
+    vf w[NVT];
+    for (int v = 0; v < NVT; ++v) {
+      w[v] = load(buf + size_t(k) * ROW + v * W);
     }
     for (int i = 0; i < MB; ++i) {
       const float xk = p.x[size_t(m0 + i) * p.K + k0 + k];
-      for (int v = 0; v < NV; ++v) {
+      for (int v = 0; v < NVT; ++v) {
         acc[i][v] += w[v] * xk;
       }
     }
   }
   for (int i = 0; i < MB; ++i) {
-    for (int v = 0; v < NV; ++v) {
-      store(p.out(m0 + i, g, v), acc[i][v]);
+    for (int v = 0; v < NVT; ++v) {
+      store(p.template out<T>(m0 + i, g, v), acc[i][v]);
+    }
+  }
+}
+
+// Work item g (of T tiles) of y = x @ dequantize(w)^T in buffered passes: each chunk of its
+// weights dequantized once into buf (BUFFER_FLOATS), then BUFFER_ROWS rows of x at a time.
+template <int BITS, int T, typename S>
+void buffered_item(const Problem<S>& p, float* buf, int g) {
+  for (int k0 = 0; k0 < p.K; k0 += CHUNK<T>) {
+    const int count = imin(CHUNK<T>, p.K - k0);
+    dequantize_chunk<BITS, T, S>(p, g, k0, count, buf);
+    for (int m = 0; m < p.M; m += BUFFER_ROWS) {
+      with_rows<BUFFER_ROWS>(imin(BUFFER_ROWS, p.M - m), [&](auto mb) {
+        rows_from_buffer<decltype(mb)::value, T, S>(p, buf, g, k0, count, m);
+      });
     }
   }
 }
@@ -186,7 +222,7 @@ inline void block_sums(const float* x, int M, int K, float* xsum) {
 }
 
 // Whether `work_item` takes p's rows in registers (then it needs block_sums of x) or
-// dequantizes chunks into a buffer of CHUNK * GROUP floats.
+// dequantizes chunks into a buffer of BUFFER_FLOATS floats.
 inline bool in_registers(int M) {
   return M < BUFFER_MIN_ROWS;
 }
@@ -194,22 +230,14 @@ inline bool in_registers(int M) {
 // Work item g of y = x @ dequantize(w)^T: its GROUP outputs for every row of x, in passes.
 template <int BITS, typename S>
 void work_item(const Problem<S>& p, const float* xsum, float* buf, int g) {
-  if (in_registers(p.M)) {
-    for (int m = 0; m < p.M; m += MAX_ROWS) {
-      with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
-        rows_in_registers<BITS, decltype(mb)::value, S>(p, xsum, g, m);
-      });
-    }
+  if (!in_registers(p.M)) {
+    buffered_item<BITS, TILES, S>(p, buf, g);
     return;
   }
-  for (int k0 = 0; k0 < p.K; k0 += CHUNK) {
-    const int count = imin(CHUNK, p.K - k0);
-    dequantize_chunk<BITS, S>(p, g, k0, count, buf);
-    for (int m = 0; m < p.M; m += BUFFER_ROWS) {
-      with_rows<BUFFER_ROWS>(imin(BUFFER_ROWS, p.M - m), [&](auto mb) {
-        rows_from_buffer<decltype(mb)::value, S>(p, buf, g, k0, count, m);
-      });
-    }
+  for (int m = 0; m < p.M; m += MAX_ROWS) {
+    with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
+      rows_in_registers<BITS, decltype(mb)::value, S>(p, xsum, g, m);
+    });
   }
 }
 
