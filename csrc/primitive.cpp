@@ -45,7 +45,7 @@ void PackedPrimitive::check_weights(
     int K,
     int row_bytes,
     const mx::array& scale_bias) {
-  if (K % 32 != 0 || N % 32 != 0 || row_bytes * 8 != K * bits ||
+  if (K <= 0 || N <= 0 || K % 32 != 0 || N % 32 != 0 || row_bytes * 8 != K * bits ||
       scale_bias.size() != size_t(experts) * N * (K / 16) ||
       (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
     throw std::invalid_argument(disagree);

@@ -6,9 +6,10 @@
 // reading the other's (sequentially consistent), so either the caller sees the helper inside
 // and waits, or the helper sees the write and stays out. (Without `writing_`, a helper that woke
 // for a job the caller had already finished alone could enter as the next job was being written
-// and run a torn one: a chunk function with another job's closure, or a chunk counted twice.) Helpers spin politely (yielding the core to anything else
-// runnable) for a while after each job, as a decode step's kernels follow each other within
-// microseconds, then sleep until the next.
+// and run a torn one: a chunk function with another job's closure, or a chunk counted twice.)
+// Helpers spin politely (yielding the core to anything else runnable) for a while after each
+// job, as a decode step's kernels follow each other within microseconds, then sleep until the
+// next.
 #include "parallel.h"
 
 #include <sched.h>
@@ -119,8 +120,10 @@ class Pool {
       const uint64_t generation = generation_.load(std::memory_order_seq_cst);
       if (writing_.load(std::memory_order_seq_cst)) {
         inside_.fetch_sub(1, std::memory_order_seq_cst);
-        while (writing_.load(std::memory_order_seq_cst)) {
-          relax();  // a job is being written: look again once it is published
+        // A job is being written: look again once it is published (the budget does not
+        // apply: the caller is between two stores).
+        for (Spin spin(HELPER_SPIN); writing_.load(std::memory_order_seq_cst);) {
+          spin.wait();
         }
         continue;
       }
