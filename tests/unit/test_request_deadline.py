@@ -67,3 +67,29 @@ def test_the_deadline_cancels_the_stream_and_times_the_request_out():
         assert stream.cancelled
 
     asyncio.run(scenario())
+
+
+def test_the_deadline_holds_for_a_reader_slower_than_the_stream():
+    # Events always queued: each is taken without a wait, so only the deadline's own check
+    # can end the request; the stream is closed (which cancels the sequence).
+    async def scenario() -> None:
+        closed = False
+
+        async def busy() -> AsyncGenerator[Event, None]:
+            nonlocal closed
+            try:
+                while True:
+                    yield Delta("x", [0])
+            finally:
+                closed = True
+
+        loop = asyncio.get_running_loop()
+        events = until(loop.time() + 0.05, 0.05, busy())
+        with pytest.raises(RequestTimedOut):
+            async with asyncio.timeout(10):  # a generous bound: without the check, never
+                async for _ in events:
+                    await asyncio.sleep(0.01)  # the reader is slower than the stream
+        await events.aclose()
+        assert closed
+
+    asyncio.run(scenario())

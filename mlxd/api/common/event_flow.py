@@ -15,8 +15,17 @@ async def until(
 ) -> AsyncGenerator[Event, None]:
     """`events` until `deadline`; then the sequence is cancelled (its slot freed) and the
     request fails with 408 (an error event once a stream has started)."""
+    loop = asyncio.get_running_loop()
+    timed_out = RequestTimedOut(
+        f"request did not finish within server.request_timeout ({timeout:g}s)"
+    )
     try:
         while True:
+            # A reader slower than decoding finds events queued, and a queued event is taken
+            # without a wait the timeout could cancel: the deadline is checked first (closing
+            # `events` below cancels the sequence).
+            if loop.time() >= deadline:
+                raise timed_out
             try:
                 # Timing out cancels the wait inside the engine's stream, which cancels the
                 # sequence. Not asyncio.wait_for: on Python 3.11 it drops a cancel (a client
@@ -26,9 +35,7 @@ async def until(
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                raise RequestTimedOut(
-                    f"request did not finish within server.request_timeout ({timeout:g}s)"
-                ) from None
+                raise timed_out from None
             yield event
     finally:
         await events.aclose()
