@@ -314,7 +314,8 @@ class Reconciler:
                     headers={"Retry-After": "5"},
                 ) from None
             except asyncio.CancelledError:
-                if not loading.cancelled():
+                task = asyncio.current_task()
+                if not loading.cancelled() or (task is not None and task.cancelling()):
                     raise  # it is this request that was cancelled
                 continue  # the load was superseded: wait for the new one
             if runtime.engine is None and runtime.loading is None:
