@@ -33,8 +33,16 @@ def _attach_daemon_logs(item: pytest.Item, report: pytest.TestReport) -> None:
         log_path = getattr(value, "log_path", None)
         if not isinstance(log_path, Path) or not log_path.is_file():
             continue
-        lines = log_path.read_text(errors="replace").splitlines()
-        kept = [line for line in lines if " mlxd.access: " not in line][-LOG_TAIL:]
+        lines = [
+            line
+            for line in log_path.read_text(errors="replace").splitlines()
+            if " mlxd.access: " not in line
+        ]
+        # A worker crash's dump (faulthandler) is kept too, however much was logged after it.
+        tail = max(len(lines) - LOG_TAIL, 0)
+        crash = next((i for i, line in enumerate(lines) if "Fatal Python error" in line), tail)
+        dump = lines[min(crash, tail) : min(crash + LOG_TAIL, tail)]
+        kept = [*dump, "[...]", *lines[tail:]] if dump else lines[tail:]
         report.sections.append((f"daemon log ({name}: {log_path})", "\n".join(kept)))
 
 
