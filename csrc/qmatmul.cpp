@@ -46,7 +46,7 @@ void run(const Problem<S>& p) {
   block_sums(p.x, p.M, p.K, xsum.data());
   parallel_for(p.threads, p.N / GROUP, [&](int64_t first, int64_t last) {
     for (int g = int(first); g < int(last); ++g) {
-      work_item<BITS, S>(p, xsum.data(), nullptr, g);
+      registers_item<BITS, S>(p, xsum.data(), g);
     }
   });
 }

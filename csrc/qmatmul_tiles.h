@@ -227,17 +227,24 @@ inline bool in_registers(int M) {
   return M < BUFFER_MIN_ROWS;
 }
 
-// Work item g of y = x @ dequantize(w)^T: its GROUP outputs for every row of x, in passes.
+// Work item g (one tile) of y = x @ dequantize(w)^T in passes in registers, MAX_ROWS rows of
+// x at a time; xsum: block_sums of x.
 template <int BITS, typename S>
-void work_item(const Problem<S>& p, const float* xsum, float* buf, int g) {
-  if (!in_registers(p.M)) {
-    buffered_item<BITS, TILES, S>(p, buf, g);
-    return;
-  }
+void registers_item(const Problem<S>& p, const float* xsum, int g) {
   for (int m = 0; m < p.M; m += MAX_ROWS) {
     with_rows<MAX_ROWS>(imin(MAX_ROWS, p.M - m), [&](auto mb) {
       rows_in_registers<BITS, decltype(mb)::value, S>(p, xsum, g, m);
     });
+  }
+}
+
+// Work item g of y = x @ dequantize(w)^T: its GROUP outputs for every row of x, in passes.
+template <int BITS, typename S>
+void work_item(const Problem<S>& p, const float* xsum, float* buf, int g) {
+  if (in_registers(p.M)) {
+    registers_item<BITS, S>(p, xsum, g);
+  } else {
+    buffered_item<BITS, TILES, S>(p, buf, g);
   }
 }
 
