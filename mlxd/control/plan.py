@@ -23,6 +23,7 @@ ENGINE_FIELDS = (
     "source",
     "adapter",
     "dtype",
+    "cpu_activations",
     "batch",
     "cache",
     "context_length",

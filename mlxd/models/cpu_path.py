@@ -51,13 +51,16 @@ class Phases:
 @dataclass(frozen=True)
 class Timings:
     """Whole-model step estimates in ms per phase (in `Phases.rows` order): `packed` with the
-    kernels on every core, `packed_shared` on one thread (beside BLAS), `float32` on BLAS."""
+    kernels on every core, `packed_shared` on one thread (beside BLAS), `float32` on BLAS.
+    Where float32 does not fit only the packed layouts are timed: `float32` is empty and
+    `packed_shared` is `packed`."""
 
     packed: tuple[float, ...]
     packed_shared: tuple[float, ...]
     float32: tuple[float, ...]
-    # `packed` with the weights multiplied as int8 dot products (csrc/qdot.cpp, precise: x as
-    # two int8 terms); empty where the kernels have no integer dot product.
+    # `packed` with the weights multiplied as int8 dot products (csrc/qdot.cpp: x as two int8
+    # terms, or one under cpu_activations int8); empty where the kernels have no integer dot
+    # product.
     packed_dot: tuple[float, ...] = ()
 
     @property
@@ -83,6 +86,8 @@ class Choice:
     one_thread: bool = False  # the kernels measured faster on one thread (a busy machine)
     # The timings are in the cache for the next load (not those taken on a busy machine).
     kept: bool = True
+    # The int8 dot products take x as two int8 terms (cpu_activations precise) or one.
+    precise: bool = True
 
     @property
     def dot(self) -> bool:
@@ -112,10 +117,15 @@ class Choice:
                 return path
         return self.paths[-1]
 
+    @property
+    def activations(self) -> str | None:
+        """How the int8 dot products round x (cpu_activations); None: the float layout runs."""
+        return ("precise" if self.precise else "int8") if self.dot else None
+
     def summary(self) -> str:
         """One line: which path runs which phase and the timings behind it."""
-        if self.timings is None:
-            return f"packed ({self.reason})"
+        if self.timings is None or not self.timings.float32:
+            return self._packed_only()
         by_path = {"packed": self.packed_ms, "float32": self.timings.float32}
         parts = []
         for label, indices in (("decode", range(len(self.phases.decode))), ("prefill", [-1])):
@@ -129,11 +139,27 @@ class Choice:
             ours = "/".join(_ms(by_path[path][i]) for i in indices)
             theirs = "/".join(_ms(by_path[other][i]) for i in indices)
             parts.append(f"{path} {label} ({rows}: {ours} ms vs {other} {theirs})")
+        return ", ".join(parts) + self._notes()
+
+    def _packed_only(self) -> str:
+        """The summary where float32 does not fit: the packed layouts' timings, if taken."""
+        if self.timings is None:
+            return f"packed ({self.reason})"
+        rows = "/".join(str(rows) for rows in self.phases.rows)
+        ours = "/".join(_ms(ms) for ms in self.packed_ms)
+        other = self.timings.packed if self.dot else self.timings.packed_dot
+        layout = "int8 dot products" if self.dot else "float layout"
+        theirs = "/".join(_ms(ms) for ms in other)
+        vs = f" vs {'float layout' if self.dot else 'int8 dot products'} {theirs}" if other else ""
+        return f"packed ({rows}: {ours} ms on the {layout}{vs})" + self._notes()
+
+    def _notes(self) -> str:
         note = "; kernels on one thread" if self.one_thread else ""
-        note += "; int8 dot products" if self.dot else ""
+        if self.dot:
+            note += "; int8 dot products" + ("" if self.precise else ", x as one int8 term")
         note += f"; {self.reason}" if self.reason else ""
         note += "" if self.kept else "; timed on a busy machine, not cached"
-        return ", ".join(parts) + note + (" [cached timings]" if self.cached else "")
+        return note + (" [cached timings]" if self.cached else "")
 
     def as_dict(self) -> dict[str, Any]:
         """For /v1/status: the plan, the summary, per phase the path and both timings."""
@@ -142,11 +168,9 @@ class Choice:
             name = f"prefill {rows}" if i == len(self.phases.rows) - 1 else f"decode {rows}"
             phase: dict[str, Any] = {"phase": name, "path": self.paths[i]}
             if self.timings is not None:
-                packed = self.packed_ms
-                phase |= {
-                    "packed_ms": round(packed[i], 2),
-                    "float32_ms": round(self.timings.float32[i], 2),
-                }
+                phase["packed_ms"] = round(self.packed_ms[i], 2)
+            if self.timings is not None and self.timings.float32:
+                phase["float32_ms"] = round(self.timings.float32[i], 2)
             phases.append(phase)
         return {
             "plan": self.plan,
@@ -157,6 +181,7 @@ class Choice:
             "kept": self.kept,
             "one_thread": self.one_thread,
             "dot": self.dot,
+            "activations": self.activations,
             "reason": self.reason or None,
         }
 
@@ -191,21 +216,25 @@ def decide(
     kv_bytes: int,
     budget: int,
     cached: bool = False,
+    precise: bool = True,
 ) -> Choice:
-    """The fastest plan whose weights plus `kv_bytes` fit `budget`.
+    """The fastest plan whose weights plus `kv_bytes` fit `budget`; `precise` as Choice's.
 
     Fastest: the lowest geometric mean over the phases of the plan's time over the best time
     any candidate plan reaches in that phase. A plan holding more bytes wins only by
     `MORE_BYTES_MARGIN` (float32 over packed, mixed over either).
-    `timings` may be None only when float32 does not fit (then nothing needs timing).
+    `timings` may be None, or hold the packed layouts' alone, only when float32 does not fit
+    (then packed is the only plan, on the int8 dot products where those timed faster).
     """
     all_packed, all_float32 = _every(phases, "packed"), _every(phases, "float32")
     if float32_bytes + kv_bytes > budget:
         reason = (
             f"float32 weights ({_gib(float32_bytes)}) do not fit the memory budget ({_gib(budget)})"
         )
-        return Choice("packed", all_packed, phases, None, packed_bytes, reason, cached)
-    if timings is None:
+        return Choice(
+            "packed", all_packed, phases, timings, packed_bytes, reason, cached, precise=precise
+        )
+    if timings is None or not timings.float32:
         raise ValueError("float32 fits the budget: the paths must be timed")
     # All packed, the kernels on every core or on one, whichever ran faster over the phases
     # (when other work holds the cores a second thread may only add waiting).
@@ -249,7 +278,7 @@ def decide(
             plan, (paths, nbytes, _) = item
             best_score = score(item)
     one_thread = one_thread and plan == "packed"
-    return Choice(plan, paths, phases, timings, nbytes, reason, cached, one_thread)
+    return Choice(plan, paths, phases, timings, nbytes, reason, cached, one_thread, precise=precise)
 
 
 def _geomean(times: tuple[float, ...], reference: tuple[float, ...]) -> float:

@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -82,8 +82,11 @@ def model_shapes(model_dir: Path) -> ModelShapes | None:
     return ModelShapes(layer, head, len(set(layer_of.values())))
 
 
-def identity(shapes: ModelShapes, phases: Phases) -> dict[str, Any]:
-    """What the timings depend on (the cache key's ingredients)."""
+def identity(
+    shapes: ModelShapes, phases: Phases, precise: bool = True, float32: bool = True
+) -> dict[str, Any]:
+    """What the timings depend on (the cache key's ingredients): with the arguments of
+    `time_paths`."""
     spec = importlib.util.find_spec("mlxd.kernels._cpu")
     origin = spec.origin if spec is not None else None
     build = hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
@@ -96,6 +99,8 @@ def identity(shapes: ModelShapes, phases: Phases) -> dict[str, Any]:
         "mlx": importlib.metadata.version("mlx"),
         "shapes": [list(shapes.layer), shapes.head, shapes.layers],
         "phases": list(phases.rows),
+        "precise": precise,
+        "float32": float32,
     }
 
 
@@ -112,20 +117,28 @@ def cpu_model() -> str:
 @dataclass
 class _Matrix:
     packed: kernels.Packed
-    dot: kernels.Packed | None  # pack_dot's (precise), where the kernels have integer dot products
-    dense: mx.array  # float32 [out, in]
+    dot: kernels.Packed | None  # pack_dot's, where the kernels have integer dot products
+    dense: mx.array | None  # float32 [out, in], where float32 is timed
     scale: float  # time multiplier (a head timed over a slice of its rows)
 
+    @property
+    def inputs(self) -> int:
+        return int(self.packed.shape[1])
 
-def _matrix(shape: Shape) -> _Matrix:
+
+def _matrix(shape: Shape, precise: bool, float32: bool) -> _Matrix:
     out, in_dims, group, bits = shape
     rows = min(out, HEAD_ROWS)
     w = mx.random.normal((rows, in_dims)) * 0.02
     weight, scales, biases = mx.quantize(w, group_size=group, bits=bits)
-    dense = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
-    mx.eval(dense)
+    dense = None
+    if float32:
+        dense = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
+        mx.eval(dense)
     packed = pack(weight, scales, biases, group, bits)
-    dot = pack(weight, scales, biases, group, bits, dot=True) if kernels.integer_dot() else None
+    dot = None
+    if kernels.integer_dot():
+        dot = pack(weight, scales, biases, group, bits, dot=True, precise=precise)
     return _Matrix(packed, dot, dense, out / rows)
 
 
@@ -147,7 +160,7 @@ def _time(
     int8 dot products' layout with `dot`."""
     total = 0.0
     for scale, group in _by_scale(matrices).items():
-        inputs = {m.dense.shape[1]: mx.random.normal((rows, m.dense.shape[1])) for m in group}
+        inputs = {m.inputs: mx.random.normal((rows, m.inputs)) for m in group}
         mx.eval(list(inputs.values()))
 
         def run(group: list[_Matrix] = group, inputs: dict[int, mx.array] = inputs) -> list:
@@ -155,7 +168,7 @@ def _time(
             if packed:
                 layouts = [m.dot if dot and m.dot else m.packed for m in group]
                 return [kernels.qmatmul(x[p.shape[1]], p) for p in layouts]
-            return [x[m.dense.shape[1]] @ m.dense.T for m in group]
+            return [x[m.inputs] @ cast(mx.array, m.dense).T for m in group]
 
         repeats = PREFILL_REPEATS if prefill else REPEATS
         total += scale * _best_ms(run, repeats, warm_up=not prefill)
@@ -169,20 +182,25 @@ def _by_scale(matrices: list[_Matrix]) -> dict[float, list[_Matrix]]:
     return groups
 
 
-def time_paths(shapes: ModelShapes, phases: Phases) -> Timings:
+def time_paths(
+    shapes: ModelShapes, phases: Phases, precise: bool = True, float32: bool = True
+) -> Timings:
     """`time_paths_here` in a child process. Timed in the worker itself, the kernels would
     start an OpenMP thread pool on the timing thread beside the one the model thread starts:
     with more OpenMP threads than cores libgomp makes every pool sleep between kernels, and
     a SmolLM2 stream ran at 55 tokens/s instead of 120 for the rest of the worker's life."""
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as child:
-        return child.submit(time_paths_here, shapes, phases).result()
+        return child.submit(time_paths_here, shapes, phases, precise, float32).result()
 
 
-def time_paths_here(shapes: ModelShapes, phases: Phases) -> Timings:
+def time_paths_here(
+    shapes: ModelShapes, phases: Phases, precise: bool = True, float32: bool = True
+) -> Timings:
     """Each phase's step estimate packed on every core, packed on one thread, float32, and
-    packed as int8 dot products on every core."""
-    layer = [_matrix(s) for s in shapes.layer]
-    head = [_matrix(shapes.head)] if shapes.head else []
+    packed as int8 dot products on every core (x as two int8 terms, or one unless `precise`).
+    Without `float32` (it does not fit) only the packed layouts, on every core."""
+    layer = [_matrix(s, precise, float32) for s in shapes.layer]
+    head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
 
     def step(rows: int, packed: bool, decode: bool, dot: bool) -> float:
@@ -199,6 +217,8 @@ def time_paths_here(shapes: ModelShapes, phases: Phases) -> Timings:
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)
     packed_dot = phase_times(True, dot=True) if kernels.integer_dot() else ()
+    if not float32:
+        return Timings(packed_all, packed_all, (), packed_dot)
     kernels.set_threads(1)
     packed_one = phase_times(True) if cores > 1 else packed_all
     return Timings(packed_all, packed_one, phase_times(False), packed_dot)
@@ -219,8 +239,8 @@ _timed: dict[str, tuple[Timings, bool, bool]] = {}
 def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
     """The CPU path for a quantized LLM loaded with dtype auto, or None where there is no
     choice (another backend or dtype, kernels not built, weights the kernels do not take, a
-    distributed rank). Times the paths unless this CPU, kernel build and shape set were timed
-    before (the cache under server.cache_dir)."""
+    distributed rank). Times the paths unless this CPU, kernel build, shape set and
+    `cpu_activations` were timed before (the cache under server.cache_dir)."""
     if not (
         backend_name() == "cpu"
         and config.kind == "llm"
@@ -246,16 +266,22 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
             kv_bytes=config.cache.ram,
             budget=budget,
             cached=cached,
+            precise=precise,
         )
 
-    if float32_bytes + config.cache.ram > budget:
-        return decided(None)  # packed is the only choice: nothing to time
-    ident = identity(shapes, phases)
+    precise = config.cpu_activations == "precise"
+    float32 = float32_bytes + config.cache.ram <= budget
+    # Packed is then the only plan; with x as one int8 term the two packed layouts are timed
+    # (with two, the float layout runs: the same bytes, and no timing lengthens the load).
+    if not float32 and (precise or not kernels.integer_dot()):
+        return decided(None)
+    ident = identity(shapes, phases, precise, float32)
     cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
     if key not in _timed:
         timings = cache.get(key)
         busy = timings is None and machine_busy()  # before our own timing adds to the load
-        _timed[key] = (timings or time_paths(shapes, phases), timings is not None, not busy)
+        timed = timings or time_paths(shapes, phases, precise, float32)
+        _timed[key] = (timed, timings is not None, not busy)
         if timings is None and not busy:
             cache.put(key, ident, _timed[key][0])
     timings, cached, kept = _timed[key]

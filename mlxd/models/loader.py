@@ -129,15 +129,16 @@ def _pack_model_kept(
     model_name: str,
     path_for: Callable[[int], str] | None,
     dot: bool,
+    precise: bool,
     cache_dir: Path | None,
 ) -> None:
     """`pack_model`, reading the packed layers kept under `cache_dir` and keeping them there
     for the next load when some had to be packed (models/packed_cache.py)."""
     if cache_dir is None:
-        pack_model(model, path_for, dot)
+        pack_model(model, path_for, dot, precise=precise)
         return
-    cache = PackedCache.for_model(cache_dir, path, dot)
-    layers, packed_here = pack_model(model, path_for, dot, cache.read())
+    cache = PackedCache.for_model(cache_dir, path, dot, precise)
+    layers, packed_here = pack_model(model, path_for, dot, cache.read(), precise)
     if packed_here:
         log.info(
             "model '%s': packed %d layers, keeping them in %s", model_name, packed_here, cache.path
@@ -220,9 +221,10 @@ def load_llm(
         if packed:
             path_for = cpu_path.path_for if cpu_path and plan == "mixed" else None
             dot = cpu_path is not None and cpu_path.dot
+            precise = cpu_path is None or cpu_path.precise
             # LoRA layers rename the layers they wrap: only a base model's are kept.
             kept = cache_dir if adapter is None else None
-            _pack_model_kept(model, path, model_name, path_for, dot, kept)
+            _pack_model_kept(model, path, model_name, path_for, dot, precise, kept)
         if before_eval is not None:
             model = before_eval(model, config)
         # Private arrays too (Llama 3's scaled rope frequencies): one left lazy holds the

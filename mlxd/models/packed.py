@@ -152,9 +152,9 @@ class PackedEmbedding(nn.Module):
         return self.output(x)
 
 
-def _pack_experts(module: QuantizedSwitchLinear, dot: bool) -> Packed:
+def _pack_experts(module: QuantizedSwitchLinear, dot: bool, precise: bool) -> Packed:
     """`kernels.pack_experts` of any width MLX stores, at the width the kernels run it (with
-    `dot` for the int8 dot products, precise, as `pack`)."""
+    `dot` for the int8 dot products, as `pack`)."""
     assert module.biases is not None  # affine quantization (see _why_not_packable)
     weight, width = module.weight, KERNEL_BITS[module.bits]
     if width != module.bits:
@@ -162,13 +162,16 @@ def _pack_experts(module: QuantizedSwitchLinear, dot: bool) -> Packed:
         flat = _widened(weight.reshape(experts * rows, -1), module.bits, width)
         weight = flat.reshape(experts, rows, -1)
     return kernels.pack_experts(
-        weight, module.scales, module.biases, module.group_size, width, dot=dot, precise=dot
+        weight, module.scales, module.biases, module.group_size, width, dot, dot and precise
     )
 
 
-def _pack(module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool) -> Packed:
+def _pack(
+    module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool, precise: bool = True
+) -> Packed:
     assert module.biases is not None  # affine quantization (see _why_not_packable)
-    return pack(module.weight, module.scales, module.biases, module.group_size, module.bits, dot)
+    weight, scales, biases = module.weight, module.scales, module.biases
+    return pack(weight, scales, biases, module.group_size, module.bits, dot, precise)
 
 
 def pack(
@@ -178,14 +181,15 @@ def pack(
     group_size: int,
     bits: int,
     dot: bool = False,
+    precise: bool = True,
 ) -> Packed:
-    """`kernels.pack` (or with `dot` `kernels.pack_dot`, precise) of any width MLX stores, at
-    the width the kernels run it (KERNEL_BITS)."""
+    """`kernels.pack` (or with `dot` `kernels.pack_dot`, x as two int8 terms unless not
+    `precise`) of any width MLX stores, at the width the kernels run it (KERNEL_BITS)."""
     width = KERNEL_BITS[bits]
     if width != bits:
         weight = _widened(weight, bits, width)
     if dot:
-        return kernels.pack_dot(weight, scales, biases, group_size, width, precise=True)
+        return kernels.pack_dot(weight, scales, biases, group_size, width, precise=precise)
     return kernels.pack(weight, scales, biases, group_size, width)
 
 
@@ -359,7 +363,7 @@ def _module_at(model: nn.Module, name: str) -> nn.Module:
     return module
 
 
-def fits(packed: Packed, module: Quantized, dot: bool) -> bool:
+def fits(packed: Packed, module: Quantized, dot: bool, precise: bool = True) -> bool:
     """Whether `packed` (e.g. read from models/packed_cache.py) is `module`'s weights in the
     layout asked for: shapes, widths, dtypes and layout flags (not the values). An expert
     stack [E, N, ...] is E matrices laid out one after another."""
@@ -370,7 +374,7 @@ def fits(packed: Packed, module: Quantized, dot: bool) -> bool:
     return (
         packed.bits == width
         and packed.dot == dot
-        and packed.precise == dot
+        and packed.precise == (dot and precise)
         and packed.weight.dtype == mx.uint8
         and packed.weight.shape == (*experts, rows, inputs * width // 8)
         and packed.scale_bias.dtype in (mx.float16, mx.float32)
@@ -383,11 +387,13 @@ def pack_model(
     path_for: Callable[[int], str] | None = None,
     dot: bool = False,
     cached: Mapping[str, Packed] | None = None,
+    precise: bool = True,
 ) -> tuple[dict[str, Packed], int]:
     """Swap `model`'s quantized layers the kernels take for packed ones in place (a mixture of
     experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
     float32 weights for the rows it gives to "float32"; with `dot` the linears and experts are
-    multiplied as int8 dot products (kernels.pack_dot, precise). A tied embedding keeps the
+    multiplied as int8 dot products (kernels.pack_dot, x as two int8 terms unless not
+    `precise`: cpu_activations int8). A tied embedding keeps the
     float layout, which its lookups read (kernels.take_rows). A layer whose packed weights are
     in `cached` (by name) and `fits` takes them as they are. Returns the packed weights by
     layer name, and how many layers were packed here.
@@ -413,11 +419,11 @@ def pack_model(
         assert isinstance(module, Quantized)
         layout = dot and not isinstance(module, nn.QuantizedEmbedding)  # see PackedEmbedding
         weights = (cached or {}).get(name)
-        if weights is None or not fits(weights, module, layout):
+        if weights is None or not fits(weights, module, layout, precise):
             if isinstance(module, QuantizedSwitchLinear):
-                weights = _pack_experts(module, layout)
+                weights = _pack_experts(module, layout, precise)
             else:
-                weights = _pack(module, layout)
+                weights = _pack(module, layout, precise)
         layers[name] = weights
         replacement: nn.Module
         if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy

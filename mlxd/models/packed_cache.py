@@ -13,8 +13,9 @@ The key says everything the arrays depend on, so a file is never stale:
   rewritten or replaced file changes its mtime, ctime or inode);
 - the layout: the source of the code that writes it (mlxd/kernels/__init__.py and
   models/packed.py) and the ISA variant the kernels run, which reads it;
-- the packing options: the int8 dot-product layout or the float one (the CPU path plan,
-  models/cpu_path.py; "mixed" keeps the float layout beside float32 weights it dequantizes).
+- the packing options: the int8 dot-product layout (x as one or two int8 terms:
+  `cpu_activations`) or the float one (the CPU path plan, models/cpu_path.py; "mixed" keeps
+  the float layout beside float32 weights it dequantizes).
 
 Files live under `packed/<model directory key>/<key>.safetensors`: writing one removes the
 others of the same directory (another layout, weights since rewritten), so the cache holds one
@@ -80,7 +81,7 @@ def weights_identity(model_dir: Path) -> dict[str, Any]:
     return {"dir": str(model_dir), "files": files}
 
 
-def layout_identity(dot: bool) -> dict[str, Any]:
+def layout_identity(dot: bool, precise: bool = True) -> dict[str, Any]:
     """The packing code, the ISA variant that reads its output, and the layout chosen."""
     sources = hashlib.sha256()
     for path in _LAYOUT_SOURCES:
@@ -90,6 +91,7 @@ def layout_identity(dot: bool) -> dict[str, Any]:
         "sources": sources.hexdigest()[:32],
         "isa": kernels.isa(),
         "dot": dot,
+        "precise": dot and precise,
     }
 
 
@@ -100,9 +102,11 @@ class PackedCache:
     path: Path
 
     @classmethod
-    def for_model(cls, cache_dir: Path, model_dir: Path, dot: bool) -> PackedCache:
+    def for_model(
+        cls, cache_dir: Path, model_dir: Path, dot: bool, precise: bool = True
+    ) -> PackedCache:
         weights = weights_identity(model_dir)
-        key = _digest([weights, layout_identity(dot)])
+        key = _digest([weights, layout_identity(dot, precise)])
         folder = Path(cache_dir).expanduser() / FOLDER / _digest(weights["dir"])
         return cls(folder / f"{key}.safetensors")
 

@@ -254,6 +254,90 @@ def test_the_int8_dot_layout_computes_the_model_as_its_float32_twin(smol) -> Non
         assert _greedy(model, ids) == _greedy(smol.model, ids)
 
 
+def test_one_int8_term_computes_the_model_as_llama_cpp_rounds_it(smol) -> None:
+    """cpu_activations int8: x as one int8 term per block of 32, as llama.cpp's Q8 (1/254 of
+    the block's largest |x|). The logits part from the float32 twin's by more than the
+    precise layout's (up to ≈1.8 over every position of SmolLM2, whose activations have
+    outliers), but the last position's stay within 2 and its greedy token is the twin's."""
+    import mlx.core as mx
+
+    from mlxd.models.loader import load_llm
+    from mlxd.models.packed import PackedLinear, pack_model
+
+    model = load_llm(smol.path, dtype="keep", model_name="smol").model
+    model.set_dtype(mx.float32)
+    pack_model(model, dot=True, precise=False)
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert not packed.pop("model.embed_tokens.output").dot
+    assert packed and all(m.dot and not m.precise for m in packed.values())
+    for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
+        ids = mx.array([smol.tokenizer.encode(prompt)])
+        ours, twin = model(ids)[0, -1], smol.model(ids)[0, -1]
+        gap = mx.abs(ours - twin).max().item()
+        assert 0 < gap < 2.0  # 0.72 to 0.88 here; the precise layout's stay under 0.05
+        assert mx.argmax(ours).item() == mx.argmax(twin).item()
+
+
+def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
+    smol_packed, tmp_path, monkeypatch
+):
+    """With x as one int8 term the int8 dot products can be much the faster layout, so where
+    float32 does not fit the two packed layouts are still timed (not float32: nothing to
+    compare it with)."""
+    from mlxd import kernels
+    from mlxd.config import ModelConfig, ServerConfig
+    from mlxd.models import cpu_path_timing
+
+    timed = []
+    dot_faster = Timings((5.0, 6.0, 8.0, 100.0), (5.0, 6.0, 8.0, 100.0), (), (3.0, 4.0, 5.0, 90.0))
+
+    def fake(shapes, phases, precise, float32):
+        timed.append((precise, float32))
+        return dot_faster
+
+    monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
+    monkeypatch.setattr(cpu_path_timing, "_timed", {})
+    monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: False)
+    monkeypatch.setattr(kernels, "integer_dot", lambda: True)
+    tight = ServerConfig(cache_dir=tmp_path, memory_budget=300 * 2**20)
+    config = ModelConfig(kind="llm", source=str(smol_packed.path), cpu_activations="int8")
+    choice = cpu_path_timing.choose_cpu_path(smol_packed.path, config, tight)
+    assert timed == [(False, False)]
+    assert choice is not None and choice.plan == "packed" and choice.dot
+    assert choice.activations == "int8" and choice.packed_ms == dot_faster.packed_dot
+    summary = choice.summary()
+    assert "3.0/4.0/5.0/90.0 ms on the int8 dot products vs float layout 5.0/6.0/8.0/100" in summary
+    assert "x as one int8 term" in summary and "do not fit the memory budget" in summary
+    phase = choice.as_dict()["phases"][0]
+    assert phase == {"phase": "decode 1", "path": "packed", "packed_ms": 3.0}
+    assert choice.as_dict()["activations"] == "int8"
+    # Cached under their own key: the next worker reads them; precise times nothing.
+    monkeypatch.setattr(cpu_path_timing, "_timed", {})
+    again = cpu_path_timing.choose_cpu_path(smol_packed.path, config, tight)
+    assert again is not None and again.cached and again.dot and len(timed) == 1
+    precise = ModelConfig(kind="llm", source=str(smol_packed.path))
+    choice = cpu_path_timing.choose_cpu_path(smol_packed.path, precise, tight)
+    assert choice is not None and choice.timings is None and not choice.dot and len(timed) == 1
+    # Where float32 fits, the one-term layout is timed beside it (its own cache key).
+    roomy = ServerConfig(cache_dir=tmp_path)
+    monkeypatch.setattr(
+        cpu_path_timing, "time_paths", lambda s, p, *args: timed.append(args) or EPYC
+    )
+    cpu_path_timing.choose_cpu_path(smol_packed.path, config, roomy)
+    assert timed[-1] == (False, True)
+
+
+def test_time_paths_without_float32_times_the_packed_layouts_alone():
+    from mlxd import kernels
+    from mlxd.models.cpu_path_timing import ModelShapes, time_paths
+
+    shapes = ModelShapes(layer=((64, 64, 32, 4),), head=(256, 64, 32, 8), layers=2)
+    timings = time_paths(shapes, Phases(prefill=16), precise=False, float32=False)
+    assert timings.float32 == () and timings.packed_shared == timings.packed
+    assert len(timings.packed) == 4 and all(ms > 0 for ms in timings.packed)
+    assert len(timings.packed_dot) == (4 if kernels.integer_dot() else 0)
+
+
 def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
     from mlxd.config import ModelConfig, ServerConfig
     from mlxd.models import cpu_path_timing
@@ -264,7 +348,7 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     assert (1536, 576, 32, 4) in shapes.layer and len(shapes.layer) == 7
     timed = []
 
-    def fake(shapes, phases):
+    def fake(shapes, phases, precise, float32):
         timed.append(phases)
         return EPYC
 
@@ -295,7 +379,7 @@ def test_timings_taken_on_a_busy_machine_are_used_but_not_cached(
     from mlxd.models import cpu_path_timing
 
     timed = []
-    monkeypatch.setattr(cpu_path_timing, "time_paths", lambda s, p: timed.append(p) or EPYC)
+    monkeypatch.setattr(cpu_path_timing, "time_paths", lambda s, p, *_: timed.append(p) or EPYC)
     monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: True)
     config = ModelConfig(kind="llm", source=str(smol_packed.path))
     server = ServerConfig(cache_dir=tmp_path)
@@ -317,3 +401,5 @@ def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
     monkeypatch.setattr(kernels, "isa", lambda: "generic")  # e.g. MLXD_KERNELS_ISA=generic
     forced = cpu_path_timing.identity(shapes, PHASES)
     assert TimingCache.key(forced) != TimingCache.key(ident)
+    one_term = cpu_path_timing.identity(shapes, PHASES, precise=False)
+    assert TimingCache.key(one_term) != TimingCache.key(forced)

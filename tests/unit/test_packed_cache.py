@@ -223,5 +223,6 @@ def test_the_key_names_the_isa_that_reads_the_layout(monkeypatch: pytest.MonkeyP
 
     here = layout_identity(False)
     assert here["isa"] == kernels.isa() and here != layout_identity(True)
+    assert layout_identity(True) != layout_identity(True, precise=False)
     monkeypatch.setattr(kernels, "isa", lambda: "generic")
     assert layout_identity(False) != here

@@ -56,6 +56,7 @@ ENGINE_CHANGES: dict[str, Any] = {
     "source": "b",
     "adapter": "/adapters/fr",
     "dtype": "float16",
+    "cpu_activations": "int8",
     "batch": BatchConfig(max_batch_size=4),
     "cache": CacheConfig(kv_bits=8),
     "context_length": 4096,
