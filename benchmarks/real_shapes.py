@@ -10,7 +10,9 @@ that llama.cpp's own `llama-quantize` makes of it, and an MLX 4-bit directory of
   as benchmarks.compare runs it), with -t/-tb set to the threads mlxd uses (every core);
 - mlxd on that Q4_K_M: a first start with an empty cache dir (conversion, CPU path timing,
   load), then a cached start (the converted weights and timings reused) that serves the sweep;
-- mlxd on the MLX 4-bit directory: the same two starts.
+- mlxd on the MLX 4-bit directory: the same two starts;
+- mlxd-gguf-int8 / mlxd-mlx-int8 (asked for in --only): the same with `cpu_activations: int8`
+  (x as one int8 term in the integer dot products, llama.cpp's own arithmetic).
 
 It reports each one's load time (process start to GET /health answering 200), the peak RSS
 (VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
@@ -118,7 +120,8 @@ def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
         quantize(quantizer, f16, gguf, args.threads, args.quant)
         f16.unlink()
     mlx_dir = workdir / f"{args.shape}.mlx-4bit"
-    if "mlxd-mlx" in args.only and not (mlx_dir / "config.json").exists():
+    wanted = any(name.startswith("mlxd-mlx") for name in args.only)
+    if wanted and not (mlx_dir / "config.json").exists():
         print(f"writing {mlx_dir} …", flush=True)
         write_mlx_4bit(mlx_dir, args.shape, gguf)
     return gguf, mlx_dir
@@ -148,7 +151,8 @@ def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) ->
 
 
 def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> PeerRun:
-    """A first start on an empty cache dir, then a cached start that serves the sweep."""
+    """A first start on an empty cache dir, then a cached start that serves the sweep (with
+    `cpu_activations: int8` where `name` ends in -int8)."""
     run = PeerRun()
     workdir = logs / name
     shutil.rmtree(workdir, ignore_errors=True)
@@ -158,6 +162,8 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
         "batch": {"max_batch_size": max(args.levels)},
         "context_length": LLAMA_SLOT_TOKENS,
     }
+    if name.endswith("-int8"):
+        options["cpu_activations"] = "int8"
     for phase in ("first", "cached"):
         port = free_port()
         budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
@@ -249,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         type=lambda text: text.split(","),
         default=["llama.cpp", "mlxd-gguf", "mlxd-mlx"],
-        help="comma-separated, of llama.cpp, mlxd-gguf, mlxd-mlx (default: all)",
+        help="comma-separated, of llama.cpp, mlxd-gguf, mlxd-mlx, mlxd-gguf-int8, "
+        "mlxd-mlx-int8 (default: the first three)",
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
@@ -280,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "llama.cpp": lambda: run_llama(binary, gguf, args, logs),
         "mlxd-gguf": lambda: run_mlxd(gguf, "mlxd-gguf", args, logs),
         "mlxd-mlx": lambda: run_mlxd(mlx_dir, "mlxd-mlx", args, logs),
+        "mlxd-gguf-int8": lambda: run_mlxd(gguf, "mlxd-gguf-int8", args, logs),
+        "mlxd-mlx-int8": lambda: run_mlxd(mlx_dir, "mlxd-mlx-int8", args, logs),
     }
     for name, run in peers.items():
         if name not in args.only:
