@@ -415,6 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         help="mlxd: tokens a sequence may hold (default: the model's own; mlxd sizes the KV "
         "cache for max_batch_size sequences of it, and refuses a model whose KV cannot fit)",
     )
+    parser.add_argument(
+        "--cpu-activations",
+        choices=["precise", "int8"],
+        default="precise",
+        help="mlxd's cpu_activations: int8 rounds x to one int8 term per block of 32 in the "
+        "integer dot products, as llama.cpp does (default: precise, two terms)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     args = parser.parse_args(argv)
     if unknown := set(args.sampling) - set(SAMPLING):
@@ -428,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OPENBLAS_CORETYPE: {env.get('OPENBLAS_CORETYPE', '(auto)')}")
     print(f"levels {args.levels}, max_tokens {args.max_tokens}, scenario {args.scenario}")
     print(f"mlxd speculative tokens: {args.speculative_tokens or 'off'}")
+    print(f"mlxd cpu_activations: {args.cpu_activations}")
     print(f"sampling: {', '.join(f'{k} {dict(SAMPLING[k])}' for k in args.sampling)}")
     print(f"CPU: {cpu_model()}", flush=True)
 
@@ -444,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = free_port()
         if name == "mlxd":
-            context = {"context_length": args.context_length} if args.context_length else {}
-            cmd = mlxd_command(model_dir, port, log_dir, args.speculative_tokens, context)
+            options: dict[str, object] = {"cpu_activations": args.cpu_activations}
+            if args.context_length:
+                options["context_length"] = args.context_length
+            cmd = mlxd_command(model_dir, port, log_dir, args.speculative_tokens, options)
             model_id = MODEL_NAME
         else:
             cmd, model_id = baseline_command(model_dir, port), BASELINE_MODEL_ID
