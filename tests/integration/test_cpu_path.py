@@ -31,7 +31,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "context_length": 256,
                 "batch": {"prefill_step_size": 128},
                 "defaults": {"max_tokens": 4, "temperature": 0.0},
-            }
+            },
+            # The same weights with x as one int8 term in the integer dot products.
+            "smol-int8": {
+                "source": SMOL_GGUF,
+                "context_length": 256,
+                "batch": {"prefill_step_size": 128},
+                "cpu_activations": "int8",
+            },
         },
     }
     running = start_daemon(tmp_path_factory.mktemp("cpu-path"), config, timeout=300)
@@ -56,8 +63,11 @@ def test_the_first_load_times_both_paths_and_reports_the_choice(daemon: Daemon):
     # The one log line says the same.
     assert f"model 'smol': {cpu_path['summary']}" in daemon.log()
     cache_dir = Path(daemon.config["server"]["cache_dir"])
-    # Cached for the next load, unless timed on a busy machine (which the summary says).
-    assert len(list((cache_dir / "cpu-paths").glob("*.json"))) == int(cpu_path["kept"])
+    # Cached for the next load, unless timed on a busy machine (which the summary says); the
+    # other model (smol-int8) keeps its own.
+    other = daemon.status()["models"]["smol-int8"]["cpu_path"]
+    kept = int(cpu_path["kept"]) + int(other["kept"])
+    assert len(list((cache_dir / "cpu-paths").glob("*.json"))) == kept
     assert cpu_path["kept"] or "timed on a busy machine, not cached" in cpu_path["summary"]
     # The model answers on that path.
     reply = httpx.post(
@@ -72,9 +82,10 @@ def test_mlxd_ps_shows_the_path_and_its_figures(daemon: Daemon):
     cpu_path = daemon.status()["models"]["smol"]["cpu_path"]
     result = mlxd("ps", "--url", daemon.url)
     assert result.returncode == 0, result.stderr
-    header, row, *notes = result.stdout.splitlines()
+    header, *lines = result.stdout.splitlines()
+    row = next(line for line in lines if line.split()[0] == "smol")
     assert row.split()[header.split().index("PATH")] == cpu_path["plan"]
-    assert f"smol: {cpu_path['summary']}" in notes
+    assert f"smol: {cpu_path['summary']}" in lines
 
 
 def test_a_second_load_reuses_the_cached_timings(daemon: Daemon):
@@ -85,3 +96,25 @@ def test_a_second_load_reuses_the_cached_timings(daemon: Daemon):
     assert again["cached"] == first["kept"]  # timed again where the first were not kept
     if again["cached"]:
         assert again["plan"] == first["plan"] and again["phases"] == first["phases"]
+
+
+def test_int8_activations_are_timed_and_shown_and_answer_as_the_precise_model(daemon: Daemon):
+    from mlxd import kernels
+
+    models = daemon.status()["models"]
+    precise, one_term = models["smol"]["cpu_path"], models["smol-int8"]["cpu_path"]
+    assert precise["activations"] in ("precise", None)  # None: the float layout timed faster
+    assert one_term["activations"] in ("int8", None)
+    if one_term["activations"] == "int8":
+        assert one_term["dot"] and "x as one int8 term" in one_term["summary"]
+    if not kernels.integer_dot():  # nothing to time the int8 layout on
+        assert one_term["activations"] is None
+    answers = [
+        httpx.post(
+            f"{daemon.url}/v1/completions",
+            json={"model": model, "prompt": "The capital of France is", "max_tokens": 1},
+            timeout=120,
+        ).json()["choices"][0]["text"]
+        for model in ("smol", "smol-int8")
+    ]
+    assert answers[0] and answers[0] == answers[1]
