@@ -1,4 +1,8 @@
-"""A text LLM: mlx-lm weights behind a continuous-batching scheduler."""
+"""A text LLM: mlx-lm weights behind a continuous-batching scheduler.
+
+What a request needs before it queues (prompt ids, processors, `Admission`) is worked out by
+`RequestPreparation` (worker/llm_prepare.py), which the engine inherits; the draft model and
+the KV cache's identity come from worker/llm_load.py."""
 
 from __future__ import annotations
 
@@ -12,42 +16,29 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-
 from mlxd.cache import PrefixCache, open_prefix_cache
 from mlxd.cache.lease import PrefixLease
-from mlxd.config import CacheConfig, ModelConfig, ServerConfig, SpeculativeConfig
-from mlxd.constrain import Constrainer, GrammarProcessor, make_processor
+from mlxd.config import CacheConfig, ModelConfig, ServerConfig
+from mlxd.constrain import Constrainer
 from mlxd.errors import InvalidRequest, ModelLoadError, Unavailable
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, load_llm
 from mlxd.models.lora import MultiLoRA
 from mlxd.models.packed import float32_summary
-from mlxd.parsers.reasoning import prompt_opens_reasoning
 from mlxd.runtime.engine import EventStream
-from mlxd.types import Admission, EmbeddingInput, Embeddings, Event, GenerationRequest
-from mlxd.worker.factory import resolve_draft
+from mlxd.types import EmbeddingInput, Embeddings, Event, GenerationRequest
 from mlxd.worker.hooks import load_hooks
 from mlxd.worker.llm_core import LLMCore
+from mlxd.worker.llm_load import kv_identity, load_draft
+from mlxd.worker.llm_prepare import RequestPreparation
 from mlxd.worker.loop import Core, ModelLoop
-from mlxd.worker.prompt import loaded_tool_format, render_chat, template_supports_tools
-from mlxd.worker.sequence import MediaPrefill, Output, Sequence
+from mlxd.worker.prompt import loaded_tool_format
+from mlxd.worker.sequence import Output, Sequence
 
 log = logging.getLogger("mlxd.engine")
 
 DEFAULT_CONTEXT = 4096
-
-
-@dataclass
-class Prepared:
-    """Everything a request needs from its model before it can queue, worked out once, off
-    the event loop: the prompt, its processors, its media prefill and its `Admission`."""
-
-    prompt_ids: list[int]
-    processors: list[GrammarProcessor]
-    admission: Admission
-    prefill: MediaPrefill | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +49,7 @@ class Reply:
     events: asyncio.Queue[Event]
 
 
-class LLMEngine:
+class LLMEngine(RequestPreparation):
     kind = "llm"
 
     def __init__(
@@ -121,12 +112,12 @@ class LLMEngine:
             cache_dir=server().cache_dir,
             kv_dtype=config.cache.kv_dtype,
         )
-        identity = _identity(config, loaded)
+        identity = kv_identity(config, loaded)
         cache_dir = server().cache_dir
         draft = None
         if config.speculative and config.speculative.mode == "draft":
             draft = await asyncio.to_thread(
-                _load_draft, name, config.speculative, loaded, cache_dir, config.cache.kv_dtype
+                load_draft, name, config.speculative, loaded, cache_dir, config.cache.kv_dtype
             )
         prefix_cache = await asyncio.to_thread(
             open_prefix_cache, loaded.model, identity, config.cache, cache_dir, loaded.kv_dtype
@@ -203,73 +194,12 @@ class LLMEngine:
         self._open -= 1
         self.last_used = time.monotonic()
 
-    def prepare(self, request: GenerationRequest) -> Prepared:
-        """The prompt ids, the sequence's grammar processor, and what the API side needs to
-        know; blocking (templates, tokenizing, grammars can take a while)."""
-        prompt_ids = self.encode(request)
-        return Prepared(
-            prompt_ids, self.request_processors(request), self._admission(request, prompt_ids)
-        )
-
-    def _admission(self, request: GenerationRequest, prompt_ids: list[int]) -> Admission:
-        forced = request.tool_choice not in (None, "auto")
-        return Admission(
-            prompt_tokens=len(prompt_ids),
-            # Forced calls are generated in Hermes syntax by the grammar; so are calls of a
-            # template that cannot render tools (mlxd prompts those in Hermes style).
-            hermes_tools=bool(request.tools)
-            and (forced or not template_supports_tools(self.chat_template)),
-            reasoning_open=prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-4:])),
-        )
-
-    def request_processors(self, request: GenerationRequest) -> list[GrammarProcessor]:
-        """The grammar and test-hook processors of a request (followers of a distributed
-        model build theirs with it too)."""
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in request.sampling.logit_bias or {}):
-            # mlx indexes logits without bounds checks: a stray id corrupts memory.
-            message = f"logit_bias token ids must be in [0, {vocab})"
-            raise InvalidRequest(message, param="logit_bias")
-        try:
-            grammar = self._grammar(request)
-            processors = (
-                []
-                if grammar is None
-                else [make_processor(self._constrainer(), grammar, self.tokenizer.eos_token_ids)]
-            )
-        except ValueError as exc:  # llguidance's message for a bad schema or grammar
-            param = "tool_choice" if request.tools else "response_format"
-            raise InvalidRequest(f"cannot constrain the output: {exc}", param=param) from exc
-        return processors + self._hooks.logits_processors(request)
-
     def resize_cache(self, cache: CacheConfig) -> None:
         """New cache budgets without reloading the weights (see config.plan.Resize)."""
         self.config = self.config.model_copy(update={"cache": cache})
         self.memory_bytes = self.loaded.nbytes + cache.ram
         if self.prefix_cache is not None:
             self.prefix_cache.resize(cache)
-
-    def _grammar(self, request: GenerationRequest) -> str | None:
-        """One mechanism for structured output: forced tool calls and response_format."""
-        choice = request.tool_choice
-        if request.tools and (choice == "required" or isinstance(choice, dict)):
-            name = choice.get("name") if isinstance(choice, dict) else None
-            # Exactly one call: "required" is met by one, and small models given the
-            # option tend to repeat calls until max_tokens.
-            return self._constrainer().tool_call(request.tools, name)
-        response_format = request.response_format or {}
-        if response_format.get("type") == "json_object":
-            return self._constrainer().json_object()
-        if response_format.get("type") == "json_schema":
-            return self._constrainer().json_schema(response_format["schema"])
-        return None
-
-    def _constrainer(self) -> Constrainer:
-        # Built on first use (≈0.4 s): most models never see a structured-output request.
-        with self._constrainer_lock:
-            if self._constrainer_instance is None:
-                self._constrainer_instance = Constrainer(self.tokenizer)
-            return self._constrainer_instance
 
     @property
     def failure(self) -> str | None:
@@ -290,45 +220,6 @@ class LLMEngine:
             "kind 'embedding'",
             param="model",
         )
-
-    def encode(self, request: GenerationRequest) -> list[int]:
-        """Token ids of the prompt: the chat template for messages, plain encoding otherwise."""
-        if request.messages is not None:
-            ids = render_chat(
-                self.tokenizer,
-                request.messages,
-                request.tools,
-                self.name,
-                template_kwargs=request.chat_template_kwargs,
-            )
-        elif isinstance(request.prompt, str):
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            ids = list(request.prompt or [])
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if not ids:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        return ids
-
-    def _admissible_max_tokens(self, request: GenerationRequest, prepared: Prepared) -> int:
-        prompt_ids = prepared.prompt_ids
-        limit = self.config.max_prompt_tokens
-        if limit is not None and len(prompt_ids) > limit:
-            raise InvalidRequest(
-                f"prompt is {len(prompt_ids)} tokens; model '{self.name}' accepts at most "
-                f"{limit} (max_prompt_tokens)",
-                param="messages" if request.messages is not None else "prompt",
-            )
-        room = self.context_length - len(prompt_ids)
-        if room <= 0:
-            raise InvalidRequest(
-                f"prompt is {len(prompt_ids)} tokens; model '{self.name}' has a context of "
-                f"{self.context_length} tokens",
-                param="messages" if request.messages is not None else "prompt",
-            )
-        return min(request.max_tokens, room)
 
     def stats(self) -> dict[str, Any]:
         s = self.core.stats
@@ -400,56 +291,3 @@ _NO_CACHE: dict[str, Any] = {
     "bytes": {"ram": 0, "ssd": 0},
     "evictions": {"ram": 0, "ssd": 0},
 }
-
-
-def _load_draft(
-    name: str,
-    speculative: SpeculativeConfig,
-    target: LoadedModel,
-    cache_dir: Path,
-    kv_dtype: str = "auto",
-) -> LoadedModel:
-    """Speculative mode draft's model, checked to share the target's vocabulary and to have
-    caches that can be trimmed back after a rejected draft."""
-    weights = speculative.draft
-    if weights is None:  # a config built without its file's Config
-        raise ModelLoadError(f"model '{name}': speculative.model was not resolved")
-    draft = load_llm(
-        resolve_draft(weights, cache_dir), dtype=weights.dtype, model_name=name, kv_dtype=kv_dtype
-    )
-    vocab, draft_vocab = target.config.get("vocab_size"), draft.config.get("vocab_size")
-    if vocab != draft_vocab:
-        raise ModelLoadError(
-            f"model '{name}': draft model '{weights.name}' has a vocabulary of {draft_vocab} "
-            f"tokens, this model {vocab}: a draft must share the tokenizer"
-        )
-    if not can_trim_prompt_cache(make_prompt_cache(draft.model)):
-        raise ModelLoadError(
-            f"model '{name}': draft model '{weights.name}' has caches that cannot be trimmed "
-            "(sliding-window attention); pick another draft"
-        )
-    return draft
-
-
-def _identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
-    """What makes this model's KV what it is: its source, weight files, compute dtype and
-    adapter (no key without one, so a base model's SSD blocks stay valid), and the KV's dtype
-    where it is not the compute dtype (a float16 cache: never mixed with float32 blocks)."""
-    identity: dict[str, Any] = {
-        "source": config.source,
-        "path": str(loaded.path),
-        "weights": _file_stamps(loaded.path),
-        "dtype": loaded.dtype,
-        "model": loaded.config,
-    }
-    if loaded.kv_dtype == "float16" and loaded.dtype != "float16":
-        identity["kv_dtype"] = loaded.kv_dtype
-    if config.adapter is not None:
-        identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}
-    return identity
-
-
-def _file_stamps(directory: Path) -> list[tuple[str, int, int]]:
-    return sorted(
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.glob("*.safetensors")
-    )

@@ -29,7 +29,8 @@ from mlxd.errors import ModelLoadError
 from mlxd.media import MediaPolicy, has_images, load_images
 from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, _target_dtype, check_model_dir
 from mlxd.types import GenerationRequest
-from mlxd.worker.llm import LLMEngine, Prepared
+from mlxd.worker.llm import LLMEngine
+from mlxd.worker.llm_prepare import Prepared
 from mlxd.worker.prompt import render_chat
 
 INSTALL_HINT = "pip install 'mlxd[vlm]'"

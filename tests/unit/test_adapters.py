@@ -9,7 +9,7 @@ import mlx.nn as nn
 
 from mlxd.config import ModelConfig
 from mlxd.models.loader import LoadedModel
-from mlxd.worker.llm import _identity
+from mlxd.worker.llm_load import kv_identity
 
 
 def test_the_adapter_and_its_weights_are_part_of_the_kv_identity(tmp_path: Path) -> None:
@@ -21,9 +21,9 @@ def test_the_adapter_and_its_weights_are_part_of_the_kv_identity(tmp_path: Path)
     base = ModelConfig(source=str(base_dir))
     tuned = ModelConfig(source=str(base_dir), adapter=adapter)
 
-    assert "adapter" not in _identity(base, loaded)
-    first = _identity(tuned, loaded)
-    assert {k: v for k, v in first.items() if k != "adapter"} == _identity(base, loaded)
+    assert "adapter" not in kv_identity(base, loaded)
+    first = kv_identity(tuned, loaded)
+    assert {k: v for k, v in first.items() if k != "adapter"} == kv_identity(base, loaded)
     assert first["adapter"]["path"] == str(adapter)
     (adapter / "adapters.safetensors").write_bytes(b"y" * 16)  # retrained in place
-    assert _identity(tuned, loaded) != first
+    assert kv_identity(tuned, loaded) != first

@@ -456,7 +456,7 @@ def test_float16_blocks_round_trip_through_ram_and_ssd_as_float16(tmp_path: Path
 
 def test_float32_blocks_on_disk_are_never_loaded_into_a_float16_cache(tmp_path: Path) -> None:
     """A file of an older float32 cache under the same fingerprint (the fingerprint keys the
-    KV dtype too: worker/llm.py's identity) is deleted on load, not mixed in."""
+    KV dtype too: worker/llm_load.py's kv_identity) is deleted on load, not mixed in."""
     old, prompt = stored_ssd(tmp_path)  # float32 blocks
     old.close()
     assert len(files(old)) == 3

@@ -29,8 +29,8 @@ from mlxd.executor.speculative import (
     roll_back,
 )
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
-from mlxd.worker.llm import _load_draft
 from mlxd.worker.llm_core import LLMCore
+from mlxd.worker.llm_load import load_draft
 from mlxd.worker.sequence import Sequence
 from tests.batch_loop import BatchLoop
 from tests.tiny_llama import tiny_llama
@@ -211,7 +211,7 @@ def test_a_draft_with_another_vocabulary_is_refused_at_load(smol, tmp_path: Path
     with pytest.raises(
         ModelLoadError, match="'small' has a vocabulary of 64 tokens, this model 49152"
     ):
-        _load_draft("smol", speculative, smol, tmp_path)
+        load_draft("smol", speculative, smol, tmp_path)
 
 
 @pytest.fixture(scope="module")
