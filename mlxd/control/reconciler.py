@@ -3,12 +3,15 @@
 Loads run in background tasks while the API keeps serving; when one is ready the route table
 is replaced whole (atomically: readers hold either the old table or the new one). Replaced and
 removed engines drain — they close once idle or after `server.drain_timeout`.
+
+Before a load the memory budget makes room (control/memory_budget.py); models that differ only
+in their adapter share an engine (control/share_groups.py); `status()` is the report of
+control/status_report.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
@@ -16,28 +19,28 @@ from collections.abc import Callable, Mapping
 from typing import cast
 
 from mlxd.config import ModelConfig, ServerConfig
+from mlxd.control import memory_budget
 from mlxd.control.model_runtime import ModelRuntime
 from mlxd.control.plan import (
-    ENGINE_FIELDS,
     Action,
     Load,
     Park,
     Rename,
-    Resident,
     Resize,
     Restart,
     Retarget,
     Swap,
     Unload,
     describe,
-    evictions,
     plan,
 )
 from mlxd.control.routes import ModelEntry, RouteTable
+from mlxd.control.share_groups import share_key
+from mlxd.control.status_report import status_report
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
-from mlxd.memory_need import MemoryNeed, gib
+from mlxd.memory_need import MemoryNeed
 from mlxd.runtime.engine import Engine, EngineStarter
-from mlxd.runtime.shared_pool import AdapterHost, EnginePool, SharedView
+from mlxd.runtime.shared_pool import AdapterHost, EnginePool
 from mlxd.runtime.worker_proxy import WorkerEngine
 
 log = logging.getLogger("mlxd.reconcile")
@@ -214,7 +217,7 @@ class Reconciler:
             self._retire(runtime, previous)
 
     async def _build(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
-        key = self._share_key(runtime.name, config)
+        key = share_key(runtime.name, config, self.desired)
         if key is None:
             return await self._start_engine(runtime, config)
         base = config.model_copy(update={"adapter": None})
@@ -224,62 +227,15 @@ class Reconciler:
 
         return await self.pool.view(runtime.name, config, key, start)
 
-    def _share_key(self, name: str, config: ModelConfig) -> str | None:
-        """The key of the engine `name` shares with the other declared models of its source and
-        engine settings, when one of them has another `adapter:` (None: its own engine)."""
-        key = _share_group(config)
-        if key is None:
-            return None
-        siblings = [m for n, m in self.desired.items() if n != name and _share_group(m) == key]
-        return key if any(m.adapter != config.adapter for m in siblings) else None
-
     async def _start_engine(self, runtime: ModelRuntime, config: ModelConfig) -> Engine:
         async def make_room(need: MemoryNeed) -> None:
-            await self._make_room(need, runtime)
+            await memory_budget.make_room(need, runtime, self.models, self.server, self._park)
 
         if self.server.workers == "process":
             return await WorkerEngine.start(runtime.name, config, lambda: self.server, make_room)
         if self.start_inline is None:
             raise Unavailable("this process cannot load models inline (server.workers: inline)")
         return await self.start_inline(runtime.name, config, lambda: self.server, make_room)
-
-    async def _make_room(self, need: MemoryNeed, loading: ModelRuntime) -> None:
-        """Unload idle models, least recently used first, until `need` fits the budget. A model
-        that could not fit even alone is refused for good (until the config changes)."""
-        if refusal := need.over_budget(loading.name, self.server):
-            raise ModelLoadError(refusal)
-        budget = self.server.budget_bytes
-        draining = sum(e.memory_bytes for rt in self.models.values() for e in rt.draining)
-        # Models sharing an engine are evicted together: only the last one out frees it.
-        groups: dict[str, list[ModelRuntime]] = {}
-        for rt in self.models.values():
-            if rt is not loading and rt.engine is not None:
-                engine = rt.engine
-                key = f"engine {id(engine.base)}" if isinstance(engine, SharedView) else rt.name
-                groups.setdefault(key, []).append(rt)
-        residents = [
-            Resident(
-                key,
-                sum(rt.engine.memory_bytes for rt in rts if rt.engine),
-                max(rt.engine.last_used for rt in rts if rt.engine),
-                all(rt.engine.idle for rt in rts if rt.engine),
-            )
-            for key, rts in groups.items()
-        ]
-        victims = evictions(need.total + draining, budget, residents)
-        if victims is None:
-            in_use = draining + sum(r.memory_bytes for r in residents)
-            busy = ", ".join(rt.name for rt in self.models.values() if rt.engine) or "none"
-            raise Unavailable(
-                f"model '{loading.name}' needs {gib(need.total)} ({need.describe()}) but "
-                f"server.memory_budget ({gib(budget)}) has {gib(max(budget - in_use, 0))} "
-                f"free; loaded and busy: {busy}"
-            )
-        for key in victims:
-            for rt in groups[key]:
-                log.info("memory budget: unloading idle model '%s' to make room", rt.name)
-            # Idle, so they close at once; the memory is back once their worker has exited.
-            await asyncio.gather(*(self._park(rt) for rt in groups[key]))
 
     async def engine_for(self, name: str) -> Engine:
         """The serving engine of model `name`, loading it first if it is lazy or still loading.
@@ -401,42 +357,4 @@ class Reconciler:
 
     def status(self) -> dict[str, dict]:
         """Per model: state, aliases, error, draining engines and the serving engine's stats."""
-        rows = {}
-        now = time.monotonic()
-        for runtime in [*self.models.values(), *self.removed]:
-            removed = runtime in self.removed
-            engine = runtime.engine
-            rows[runtime.name] = {
-                "state": "draining" if removed else runtime.state,
-                "kind": runtime.config.kind,
-                "source": runtime.config.source,
-                "adapter": str(runtime.config.adapter) if runtime.config.adapter else None,
-                "load": runtime.config.load,
-                "aliases": [] if removed else list(runtime.config.aliases),
-                "error": runtime.error,
-                "draining": len(runtime.draining),
-                "restarts": runtime.restarts,
-                # Failures in a row (deaths, failed loads) and when the next try is due.
-                "failures": runtime.failures,
-                "next_retry_s": (
-                    round(max(runtime.retry_at - now, 0.0), 1)
-                    if runtime.error and not runtime.gave_up
-                    else None
-                ),
-                # The error recurs with these files and config: retried once either changes.
-                "gave_up": runtime.gave_up,
-                # idle_ttl in force (YAML or a client's keep_alive); null: never unloaded idle.
-                "idle_ttl_s": runtime.idle_ttl,
-                "idle_s": round(now - engine.last_used, 1) if engine and engine.idle else 0.0,
-                **(runtime.engine.stats() if runtime.engine is not None else {}),
-            }
-        return rows
-
-
-def _share_group(config: ModelConfig) -> str | None:
-    """What must match for models to share an engine: every engine field but `adapter`
-    (None: a kind or setup that never shares)."""
-    if config.kind != "llm" or config.distributed is not None:
-        return None
-    fields = set(ENGINE_FIELDS) - {"adapter"}
-    return json.dumps(config.model_dump(mode="json", include=fields), sort_keys=True)
+        return status_report(self.models.values(), self.removed)

@@ -56,7 +56,7 @@ class _Base:
 
 
 class EnginePool:
-    """The shared engines, by group key (see config.reconciler `_share_key`)."""
+    """The shared engines, by group key (see control/share_groups.py `share_key`)."""
 
     def __init__(self) -> None:
         self._bases: dict[str, _Base] = {}
