@@ -1,11 +1,10 @@
 """The daemon's side of a worker process: an `Engine` whose model runs elsewhere.
 
-`WorkerEngine.start` spawns `python -m mlxd.worker` on an inherited socket pair and
-walks it through its load (see worker.py); after that the engine answers the API exactly like
-an in-process one. One reader task takes the worker's messages: request acceptance, batches of
-events (one per engine step), call replies. When the worker dies, for whatever reason, every
-request it held ends with an error event (503) and `failure` says why; the reconciler restarts
-the model.
+`WorkerEngine.start` starts the worker and walks it through its load
+(runtime/worker_process.py); after that the engine answers the API exactly like an in-process
+one. One reader task takes the worker's messages: request acceptance, batches of events (one
+per engine step), call replies. When the worker dies, for whatever reason, every request it
+held ends with an error event (503) and `failure` says why; the reconciler restarts the model.
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import signal
-import socket
-import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -26,13 +22,13 @@ from typing import Any
 import psutil
 
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
-from mlxd.distributed.launch import LaunchError
-from mlxd.errors import MlxdError, TransientLoadError, Unavailable
+from mlxd.errors import MlxdError, Unavailable
 from mlxd.memory_need import MemoryNeed
 from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
-from mlxd.runtime.wire import WorkerSpec, read_message, write_message
+from mlxd.runtime.wire import read_message, write_message
+from mlxd.runtime.worker_process import describe_exit, process_handle, reap, start_worker
 from mlxd.types import (
     Finished,
     GenerationRequest,
@@ -46,10 +42,6 @@ log = logging.getLogger("mlxd.worker")
 
 CLOSE_TIMEOUT_S = 30.0
 STATS_TIMEOUT_S = 2.0
-
-
-class WorkerDied(TransientLoadError):
-    """The worker process ended before it was ready."""
 
 
 class WorkerEngine:
@@ -88,7 +80,7 @@ class WorkerEngine:
         self._busy_calls = 0
         self._ids = itertools.count()
         self._closing = False
-        self._psutil = _process_handle(process.pid)
+        self._psutil = process_handle(process.pid)
         # A distributed model: `process` is mlx.launch, rank 0 the worker it talks to.
         self._group = group
         self._watching: asyncio.Task | None = None
@@ -105,47 +97,22 @@ class WorkerEngine:
         server: Callable[[], ServerConfig],
         make_room: Callable[[MemoryNeed], Awaitable[None]],
     ) -> WorkerEngine:
-        """Spawn a worker for `name` (a group of ranks for a distributed model) and wait until
-        its model is loaded. `make_room(need)` runs once the worker knows what it will hold,
-        before it loads (raising refuses)."""
-        group: RankGroup | None = None
-        if config.distributed is not None:
-            try:
-                group, reader, writer = await RankGroup.launch(name, config.distributed)
-            except (LaunchError, ConnectionError) as exc:
-                raise WorkerDied(f"model '{name}': cannot start its ranks: {exc}") from None
-            process = group.process
-        else:
-            process, reader, writer = await _spawn()
-        try:
-            write_message(writer, WorkerSpec.without_keys(name, config, server()))
-            kind, *args = await read_message(reader)
-            need: MemoryNeed | None = None
-            if kind == "need":
-                need = args[0]
-                await make_room(need)
-                write_message(writer, ("go",))
-                kind, *args = await read_message(reader)
-            if kind == "load_failed":
-                raise args[0]
-            if kind != "ready":
-                raise TransientLoadError(f"model '{name}': unexpected worker message {kind!r}")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            status = await process.wait()
-            writer.close()
-            if group is None:
-                ended = f"worker {describe_exit(status)}"
-            else:
-                await group.kill()
-                ended = "group of ranks ended (mlx.launch forwards each rank's output to this log)"
-            raise WorkerDied(f"model '{name}': {ended} while loading") from None
-        except BaseException:  # refused, failed or cancelled (a reconcile superseded the load)
-            writer.close()
-            await (group.kill() if group is not None else _reap(process))
-            raise
-        engine = cls(name, config, process, reader, writer, args[0], server, group)
+        """The engine of a worker started for `name` and loaded (see `start_worker`:
+        `make_room(need)` runs before it loads, raising refuses)."""
+        started = await start_worker(name, config, server, make_room)
+        engine = cls(
+            name,
+            config,
+            started.process,
+            started.reader,
+            started.writer,
+            started.ready,
+            server,
+            started.group,
+        )
         # The budget holds what was admitted (its KV at full batch and context, which the
         # worker fills only under load), not just what the worker holds at once.
+        need = started.need
         engine.estimate_bytes = max(engine.estimate_bytes, need.total if need else 0)
         return engine
 
@@ -281,7 +248,7 @@ class WorkerEngine:
                 await asyncio.wait_for(self._process.wait(), CLOSE_TIMEOUT_S)
             except TimeoutError:
                 log.warning("model '%s': worker %d did not exit; killing it", self.name, self.pid)
-                await _reap(self._process)
+                await reap(self._process)
         if self._group is not None:
             await self._group.kill()  # every rank, not only the launcher
         await self._reading
@@ -373,48 +340,3 @@ class WorkerEngine:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(Unavailable(message))
-
-
-def describe_exit(status: int) -> str:
-    """'was killed by SIGKILL', 'exited with status 3' …"""
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with status {status}"
-
-
-async def _spawn() -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.StreamWriter]:
-    """`python -m mlxd.worker` on an inherited socket pair; the daemon's end."""
-    parent, child = socket.socketpair()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mlxd.worker",
-        "--fd",
-        str(child.fileno()),
-        pass_fds=(child.fileno(),),
-        stdin=asyncio.subprocess.DEVNULL,
-        # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and then
-        # closes its workers; they never die under requests that are still finishing.
-        start_new_session=True,
-    )
-    child.close()
-    return process, *await asyncio.open_unix_connection(sock=parent)
-
-
-async def _reap(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-    await process.wait()
-
-
-def _process_handle(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
