@@ -148,10 +148,9 @@ class Choice:
         rows = "/".join(str(rows) for rows in self.phases.rows)
         ours = "/".join(_ms(ms) for ms in self.packed_ms)
         other = self.timings.packed if self.dot else self.timings.packed_dot
-        layout = "int8 dot products" if self.dot else "float layout"
         theirs = "/".join(_ms(ms) for ms in other)
         vs = f" vs {'float layout' if self.dot else 'int8 dot products'} {theirs}" if other else ""
-        return f"packed ({rows}: {ours} ms on the {layout}{vs})" + self._notes()
+        return f"packed ({rows}: {ours} ms{vs})" + self._notes()
 
     def _notes(self) -> str:
         note = "; kernels on one thread" if self.one_thread else ""

@@ -306,7 +306,7 @@ def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
     assert choice is not None and choice.plan == "packed" and choice.dot
     assert choice.activations == "int8" and choice.packed_ms == dot_faster.packed_dot
     summary = choice.summary()
-    assert "3.0/4.0/5.0/90.0 ms on the int8 dot products vs float layout 5.0/6.0/8.0/100" in summary
+    assert "3.0/4.0/5.0/90.0 ms vs float layout 5.0/6.0/8.0/100" in summary
     assert "x as one int8 term" in summary and "do not fit the memory budget" in summary
     phase = choice.as_dict()["phases"][0]
     assert phase == {"phase": "decode 1", "path": "packed", "packed_ms": 3.0}
