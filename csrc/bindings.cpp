@@ -11,6 +11,7 @@
 #include "qmatmul.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "sampling.h"
 #include "swiglu.h"
 #include "threads.h"
 
@@ -109,6 +110,17 @@ NB_MODULE(_cpu, m) {
       "causal"_a,
       "Scaled dot-product attention of float32 q and float32 or float16 k, v [B, H, L, D] "
       "(grouped-query heads; float32 result).");
+  m.def(
+      "sample",
+      &mlxd::sample,
+      "logits"_a,
+      "inv_temperature"_a,
+      "top_p"_a,
+      "u"_a,
+      "A token per row of logits [n, V] (uint32 [n]): among row i's top_p[i] nucleus of the "
+      "untempered distribution (mlx-lm's rule; all at 1), weighted e^((x - max) * "
+      "inv_temperature[i]), the first in index order whose cumulative weight passes u[i] of "
+      "their total.");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

@@ -59,6 +59,12 @@ struct Kernels {
   void (*gather_qdot_f16)(const float* x, const int32_t* idx, const uint8_t* w,
                           const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
                           int bits, bool precise, int threads);
+  // tokens[r] drawn from row r of logits [rows, V] (sampling_kernel.cpp): among the tokens of
+  // the untempered distribution's top_p[r] nucleus (mlx-lm's rule; all at 1), with weights
+  // e^((x - max) · inv_temperature[r]), the first in index order whose cumulative weight
+  // passes u[r] (in [0, 1)) of their total.
+  void (*sample)(const float* logits, const float* inv_temperature, const float* top_p,
+                 const float* u, uint32_t* tokens, int rows, int V, int threads);
 };
 
 // The variant in use: MLXD_KERNELS_ISA's if set (see dispatch.cpp), else the best this CPU runs.

@@ -23,6 +23,7 @@ const Kernels MLXD_CAT(kernels_, MLXD_ISA) = {
     &MLXD_ISA::gather_qmatmul_f16,
     &MLXD_ISA::gather_qdot_f32,
     &MLXD_ISA::gather_qdot_f16,
+    &MLXD_ISA::sample,
 };
 
 }  // namespace mlxd

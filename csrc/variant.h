@@ -35,6 +35,8 @@ void gather_qdot_f32(const float* x, const int32_t* idx, const uint8_t* w,
 void gather_qdot_f16(const float* x, const int32_t* idx, const uint8_t* w,
                      const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
                      int bits, bool precise, int threads);
+void sample(const float* logits, const float* inv_temperature, const float* top_p,
+            const float* u, uint32_t* tokens, int rows, int V, int threads);
 
 }  // namespace MLXD_ISA
 }  // namespace mlxd

@@ -384,3 +384,15 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """mx.fast.rms_norm for float32 x [..., D] and weight [D]."""
     result: mx.array = _module().rms_norm(x, weight, eps)
     return result
+
+
+def sample(
+    logits: mx.array, inv_temperature: mx.array, top_p: mx.array, uniform: mx.array
+) -> mx.array:
+    """A token per row of logits [n, V] (any float type), uint32 [n], from per-row
+    inv_temperature, top_p and uniform [n] (in [0, 1)): among the row's top-p nucleus of the
+    untempered distribution (mlx-lm's `apply_top_p`; all tokens at top_p 1), weighted
+    e^((x - max) * inv_temperature), the first in index order whose cumulative weight passes
+    uniform of their total (CPU stream, lazy)."""
+    result: mx.array = _module().sample(logits, inv_temperature, top_p, uniform)
+    return result

@@ -2,6 +2,7 @@
 // built with Debian's cross compiler and run under qemu-user by tests/unit/test_kernel_neon.py:
 // no ARM machine is at hand, and the Python tests run the variants of the machine they run on.
 // The packed layouts are mlxd.kernels.pack's and pack_dot's (see csrc/qmatmul.cpp, qdot.cpp).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -89,6 +90,33 @@ int check(const Kernels& k) {
       for (int e = 0; e < D; ++e) { double o = 0; for (int j = 0; j < vis; ++j) o += s[j] * v[(hk*Lk+j)*D+e]; worst = std::fmax(worst, std::fabs(o / sum - y[(h*Lq+i)*D+e])); }
     }
     if (worst > 1e-5) { printf("%s attention half %d Lq %d: error %g\n", k.isa, half, Lq, worst); ++bad; }
+  }
+  // sample: mlx-lm's top_p nucleus (ties kept) and the draw by u in float64; rows peaked, wide (split
+  // again and again), all equal; V not whole vectors nor chunks. Draws within 1e-6 of a boundary skipped.
+  {
+    const int V = 3001, R = 6; std::vector<float> x(R * V);
+    for (int r = 0; r < R; ++r) for (int i = 0; i < V; ++i) { const float n = (rand() % 20001 - 10000) / 1000.0f; x[r*V+i] = r % 3 == 0 ? n : r % 3 == 1 ? n / 100 : 0.0f; }
+    const float inv[R] = {1.4f, 1.0f, 3.0f, 0.7f, 1.4f, 1.0f}, tp[R] = {0.9f, 0.5f, 0.95f, 1.0f, 0.9f, 0.9f};
+    std::vector<uint32_t> tok(R);
+    for (float u : {0.0f, 0.3f, 0.77f, 0.999f}) {
+      const std::vector<float> us(R, u); k.sample(x.data(), inv, tp, us.data(), tok.data(), R, V, 2);
+      for (int r = 0; r < R; ++r) {
+        const float* row = &x[r*V]; double top = -1e300, total = 0; for (int i = 0; i < V; ++i) top = std::fmax(top, row[i]);
+        for (int i = 0; i < V; ++i) total += std::exp(row[i] - top);
+        std::vector<int> order(V); for (int i = 0; i < V; ++i) order[i] = i;
+        std::sort(order.begin(), order.end(), [&](int a, int b) { return row[a] > row[b]; });
+        double threshold = -INFINITY, above = 0, near = INFINITY, edge = INFINITY;  // kept while the mass above < top_p
+        if (tp[r] < 1) for (int j = 0; j < V; ++j) {
+          if (j == 0 || row[order[j]] < row[order[j-1]]) { near = std::fmin(near, std::fabs(above - tp[r] * total)); if (above >= tp[r] * total) break; threshold = row[order[j]]; }
+          above += std::exp(row[order[j]] - top);
+        }
+        double sum = 0, c = 0; for (int i = 0; i < V; ++i) if (row[i] >= threshold) sum += std::exp((row[i] - top) * inv[r]);
+        int want = -1; for (int i = 0; i < V && want < 0; ++i) if (row[i] >= threshold) {
+          const double w = std::exp((row[i] - top) * inv[r]);
+          if (c + w > u * sum) { want = i; edge = std::fmin(c + w - u * sum, u * sum - c); } c += w; }
+        if (int(tok[r]) != want && near > 1e-6 * total && edge > 1e-6 * sum) { printf("%s sample row %d u %g: %u, expected %d\n", k.isa, r, u, tok[r], want); ++bad; }
+      }
+    }
   }
   printf("%s: %s\n", k.isa, bad ? "FAILED" : "ok");
   return bad;

@@ -1,9 +1,11 @@
 """mlxd's CPU kernels on every ISA variant this machine runs (csrc/simd.h, csrc/dispatch.cpp):
-the packed matmul against MLX's dequantize + matmul at real model shapes, on two threads, and
-the dispatch itself (the best variant by default, MLXD_KERNELS_ISA forcing one)."""
+the packed matmul against MLX's dequantize + matmul at real model shapes and the sampling
+kernel against its rule in float64, on two threads, and the dispatch itself (the best variant
+by default, MLXD_KERNELS_ISA forcing one)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from mlxd import kernels
+from tests import nucleus_reference
 
 # (N outputs, K inputs, group size, bits, scale dtype): every K of the models mlxd serves
 # (SmolLM2 576, Llama-3.2-1B 2048, 8B 4096 and its MLP's 14,336, 8,192), every group size
@@ -214,3 +217,75 @@ def test_a_zero_block_of_x_and_the_extreme_weights_stay_exact() -> None:
                 assert np.allclose(got, expected, rtol=1e-5, atol=1e-3), (isa, bits)
         finally:
             kernels.use_isa(before)
+
+
+# Logits a sampling kernel meets: a trained model's (a peaked head over a long tail), a random
+# model's (flat: its nucleus most of the vocabulary, split again and again), all equal, ties
+# (integers), and masked tokens (-inf: never drawn; one row with three finite tokens).
+def _logit_rows(vocab: int, rows: int = 33) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(vocab)
+    masked = rng.normal(0, 5, (rows, vocab))
+    masked[rng.random((rows, vocab)) < 0.5] = -np.inf
+    masked[0] = -np.inf
+    masked[0, [5, 77, vocab - 1]] = [1.0, 1.0, -80.0]
+    kinds = {
+        "peaked": rng.normal(0, 5, (rows, vocab)),
+        "wide": rng.normal(0, 0.1, (rows, vocab)),
+        "flat": np.zeros((rows, vocab)),
+        "tied": np.round(rng.normal(0, 3, (rows, vocab))),
+        "masked": masked,
+    }
+    return {kind: logits.astype(np.float32) for kind, logits in kinds.items()}
+
+
+TOP_P = (0.5, 0.9, 0.95, 1.0)  # row r's: TOP_P[r % 4], TEMPERATURES[r % 5]
+TEMPERATURES = (0.3, 0.7, 1.0, 1.5, 1.1)
+UNIFORMS = np.concatenate([[0.0], np.random.default_rng(1).random(10), [1 - 2**-24]])
+UNIFORMS = UNIFORMS.astype(np.float32)  # with 0 and the float32 just below 1
+
+
+@functools.cache
+def _sampling_case(vocab: int, kind: str):
+    """The logits [33, vocab] and, per row, the reference's draw for each of UNIFORMS."""
+    logits = _logit_rows(vocab)[kind]
+    expected = [
+        nucleus_reference.draws(
+            logits[r],
+            float(np.float32(1 / TEMPERATURES[r % 5])),
+            TOP_P[r % 4],
+            [float(u) for u in UNIFORMS],
+        )
+        for r in range(logits.shape[0])
+    ]
+    return logits, expected
+
+
+@pytest.mark.parametrize("vocab", [49_152, 50_257, 128_256])  # 50,257: not whole vectors
+@pytest.mark.parametrize("kind", ["peaked", "wide", "flat", "tied", "masked"])
+def test_sample_on_each_isa_draws_as_the_float64_rule(kernel_isa: str, vocab: int, kind: str):
+    logits, expected = _sampling_case(vocab, kind)
+    rows = logits.shape[0]
+    scale = mx.array([1 / TEMPERATURES[r % 5] for r in range(rows)], dtype=mx.float32)
+    top_p = mx.array([TOP_P[r % 4] for r in range(rows)], dtype=mx.float32)
+
+    def sample(first: int, last: int, u: float) -> np.ndarray:
+        uniform = mx.full((last - first,), u)
+        rows = slice(first, last)
+        return np.array(kernels.sample(mx.array(logits[rows]), scale[rows], top_p[rows], uniform))
+
+    sure = 0
+    for k, u in enumerate(UNIFORMS):
+        got = sample(0, rows, float(u))
+        for r in range(rows):
+            want = expected[r][k]
+            what = (kernel_isa, kind, r, TOP_P[r % 4], TEMPERATURES[r % 5], float(u))
+            if want.sure:
+                assert got[r] == want.token, (*what, int(got[r]), want.token)
+                sure += 1
+            else:  # within rounding of a boundary: either side, but never outside the nucleus
+                assert want.allowed[got[r]], (*what, int(got[r]), want.token)
+        # The same draws in batches of 1, 2 and 7 rows (other splits over the threads).
+        batches = [(0, 1), (1, 3), (3, 10)]
+        assert np.array_equal(np.concatenate([sample(*b, float(u)) for b in batches]), got[:10])
+    # Most draws are clear of every boundary (all-equal logits put one every 1/vocab).
+    assert sure >= 0.4 * rows * len(UNIFORMS)

@@ -1,6 +1,6 @@
 """mlxd's CPU kernels (csrc/) against MLX's own ops: the packed matmul against dequantize +
-matmul, RoPE, RMSNorm and attention against mx.fast; and a real quantized model run packed
-against the same model dequantized to float32."""
+matmul, RoPE, RMSNorm and attention against mx.fast, the sampling op's inputs; and a real
+quantized model run packed against the same model dequantized to float32."""
 
 from __future__ import annotations
 
@@ -341,3 +341,24 @@ def test_assemble_kv_lays_the_blocks_out_per_layer_with_room() -> None:
         kernels.assemble_kv(blocks, 9)
     with pytest.raises(ValueError, match="layouts"):
         kernels.assemble_kv([blocks[0], mx.zeros((3, 2, 4, 4))], 16)
+
+
+def test_sample_takes_half_and_strided_logits_and_refuses_other_shapes() -> None:
+    """Logits in any float type (cast to float32), or transposed and still lazy (their strides
+    known only when the op runs, which copies them into row order), draw as float32 rows."""
+    logits = mx.random.normal((4, 3000), key=mx.random.key(3)) * 4
+    scale, top_p = mx.array([1.0, 1.4, 0.8, 3.0]), mx.array([0.9, 0.5, 1.0, 0.95])
+    uniform = mx.array([0.1, 0.5, 0.7, 0.99])
+    expected = kernels.sample(logits, scale, top_p, uniform)
+    assert expected.dtype == mx.uint32 and expected.shape == (4,)
+    for dtype in (mx.float16, mx.bfloat16):
+        rounded = logits.astype(dtype)
+        assert kernels.sample(rounded, scale, top_p, uniform).tolist() == (
+            kernels.sample(rounded.astype(mx.float32), scale, top_p, uniform).tolist()
+        )
+    strided = mx.contiguous(logits.T).T  # row-major data read column by column
+    assert kernels.sample(strided, scale, top_p, uniform).tolist() == expected.tolist()
+    with pytest.raises(ValueError, match=r"logits \[n, V\]"):
+        kernels.sample(logits[0], scale, top_p, uniform)
+    with pytest.raises(ValueError, match=r"must be \[n\]"):
+        kernels.sample(logits, scale[:3], top_p, uniform)
