@@ -23,7 +23,6 @@ from typing import Any, Literal, cast
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
-from mlxd.executor.nucleus import Unsettled, settle
 from mlxd.executor.rows import Row, RowBatch, row_view, trim_allocation
 from mlxd.executor.sampling import sample_rows
 from mlxd.executor.speculative import Speculator, accepted_count, roll_back
@@ -56,8 +55,6 @@ class DecodeBatch(RowBatch):
         # log-probabilities where a row asked for them.
         self._pending: mx.array | None = None
         self._pending_logprobs: list[Any] = []
-        # The pending rows drawn from nucleus candidates, by uid: settled before they are fed.
-        self._unsettled: tuple[Unsettled, list[int]] | None = None
 
     def join(self, rows: list[Row], cache: list[Any], last: list[int]) -> None:
         """Rows whose caches hold their prompts but for the `last` tokens: the next step
@@ -75,9 +72,8 @@ class DecodeBatch(RowBatch):
         after them: their first tokens now; the rows that go on decode from the next step."""
         _start_contexts(rows)
         logits, context = _process(rows, logits, mx.array(last))
-        firsts, logprobs, unsettled = sample_rows(logits, [row.sampler for row in rows])
+        firsts, logprobs = sample_rows(logits, [row.sampler for row in rows])
         mx.eval(firsts, _present(logprobs), context)
-        firsts = settle(firsts, unsettled)
         tokens = cast(list[int], firsts.tolist())
         for row, last_token, first in zip(rows, last, tokens, strict=True):
             row.tokens += [last_token, first]
@@ -134,7 +130,6 @@ class DecodeBatch(RowBatch):
         return batch
 
     def _step(self) -> _Step:
-        self._settle()
         self.route()
         drafts = self._drafts()
         if drafts is not None:
@@ -143,14 +138,10 @@ class DecodeBatch(RowBatch):
         assert inputs is not None
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         logits, context = _process(self.rows, logits, inputs)
-        self._pending, self._pending_logprobs, unsettled = sample_rows(logits, self._samplers())
+        self._pending, self._pending_logprobs = sample_rows(logits, self._samplers())
         computed = [self._pending, _present(self._pending_logprobs), context]
-        if unsettled is not None:  # its flags are ready with the tokens: no wait mid-step
-            computed.append(unsettled.exact)
-            self._unsettled = unsettled, self.uids
         if any(row.fresh for row in self.rows):
             mx.eval(*computed)  # first tokens go out now
-            self._settle()
             firsts = cast(list[int], self._pending.tolist())
         else:
             # Start the next step's compute while this step's tokens are handed out.
@@ -197,23 +188,6 @@ class DecodeBatch(RowBatch):
             self.filter(keep)
         return out
 
-    def _settle(self) -> None:
-        """The pending tokens exact before anything reads or feeds them: the rows whose
-        nucleus reached past their candidates drawn again (rows that left since are gone)."""
-        if self._unsettled is None:
-            return
-        (unsettled, uids), self._unsettled = self._unsettled, None
-        redrawn = unsettled.redraws()
-        if not redrawn:
-            return
-        assert self._pending is not None
-        index = {uid: i for i, uid in enumerate(self.uids)}
-        pending = cast(list[int], self._pending.tolist())
-        for position, token in redrawn.items():
-            if uids[position] in index:
-                pending[index[uids[position]]] = token
-        self._pending = mx.array(pending, dtype=self._pending.dtype)
-
     def _samplers(self) -> list[Any]:
         return [row.sampler for row in self.rows]
 
@@ -257,9 +231,9 @@ class DecodeBatch(RowBatch):
             s for s, d in zip(self._samplers(), drafts, strict=True) for _ in range(len(d) + 1)
         ]
         flat = logits.reshape(-1, logits.shape[-1])[mx.array(positions)]
-        sampled_array, sampled_logprobs, unsettled = sample_rows(flat, samplers)
+        sampled_array, sampled_logprobs = sample_rows(flat, samplers)
         mx.eval(sampled_array, _present(sampled_logprobs), context, _present(pending_logprobs))
-        sampled = cast(list[int], settle(sampled_array, unsettled).tolist())
+        sampled = cast(list[int], sampled_array.tolist())
 
         tokens: list[list[int]] = []
         logprobs: list[list[Any]] = []

@@ -18,13 +18,7 @@ from mlx_lm.sample_utils import (
 )
 
 from mlxd.executor.logsumexp import logsumexp
-from mlxd.executor.nucleus import (
-    NucleusSampler,
-    TemperatureSampler,
-    Unsettled,
-    draw_nucleus,
-    draw_tempered,
-)
+from mlxd.executor.nucleus import NucleusSampler, TemperatureSampler, draw
 from mlxd.types import SamplingParams, TokenLogprob
 
 
@@ -52,13 +46,11 @@ def skips_logprobs(sampler: object) -> bool:
 
 
 class Draw(NamedTuple):
-    """A step's next token per row, its normalised log-probabilities per row (None when
-    skipped), and the rows drawn from nucleus candidates, to settle before a token is used
-    (nucleus.Unsettled; None when there are none)."""
+    """A step's next token per row and its normalised log-probabilities per row (None when
+    skipped)."""
 
     tokens: mx.array
     logprobs: list[mx.array | None]
-    unsettled: Unsettled | None
 
 
 def sample_rows(logits: mx.array, samplers: list) -> Draw:
@@ -79,38 +71,31 @@ def sample_rows(logits: mx.array, samplers: list) -> Draw:
     pieces: list[mx.array] = []
     logprobs: list[mx.array | None] = [None] * len(samplers)
     order: list[int] = []
-    unsettled = None
     for rows in groups.values():
         group = _sample_group(logits[mx.array(rows)], [samplers[row] for row in rows])
         pieces.append(group.tokens)
         order.extend(rows)
         for row, row_logprobs in zip(rows, group.logprobs, strict=True):
             logprobs[row] = row_logprobs
-        if group.unsettled is not None:  # only the one nucleus group has any
-            group.unsettled.positions = rows
-            unsettled = group.unsettled
     inverse = np.argsort(np.array(order))  # back to batch order
-    return Draw(mx.concatenate(pieces, axis=0)[mx.array(inverse)], logprobs, unsettled)
+    return Draw(mx.concatenate(pieces, axis=0)[mx.array(inverse)], logprobs)
 
 
 def _sample_group(logits: mx.array, samplers: list) -> Draw:
     sampler = samplers[0]
     if skips_logprobs(sampler):
-        return Draw(mx.argmax(logits, axis=-1), [None] * len(samplers), None)
+        return Draw(mx.argmax(logits, axis=-1), [None] * len(samplers))
     if isinstance(sampler, NucleusSampler):
-        if isinstance(sampler, TemperatureSampler):
-            tokens, unsettled = draw_tempered(logits, samplers), None
-        else:
-            tokens, unsettled = draw_nucleus(logits, samplers)
+        tokens = draw(logits, samplers)
         wanted = [s.wants_logprobs for s in samplers]
         normalised = logits - logsumexp(logits) if any(wanted) else None
         row_logprobs = [
             normalised[row] if normalised is not None and wants else None
             for row, wants in enumerate(wanted)
         ]
-        return Draw(tokens, row_logprobs, unsettled)
+        return Draw(tokens, row_logprobs)
     logprobs = logits - logsumexp(logits)
-    return Draw(sampler(logprobs), list(logprobs), None)
+    return Draw(sampler(logprobs), list(logprobs))
 
 
 @lru_cache(maxsize=256)
@@ -142,8 +127,8 @@ def _seed_key(seed: int) -> mx.array:
 
 
 def _nucleus_only(top_p: float, min_p: float, top_k: int) -> bool:
-    """Top-p without min-p or top-k: the common non-greedy request, sampled from a partial
-    selection of the vocabulary (executor/nucleus.py) instead of a full sort."""
+    """Top-p without min-p or top-k: the common non-greedy request, drawn by
+    executor/nucleus.py (on the CPU without sorting the vocabulary) instead of mlx-lm's chain."""
     return 0 < top_p < 1.0 and min_p == 0.0 and top_k == 0
 
 

@@ -67,3 +67,16 @@ def kernel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     finally:
         kernels.use_isa(before or name)
         kernels.share_cores(packed=True)  # back to the process's own choice
+
+
+@pytest.fixture(params=["kernel", "mlx"])
+def sampling_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Temperature and top-p rows drawn by mlxd's CPU kernel, or by the MLX graph code a GPU
+    runs (executor/nucleus.py)."""
+    from mlxd.executor import nucleus
+
+    if request.param == "kernel":
+        assert nucleus.native(), "mlxd's CPU kernels did not build: python -m mlxd.kernels.build"
+    else:
+        monkeypatch.setattr(nucleus, "native", lambda: False)
+    return str(request.param)

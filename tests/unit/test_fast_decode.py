@@ -35,7 +35,7 @@ TOKENS = 64
 
 def test_greedy_rows_skip_logprobs_and_keep_the_argmax() -> None:
     logits = mx.random.normal((4, 50)) * 5
-    sampled, logprobs, _ = sample_rows(logits, [GREEDY] * 4)
+    sampled, logprobs = sample_rows(logits, [GREEDY] * 4)
     assert sampled.tolist() == mx.argmax(logits, axis=-1).tolist()
     assert logprobs == [None] * 4
 
@@ -43,7 +43,7 @@ def test_greedy_rows_skip_logprobs_and_keep_the_argmax() -> None:
 def test_mixed_samplers_keep_batch_order_and_normalise_only_asking_rows() -> None:
     logits = mx.random.normal((5, 50)) * 5
     samplers = [GREEDY, GREEDY_WITH_LOGPROBS, GREEDY, GREEDY_WITH_LOGPROBS, GREEDY]
-    sampled, logprobs, _ = sample_rows(logits, samplers)
+    sampled, logprobs = sample_rows(logits, samplers)
     assert sampled.tolist() == mx.argmax(logits, axis=-1).tolist()
     assert [lp is None for lp in logprobs] == [True, False, True, False, True]
     expected = logits[1] - mx.logsumexp(logits[1])

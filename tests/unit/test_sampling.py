@@ -1,4 +1,5 @@
-"""Sampling parameters → mlx-lm logits processors and samplers; top-p from candidates."""
+"""Sampling parameters → mlx-lm logits processors and samplers; top-p and temperature draws
+through mlxd's CPU kernel and through the MLX graph code a GPU runs."""
 
 from __future__ import annotations
 
@@ -8,13 +9,7 @@ import pytest
 from mlx_lm.sample_utils import apply_top_p
 
 from mlxd.executor.logsumexp import exp_below, logsumexp
-from mlxd.executor.nucleus import (
-    NucleusSampler,
-    TemperatureSampler,
-    draw_nucleus,
-    nucleus_candidates,
-    settle,
-)
+from mlxd.executor.nucleus import NucleusSampler, TemperatureSampler, draw, nucleus_of
 from mlxd.executor.sampling import (
     GREEDY,
     make_sequence_processors,
@@ -22,6 +17,7 @@ from mlxd.executor.sampling import (
     sample_rows,
 )
 from mlxd.types import SamplingParams
+from tests import nucleus_reference
 
 
 def penalised(params: SamplingParams, history: list[int]) -> list[int]:
@@ -49,51 +45,35 @@ def _support(logprobs: mx.array) -> list[set[int]]:
     return [set(np.flatnonzero(row).tolist()) for row in kept]
 
 
-def _exact_nucleus(logprobs: mx.array, top_p: float) -> list[set[int]]:
-    """mlx-lm's top-p rule in float64: a token stays unless the tokens more likely than it
-    hold top_p of the mass, 1 for log-probabilities (mlx-lm's float32 sums over the whole
-    vocabulary can flip a token whose mass sits within rounding of the threshold)."""
-    nuclei = []
-    for row in np.asarray(logprobs).astype(np.float64):
-        probs = np.exp(row)
-        order = np.argsort(-row, kind="stable")
-        before = np.cumsum(probs[order]) - probs[order]
-        threshold = row[order][(before < top_p).sum() - 1]
-        nuclei.append(set(np.flatnonzero(row >= threshold).tolist()))
-    return nuclei
-
-
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95])
-@pytest.mark.parametrize("vocab", [500, 49_152, 128_256])
-def test_nucleus_from_candidates_keeps_what_the_full_sort_keeps(top_p, vocab):
+@pytest.mark.parametrize("vocab", [500, 49_152])
+def test_the_sorted_nucleus_keeps_what_the_float64_rule_keeps(top_p, vocab):
     logprobs = _peaked_logprobs(4, vocab, seed=vocab)
-    ids, values, exact, _ = nucleus_candidates(logprobs, mx.full((4, 1), top_p))
-    assert exact is None or exact.tolist() == [True] * 4
+    ids, values = nucleus_of(logprobs, mx.full((4, 1), top_p))
     kept = [
         {i for i, v in zip(row_ids, row_values, strict=True) if v > -np.inf}
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
     ]
-    assert kept == _exact_nucleus(logprobs, top_p)
+    exact = [
+        set(np.flatnonzero(nucleus_reference.nucleus(row, top_p)).tolist())
+        for row in np.asarray(logprobs)
+    ]
+    assert kept == exact
     full_sort = _support(apply_top_p(logprobs, top_p))
-    # mlx-lm's full sort agrees but for a token within float32 rounding of the threshold.
+    # mlx-lm's float32 sums over the whole vocabulary can flip a token within rounding of the
+    # threshold.
     assert all(len(ours ^ theirs) <= 1 for ours, theirs in zip(kept, full_sort, strict=True))
 
 
+@pytest.mark.usefixtures("sampling_path")
 def test_nucleus_keeps_ties_at_the_threshold():
     logprobs = mx.log(mx.array([[0.3, 0.2, 0.2, 0.2, 0.1]]))
-    ids, values, _, _ = nucleus_candidates(logprobs, mx.array([[0.6]]))
-    kept = {i for i, v in zip(ids[0].tolist(), values[0].tolist(), strict=True) if v > -np.inf}
-    assert kept == _support(apply_top_p(logprobs, 0.6))[0] == {0, 1, 2, 3}
+    assert _support(apply_top_p(logprobs, 0.6))[0] == {0, 1, 2, 3}
+    drawn = draw(mx.repeat(logprobs, 300, axis=0), [NucleusSampler(1.0, 0.6)] * 300)
+    assert set(np.asarray(drawn).tolist()) == {0, 1, 2, 3}
 
 
-def test_a_nucleus_beyond_the_candidates_falls_back_to_the_full_sort():
-    flat = mx.full((2, 4096), -np.log(4096.0))
-    assert nucleus_candidates(flat, mx.full((2, 1), 0.9)).exact.tolist() == [False, False]
-    tokens = NucleusSampler(0.7, 0.9)(flat)
-    assert tokens.shape == (2,)
-    assert all(0 <= t < 4096 for t in tokens.tolist())
-
-
+@pytest.mark.usefixtures("sampling_path")
 def test_nucleus_sampler_draws_exactly_the_nucleus():
     # Four tokens hold 0.9 of the mass; the rest of a 49k vocabulary shares the remainder.
     head = [0.4, 0.25, 0.15, 0.1]
@@ -106,6 +86,7 @@ def test_nucleus_sampler_draws_exactly_the_nucleus():
     assert drawn == support == {0, 1, 2, 3}
 
 
+@pytest.mark.usefixtures("sampling_path")
 def test_seeded_nucleus_sampling_repeats():
     logprobs = _peaked_logprobs(3, 49_152, seed=1)
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=42)
@@ -135,10 +116,10 @@ def _mlx_lm_distribution(logprobs: mx.array, temperature: float, top_p: float) -
     return np.asarray(mx.softmax(apply_top_p(logprobs, top_p) / temperature, axis=-1))
 
 
-def test_rows_past_their_candidates_are_drawn_as_mlx_lm_draws_beside_rows_within():
-    # 16 candidates from groups of 4 over 512 tokens: the peaked row's nucleus (3 tokens) ends
-    # among them, the wide row's (40 tokens of 0.023) does not and is drawn again, in the same
-    # batched call; half the rows seeded, half from the global state.
+@pytest.mark.usefixtures("sampling_path")
+def test_top_p_rows_draw_mlx_lms_distribution_seeded_or_not():
+    # A peaked row (a nucleus of 3 tokens) and a wide one (40 tokens of 0.023, as a random
+    # model's), drawn in one batched call; half the rows seeded, half from the global state.
     vocab, copies, temperature = 512, 1500, 0.7
     peaked = _head_and_tail([0.5, 0.3, 0.15], vocab)
     wide = _head_and_tail([0.023] * 40, vocab)
@@ -148,10 +129,7 @@ def test_rows_past_their_candidates_are_drawn_as_mlx_lm_draws_beside_rows_within
         for row in range(2 * copies)
     ]
     mx.random.seed(3)
-    tokens, unsettled = draw_nucleus(logprobs, samplers, candidates=16, group=4)
-    assert unsettled is not None
-    assert unsettled.exact.tolist() == [True, False] * copies
-    drawn = np.asarray(settle(tokens, unsettled)).reshape(copies, 2)
+    drawn = np.asarray(draw(logprobs, samplers)).reshape(copies, 2)
     for column, row in enumerate((peaked, wide)):
         expected = _mlx_lm_distribution(mx.array([row]), temperature, 0.9)[0]
         counts = np.bincount(drawn[:, column], minlength=vocab)
@@ -164,10 +142,11 @@ def test_rows_past_their_candidates_are_drawn_as_mlx_lm_draws_beside_rows_within
         assert chi2 < df + 6 * np.sqrt(2 * df)
 
 
+@pytest.mark.usefixtures("sampling_path")
 def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
     vocab = 4096
     peaked = _peaked_logprobs(1, vocab, seed=5)
-    flat = mx.random.normal((1, vocab), key=mx.random.key(6)) * 0.1  # past the candidates
+    flat = mx.random.normal((1, vocab), key=mx.random.key(6)) * 0.1  # a random model's
 
     def seeded(seed: int, top_p: float = 0.9) -> NucleusSampler:
         sampler = make_sequence_sampler(
@@ -179,8 +158,7 @@ def test_seeded_rows_draw_the_same_tokens_whatever_shares_their_batch():
     def tokens(logits: mx.array, samplers: list, rows: list[int]) -> list[list[int]]:
         out = []
         for _ in range(4):
-            draw = sample_rows(logits, samplers)
-            out.append(np.asarray(settle(draw.tokens, draw.unsettled))[rows].tolist())
+            out.append(np.asarray(sample_rows(logits, samplers).tokens)[rows].tolist())
         return out
 
     alone = tokens(
@@ -223,6 +201,7 @@ def test_logsumexp_from_multiply_adds_keeps_float32_precision():
     assert (ours[exact < np.exp(-87.0)] == 0).all()  # below float32's normal range: none
 
 
+@pytest.mark.usefixtures("sampling_path")
 def test_temperature_alone_draws_the_tempered_softmax_seeded_or_not():
     vocab, copies, temperature = 64, 3000, 0.7
     logits = mx.random.normal((1, vocab), key=mx.random.key(8)) * 2
@@ -235,9 +214,8 @@ def test_temperature_alone_draws_the_tempered_softmax_seeded_or_not():
     ]
     assert all(isinstance(s, TemperatureSampler) for s in samplers)
     mx.random.seed(4)
-    draw = sample_rows(mx.repeat(logits, copies, axis=0), samplers)
-    assert draw.unsettled is None
-    counts = np.bincount(np.asarray(draw.tokens), minlength=vocab)
+    tokens = sample_rows(mx.repeat(logits, copies, axis=0), samplers).tokens
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
     expected = np.asarray(mx.softmax(logits / temperature, axis=-1))[0]
     assert counts[5] == 0
     support = expected > 0
