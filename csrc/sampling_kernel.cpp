@@ -49,8 +49,6 @@ inline vf weight(vf z) {
   return z < UNDERFLOW ? vf{} : e;
 }
 
-constexpr unsigned ALL_LANES = (1u << W) - 1;
-
 // A comparison's mask as bits, lane i's at bit i.
 inline unsigned bits(vi mask) {
 #if defined(MLXD_ISA_AVX512)
@@ -96,37 +94,96 @@ float row_max(const float* x, int V) {
   return hmax(tops);
 }
 
-// Sums of e by bin, a lane's to its own bin, in double (the sums decide which tokens are kept
-// to a relative 1e-7, as float64 does), in COPIES copies the lanes take turns at. Only the lanes
-// set in a mask add, one after another (a vector holding a few takes a few steps).
-template <int BINS>
-struct Bins {
-  double copies[COPIES][BINS] = {};
+#if defined(MLXD_ISA_AVX2)
+// For each mask of 8 lanes, the set lanes' indices first: AVX2's stand-in for a compress.
+struct PackOrder {
+  uint8_t lanes[256][8];
+};
 
-  void add(unsigned lanes, vi bin, vf e) {
-    int32_t at[W];
-    float values[W];  // through memory: cheaper than taking lanes out of the registers
-    std::memcpy(at, &bin, sizeof(at));
-    std::memcpy(values, &e, sizeof(values));
-    if (lanes == ALL_LANES) {  // unrolled: a flat row's every vector
-      for (int lane = 0; lane < W; ++lane) {
-        copies[lane % COPIES][at[lane]] += values[lane];
+constexpr PackOrder pack_order() {
+  PackOrder order{};
+  for (int set = 0; set < 256; ++set) {
+    int n = 0;
+    for (int lane = 0; lane < 8; ++lane) {
+      if ((set >> lane) & 1) {
+        order.lanes[set][n++] = uint8_t(lane);
       }
-      return;
-    }
-    for (; lanes != 0; lanes &= lanes - 1) {
-      const int lane = __builtin_ctz(lanes);
-      copies[lane % COPIES][at[lane]] += values[lane];
     }
   }
-  void sum(double* out, int bins) const {
+  return order;
+}
+
+constexpr PackOrder PACK_ORDER = pack_order();
+#endif
+
+// The lanes set in `in` packed to the front of bin_out and e_out (room for W each): their count.
+// No branch on the lanes: which are set is as random as the logits.
+inline int pack(vi in, vi bin, vf e, int32_t* bin_out, float* e_out) {
+#if defined(MLXD_ISA_AVX512)
+  const __mmask16 set = _mm512_test_epi32_mask((__m512i)in, (__m512i)in);
+  _mm512_storeu_si512(bin_out, _mm512_maskz_compress_epi32(set, (__m512i)bin));
+  _mm512_storeu_ps(e_out, _mm512_maskz_compress_ps(set, (__m512)e));
+  return __builtin_popcount(set);
+#elif defined(MLXD_ISA_AVX2)
+  const unsigned set = _mm256_movemask_ps((__m256)in);
+  const __m256i order = _mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(PACK_ORDER.lanes[set])));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin_out),
+                      _mm256_permutevar8x32_epi32((__m256i)bin, order));
+  _mm256_storeu_ps(e_out, _mm256_permutevar8x32_ps((__m256)e, order));
+  return __builtin_popcount(set);
+#else
+  int32_t mask[W], at[W];
+  float values[W];
+  std::memcpy(mask, &in, sizeof(mask));
+  std::memcpy(at, &bin, sizeof(at));
+  std::memcpy(values, &e, sizeof(values));
+  int n = 0;
+  for (int lane = 0; lane < W; ++lane) {
+    bin_out[n] = at[lane];
+    e_out[n] = values[lane];
+    n += mask[lane] & 1;
+  }
+  return n;
+#endif
+}
+
+// Sums of e by bin in double (the sums decide which tokens are kept to a relative 1e-7, as
+// float64 does). Lanes are queued (pack) and added QUEUE at a time, into COPIES copies in turn.
+template <int BINS>
+class Bins {
+ public:
+  // Adds the lanes of e set in `in`, each to its lane's bin.
+  void add(vi in, vi bin, vf e) {
+    queued_ += pack(in, bin, e, bin_ + queued_, e_ + queued_);
+    if (queued_ >= QUEUE) {
+      drain();
+    }
+  }
+  void sum(double* out, int bins) {
+    drain();
     for (int b = 0; b < bins; ++b) {
       out[b] = 0.0;
       for (int c = 0; c < COPIES; ++c) {
-        out[b] += copies[c][b];
+        out[b] += copies_[c][b];
       }
     }
   }
+
+ private:
+  static constexpr int QUEUE = 256;
+
+  void drain() {
+    for (int i = 0; i < queued_; ++i) {
+      copies_[i % COPIES][bin_[i]] += e_[i];
+    }
+    queued_ = 0;
+  }
+
+  double copies_[COPIES][BINS] = {};
+  int32_t bin_[QUEUE + W];
+  float e_[QUEUE + W];
+  int queued_ = 0;
 };
 
 // How many buckets the nucleus can reach: the tokens further than ln(V / (1 - top_p)) nats below
@@ -154,7 +211,7 @@ void histogram(const float* x, int V, float top, int n, double* mass) {
       const vf e = weight(v - top);
       const vi b = bucket_of(v, top, n), in = b < n;
       far += in ? vf{} : e;
-      bins.add(bits(in), b, e);
+      bins.add(in, b, e);
     });
     rest += hsum(far);
   }
@@ -228,8 +285,8 @@ void split(const float* x, int V, float top, const Range& r, double* mass) {
   Bins<SPLIT> bins;
   each_vector(x, 0, V, [&](int, vf v) {
     const vi in = r.member(v);
-    if (const unsigned lanes = bits(in)) {
-      bins.add(lanes, r.part(v), weight(v - top));
+    if (bits(in) != 0) {  // most vectors hold no member, or (a flat row's) all lanes do
+      bins.add(in, r.part(v), weight(v - top));
     }
   });
   bins.sum(mass, SPLIT);
