@@ -1,16 +1,17 @@
 """Per-step cost of sampling at temperature 0.7 / top_p 0.9: mlx-lm's full sort against mlxd's
-batched draw from candidates (mlxd/executor/nucleus.py), and whole SmolLM2 decode steps.
+batched draw (mlxd/executor/nucleus.py: on the CPU its kernel), and whole SmolLM2 decode steps.
 
 python -m benchmarks.sampling [--batches 1,8,32] [--vocabs 49152,128256] [--steps]
 
 Sampling table: one step's sampling of `batch` rows of logits (ms, fastest round), each from
 the logits as a decode step has them: "greedy" their argmax; "mlx-lm" `logsumexp` then
 `make_sampler(temp, top_p)`; "mlxd" `sample_rows` with a sampler per row (the way the engine
-samples), its tokens settled; "seeded" the same with a seed per row; "t only": temperature
-alone (top_p 1), mlx-lm's `logsumexp` + `make_sampler(temp)` against mlxd's. "peaked": logits
-drawn as N(0, 5²), whose nucleus is tens to hundreds of tokens, as a trained model's is;
-"flat": a uniform distribution (a random model's), whose nucleus reaches beyond the
-candidates, so every row is drawn again from the full sort.
+samples), its tokens as the engine reads them; "seeded" the same with a seed per row; "t only":
+temperature alone (top_p 1), mlx-lm's `logsumexp` + `make_sampler(temp)` against mlxd's.
+"peaked": logits drawn as N(0, 5²), whose nucleus is tens to hundreds of tokens, as a trained
+model's is; "flat": a uniform distribution (a random model's), whose nucleus is most of the
+vocabulary (a tree from before the CPU kernel drew such rows twice, the second time from a full
+sort).
 
 --steps: whole decode steps of SmolLM2 (the engine's load path and executor, story prompts,
 median ms over interleaved turns) with every row greedy, sampled, or sampled with its own seed.
@@ -60,8 +61,9 @@ def samplers(kind: str, batch: int, vocab: int) -> list[Any]:
 
 
 def settled_tokens(logits, rows: list[Any]):
-    """The step's tokens as the engine reads them (a tree from before the deferred fallback
-    returns them exact, with no third field)."""
+    """The step's tokens as the engine reads them: a tree from before the CPU kernel settled
+    them (its rows whose nucleus passed the candidates drawn again), a tree from before that
+    or after it returns them exact, with no third field."""
     from mlxd.executor.sampling import sample_rows
 
     draw = sample_rows(logits, rows)
@@ -77,6 +79,9 @@ def sampling_table(batches: list[int], vocabs: list[int]) -> None:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
+    from mlxd import kernels
+
+    kernels.share_cores(packed=True)  # the kernels' threads, as a packed model's load sets them
     full_sort = make_sampler(temp=TEMPERATURE, top_p=TOP_P)
     tempered = make_sampler(temp=TEMPERATURE)
 
