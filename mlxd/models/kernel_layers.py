@@ -24,6 +24,7 @@ from mlx_lm.utils import MODEL_REMAPPING
 
 from mlxd import kernels
 from mlxd.accel import backend_name
+from mlxd.models.fused import fuse
 
 # mlx-lm model modules (mlx_lm.models.<name>) whose attention is standard (see
 # _standard_attention_classes); mistral and smollm2 load as llama.
@@ -159,7 +160,8 @@ def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) ->
 
 class KernelAttention(nn.Module):
     """A standard mlx-lm attention (the same projections, norms and RoPE, so the same parameter
-    names) computing attention with `kernel_attention`.
+    names) computing attention with `kernel_attention`; packed q, k and v projections run as
+    one `qkv_proj` (models/fused.py) until `split_projections` gives them back.
 
     `eager`: schedule the layer's input (the previous layer's output, normed) for evaluation as
     soon as it is built. A forward pass is built in Python (≈2.5 ms for a SmolLM2 decode step)
@@ -177,8 +179,13 @@ class KernelAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = attention.n_heads, attention.n_kv_heads
         self.scale = attention.scale
-        self.q_proj, self.k_proj = attention.q_proj, attention.k_proj
-        self.v_proj, self.o_proj = attention.v_proj, attention.o_proj
+        projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+        fused = fuse(projections)
+        if fused is None:
+            self.q_proj, self.k_proj, self.v_proj = projections
+        else:
+            self.qkv_proj = fused
+        self.o_proj = attention.o_proj
         self.rope = attention.rope
         self.per_head_norm = "q_norm" in attention
         if self.per_head_norm:
@@ -190,9 +197,10 @@ class KernelAttention(nn.Module):
         if self.eager:
             mx.async_eval(x)
         B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = self._project(x)
+        queries = queries.reshape(B, L, self.n_heads, -1)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self.per_head_norm:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
@@ -208,6 +216,27 @@ class KernelAttention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
         output = kernel_attention(queries, keys, values, cache, self.scale, mask)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if "qkv_proj" in self:
+            queries, keys, values = self.qkv_proj.outputs(x)
+            return queries, keys, values
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def split_projections(self) -> None:
+        """q, k and v as layers of their own again. The separate layers are in place before
+        the fused one goes, so a forward pass on another thread sees one or the other."""
+        if "qkv_proj" in self:
+            self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.split()
+            del self["qkv_proj"]
+
+
+def split_fused_projections(model: nn.Module) -> None:
+    """Every fused q/k/v projection of `model` as separate layers again (see KernelAttention):
+    a LoRA adapter attaches to them by name."""
+    for _, module in model.named_modules():
+        if isinstance(module, KernelAttention):
+            module.split_projections()
 
 
 def use_kernel_attention(model: nn.Module, kv_dtype: mx.Dtype | None = None) -> int:

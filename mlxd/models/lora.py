@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxd.models.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_problem
+from mlxd.models.kernel_layers import split_fused_projections
 from mlxd.models.packed import PackedLinear, SplitLinear
 
 
@@ -98,6 +99,8 @@ class MultiLoRA:
             raise ValueError(f"fine_tune_type {config['fine_tune_type']!r} is not supported")
         scale = float(config.get("lora_parameters", {}).get("scale", 20.0))
         weights = cast(dict[str, mx.array], mx.load(str(adapter / WEIGHTS_FILE)))  # safetensors
+        with self._lock:
+            split_fused_projections(self.model)  # an adapter names q, k and v apart
         pairs = self._pairs(weights)
         with self._lock:
             slot = len(self._scales)

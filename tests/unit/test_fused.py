@@ -1,0 +1,62 @@
+"""Packed q, k and v projections run as one kernel call (models/fused.py): the same numbers as
+three, and given back as three for a LoRA adapter."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxd import kernels
+from mlxd.models.fused import Fused, fuse
+from mlxd.models.kernel_layers import KernelAttention, split_fused_projections
+from mlxd.models.packed import PackedLinear, SplitLinear, pack
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="mlxd's CPU kernels not built")
+
+
+def linear(rows: int, inputs: int, dot: bool, bias: bool) -> PackedLinear:
+    w = mx.random.normal((rows, inputs)) * 0.05
+    quantized = mx.quantize(w, group_size=32, bits=4)
+    return PackedLinear(
+        pack(*quantized, 32, 4, dot=dot), mx.random.normal((rows,)) if bias else None
+    )
+
+
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_call_gives_each_projection_exactly(dot: bool, bias: bool) -> None:
+    mx.random.seed(7)
+    parts = [linear(rows, 256, dot, bias) for rows in (256, 64, 64)]
+    fused = fuse(parts)
+    assert isinstance(fused, Fused) and fused.widths == [256, 64, 64]
+    for rows in (1, 8, 40):  # registers, and the buffered pass
+        x = mx.random.normal((rows, 256))
+        for part, output in zip(parts, fused.outputs(x), strict=True):
+            assert mx.array_equal(part(x), output).item()
+    for part, again in zip(parts, fused.split(), strict=True):
+        assert mx.array_equal(part.weight, again.weight).item()
+        assert mx.array_equal(part.scale_bias, again.scale_bias).item()
+        assert ("bias" in again) == bias and (not bias or mx.array_equal(part.bias, again.bias))
+
+
+def test_layers_of_another_kind_or_layout_stay_apart() -> None:
+    mx.random.seed(7)
+    parts = [linear(64, 256, False, False) for _ in range(3)]
+    assert fuse([*parts[:2], linear(64, 256, True, False)]) is None  # another layout
+    assert fuse([*parts[:2], linear(64, 256, False, True)]) is None  # one bias of three
+    assert fuse([*parts[:2], linear(64, 128, False, False)]) is None  # another input width
+    split = SplitLinear(parts[2], mx.zeros((64, 256)), lambda rows: "packed")
+    assert fuse([*parts[:2], split]) is None  # the mixed plan's two weight sets
+
+
+def test_a_packed_model_computes_the_same_with_its_projections_fused(smol) -> None:
+    from mlxd.models.loader import load_llm
+
+    loaded = load_llm(smol.path, dtype="auto", model_name="smol")  # as the CPU engine loads it
+    attentions = [m for _, m in loaded.model.named_modules() if isinstance(m, KernelAttention)]
+    assert attentions and all("qkv_proj" in a and "q_proj" not in a for a in attentions)
+    ids = mx.array([smol.tokenizer.encode("The capital of France is")])
+    fused = loaded.model(ids)
+    split_fused_projections(loaded.model)
+    assert all("qkv_proj" not in a and "q_proj" in a for a in attentions)
+    assert mx.array_equal(loaded.model(ids), fused).item()
