@@ -103,7 +103,8 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       inputs[1].shape(2),
       inputs[2].shape(3),
       scale_};
-  encoder.dispatch([args, threads = threads_on(stream()), run = kernels().attention]() {
+  const int64_t rows = int64_t(args.B) * args.Lq;
+  encoder.dispatch([args, threads = threads_on(stream(), rows), run = kernels().attention]() {
     run(args, threads);
   });
 }

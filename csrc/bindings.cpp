@@ -45,6 +45,18 @@ NB_MODULE(_cpu, m) {
       },
       "Only kernels on the calling thread's default CPU stream use several threads from now on.");
   m.def(
+      "set_spare_core_rows",
+      [](int64_t rows) { mlxd::spare_core_rows().store(rows < 0 ? 0 : rows); },
+      "rows"_a,
+      "Kernels over at most this many rows of x leave one core to the rest (0: none).");
+  m.def(
+      "threads_for_rows",
+      [](int64_t rows) {
+        return mlxd::threads_on(mlx::core::default_stream(mlx::core::Device::cpu), rows);
+      },
+      "rows"_a,
+      "How many threads a kernel over `rows` rows on the calling thread's default CPU stream uses.");
+  m.def(
       "threads_here",
       []() { return mlxd::threads_on(mlx::core::default_stream(mlx::core::Device::cpu)); },
       "How many threads kernels on the calling thread's default CPU stream use.");

@@ -60,7 +60,7 @@ void GatherQMatmul::eval_cpu(
   float* yp = outputs[0].data<float>();
   const int bits = bits_;
   const bool dot = dot_, precise = precise_;
-  const int threads = threads_on(stream());
+  const int threads = threads_on(stream(), T);
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {

@@ -67,7 +67,7 @@ void QMatmul::eval_cpu(
   const uint8_t* wp = rows<uint8_t>(w, encoder);
   float* yp = y.data<float>();
   const int bits = bits_;
-  const int threads = threads_on(stream());
+  const int threads = threads_on(stream(), M);
   const bool dot = dot_, precise = precise_;
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {

@@ -30,4 +30,20 @@ inline int threads_on(const mlx::core::Stream& stream) {
   return parallel < 0 || parallel == stream.index ? kernel_threads().load() : 1;
 }
 
+// Kernels over at most this many rows of x leave one core to the rest of the process (0: none
+// do). A small model's one-row decode step is a few ms of kernels, and the engine's Python
+// (building the next step, handing tokens out) needs a core beside them: SmolLM2-135M served
+// one stream at 116-160 tok/s with its kernels on both of two cores, 172-180 on one
+// (mlxd/models/cpu_path.py decides per model).
+inline std::atomic<int64_t>& spare_core_rows() {
+  static std::atomic<int64_t> rows{0};
+  return rows;
+}
+
+// Threads for a kernel over `rows` rows of x evaluated on `stream`.
+inline int threads_on(const mlx::core::Stream& stream, int64_t rows) {
+  const int threads = threads_on(stream);
+  return rows <= spare_core_rows().load() && threads > 1 ? threads - 1 : threads;
+}
+
 }  // namespace mlxd

@@ -358,6 +358,18 @@ def set_threads(threads: int) -> None:
     _module().set_threads(threads)
 
 
+def set_spare_core_rows(rows: int) -> None:
+    """Kernels over at most `rows` rows of x leave one core to the rest of the process (0:
+    none do; see models/cpu_path.py `Choice.spares_a_core`)."""
+    _module().set_spare_core_rows(rows)
+
+
+def threads_for_rows(rows: int) -> int:
+    """How many threads a kernel over `rows` rows of x on this thread's CPU stream uses."""
+    threads: int = _module().threads_for_rows(rows)
+    return threads
+
+
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x for float32 gate and x of one shape, with models.activations' rational
     SiLU: one graph node where the compiled form is five."""

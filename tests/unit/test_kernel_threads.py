@@ -63,3 +63,28 @@ for worker in workers:
     worker.join()
 assert not failures
 """)
+
+
+def test_one_row_kernels_can_leave_a_core() -> None:
+    """`set_spare_core_rows`: kernels over that many rows or fewer run on a thread fewer (at
+    least one), the same bits; larger ones on every thread."""
+    script = (
+        SETUP
+        + """
+kernels.set_threads(2)
+one_row = x[:1]
+every = kernels.qmatmul(one_row, packed)
+assert kernels.threads_for_rows(1) == 2
+kernels.set_spare_core_rows(1)
+assert kernels.threads_for_rows(1) == 1 and kernels.threads_for_rows(2) == 2
+assert mx.array_equal(kernels.qmatmul(one_row, packed), every).item()
+kernels.set_threads(1)
+assert kernels.threads_for_rows(1) == 1  # never none
+kernels.set_spare_core_rows(0)
+kernels.set_threads(4)
+assert kernels.threads_for_rows(1) == 4
+print("ok")
+"""
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
