@@ -34,6 +34,11 @@ WeightPath = Literal["packed", "float32"]
 PLANS = ("packed", "float32", "mixed")
 DECODE_BATCHES = (1, 8, 32)
 MORE_BYTES_MARGIN = 1.05
+# A one-row step estimated under this (ms, matmuls on every core) is a small model's: its
+# one-row kernels leave a core to the engine's Python (`Choice.spares_a_core`). Above it the
+# step is the weights' bytes, which every core reads faster (a Llama-3.2-1B shape's one-row
+# step: 25.6 ms on two cores against 36 on one).
+SMALL_STEP_MS = 10.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,21 @@ class Choice:
         return self.paths[-1]
 
     @property
+    def spares_a_core(self) -> bool:
+        """Whether one-row kernels leave a core to the rest of the worker: every matmul packed
+        on every core and a small model's one-row step (SMALL_STEP_MS). The engine builds each
+        step in Python while the kernels compute the last, and hands tokens out; with the
+        kernels on both of two cores SmolLM2-135M served one stream at 116–160 tok/s, with a
+        core left 172–180 (two runs each, benchmarks.compare). Timing the forward pass alone
+        at load did not show it (4.8 against 4.9 ms a step): the engine's own work does."""
+        return (
+            self.plan == "packed"
+            and not self.one_thread
+            and self.timings is not None
+            and self.packed_ms[0] < SMALL_STEP_MS
+        )
+
+    @property
     def activations(self) -> str | None:
         """How the int8 dot products round x (cpu_activations); None: the float layout runs."""
         return ("precise" if self.precise else "int8") if self.dot else None
@@ -156,6 +176,7 @@ class Choice:
         note = "; kernels on one thread" if self.one_thread else ""
         if self.dot:
             note += "; int8 dot products" + ("" if self.precise else ", x as one int8 term")
+        note += "; one-row kernels leave a core to the engine" if self.spares_a_core else ""
         note += f"; {self.reason}" if self.reason else ""
         note += "" if self.kept else "; timed on a busy machine, not cached"
         return note + (" [cached timings]" if self.cached else "")
@@ -181,6 +202,7 @@ class Choice:
             "one_thread": self.one_thread,
             "dot": self.dot,
             "activations": self.activations,
+            "spares_a_core": self.spares_a_core,
             "reason": self.reason or None,
         }
 

@@ -242,6 +242,8 @@ def load_llm(
             use_kernel_attention(model, mx.float16 if half_kv else None)
             if packed:
                 evaluate_per_layer(model)
+            if packed and cpu_path is not None:
+                kernels.set_spare_core_rows(1 if cpu_path.spares_a_core else 0)
     except ModelLoadError:
         raise
     except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind

@@ -60,6 +60,8 @@ def test_the_first_load_times_both_paths_and_reports_the_choice(daemon: Daemon):
     for phase in cpu_path["phases"]:
         assert phase["path"] in ("packed", "float32")
         assert phase["packed_ms"] > 0 and phase["float32_ms"] > 0
+    leaves = "one-row kernels leave a core to the engine" in cpu_path["summary"]
+    assert cpu_path["spares_a_core"] == leaves
     # The one log line says the same.
     assert f"model 'smol': {cpu_path['summary']}" in daemon.log()
     cache_dir = Path(daemon.config["server"]["cache_dir"])

@@ -403,3 +403,22 @@ def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
     assert TimingCache.key(forced) != TimingCache.key(ident)
     one_term = cpu_path_timing.identity(shapes, PHASES, precise=False)
     assert TimingCache.key(one_term) != TimingCache.key(forced)
+
+
+def test_a_small_models_one_row_kernels_leave_a_core_to_the_engine() -> None:
+    """A one-row step estimated under SMALL_STEP_MS (SmolLM2's, not a 1B's) on every core:
+    one-row kernels run on a thread fewer, so the engine's Python keeps a core."""
+    small = Timings((5.0, 6.0, 8.0, 100.0), (6.0, 8.0, 12.0, 150.0), (9.0, 15.0, 30.0, 200.0))
+    choice = choose(small)
+    assert choice.plan == "packed" and choice.spares_a_core
+    assert "one-row kernels leave a core to the engine" in choice.summary()
+    assert choice.as_dict()["spares_a_core"] is True
+    large = Timings(
+        (20.0, 72.0, 220.0, 1265.0), (30.0, 130.0, 400.0, 2300.0), (230.0, 440.0, 520.0, 2270.0)
+    )
+    assert choose(large).plan == "packed" and not choose(large).spares_a_core
+    # One thread already (a busy machine), or mixed with BLAS: nothing to leave.
+    busy = Timings((5.0, 6.0, 8.0, 100.0), (3.0, 4.0, 6.0, 80.0), (9.0, 15.0, 30.0, 200.0))
+    assert choose(busy).one_thread and not choose(busy).spares_a_core
+    split = Timings((4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0))
+    assert choose(split).plan == "mixed" and not choose(split).spares_a_core
