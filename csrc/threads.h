@@ -43,7 +43,7 @@ inline std::atomic<int64_t>& spare_core_rows() {
 // Threads for a kernel over `rows` rows of x evaluated on `stream`.
 inline int threads_on(const mlx::core::Stream& stream, int64_t rows) {
   const int threads = threads_on(stream);
-  return rows <= spare_core_rows().load() && threads > 1 ? threads - 1 : threads;
+  return rows > 0 && rows <= spare_core_rows().load() && threads > 1 ? threads - 1 : threads;
 }
 
 }  // namespace mlxd

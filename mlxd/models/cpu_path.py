@@ -16,9 +16,11 @@ prefill chunk, and `decide` picks the plan that is fastest over those phases:
   kernels.share_cores), so mixed is judged with the kernels timed on one thread.
 
 A plan is a candidate only when its weights (and the model's KV budget) fit the memory budget:
-when float32 does not fit, packed is the only choice and nothing is timed. The timings are
-cached per CPU, kernel build, BLAS and shape set (`TimingCache`), so only a first load pays
-for them; the decision itself is recomputed from them at each load (the budget may change).
+when float32 does not fit, packed is the only choice, and nothing is timed unless
+`cpu_activations: int8` asks for x as one int8 term (then the two packed layouts are). The
+timings are cached per CPU, kernel build, BLAS, shape set and `cpu_activations`
+(`TimingCache`), so only a first load pays for them; the decision itself is recomputed from
+them at each load (the budget may change).
 """
 
 from __future__ import annotations

@@ -159,9 +159,9 @@ def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) ->
 
 
 class KernelAttention(nn.Module):
-    """A standard mlx-lm attention (the same projections, norms and RoPE, so the same parameter
-    names) computing attention with `kernel_attention`; packed q, k and v projections run as
-    one `qkv_proj` (models/fused.py) until `split_projections` gives them back.
+    """A standard mlx-lm attention (the same projections, norms and RoPE, under the same
+    parameter names) computing attention with `kernel_attention`; packed q, k and v projections
+    run as one `qkv_proj` instead (models/fused.py) until `split_projections` gives them back.
 
     `eager`: schedule the layer's input (the previous layer's output, normed) for evaluation as
     soon as it is built. A forward pass is built in Python (≈2.5 ms for a SmolLM2 decode step)
@@ -218,8 +218,10 @@ class KernelAttention(nn.Module):
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        if "qkv_proj" in self:
-            queries, keys, values = self.qkv_proj.outputs(x)
+        # Read once: split_projections may remove it from another thread meanwhile.
+        fused = self.get("qkv_proj")
+        if fused is not None:
+            queries, keys, values = fused.outputs(x)
             return queries, keys, values
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 

@@ -91,7 +91,8 @@ class MultiLoRA:
 
     def attach(self, adapter: Path) -> int:
         """Load the adapter directory (mlx-lm's format) into a new slot; returns the slot.
-        Raises ValueError saying why it does not fit the model (nothing is changed then)."""
+        Raises ValueError saying why it does not fit the model (nothing is changed then but
+        fused q/k/v projections split back into three, which compute the same)."""
         if problem := adapter_problem(adapter):
             raise ValueError(problem)
         config = json.loads((adapter / CONFIG_FILE).read_text(encoding="utf-8"))

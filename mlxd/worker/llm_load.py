@@ -46,7 +46,8 @@ def load_draft(
 def kv_identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
     """What makes this model's KV what it is: its source, weight files, compute dtype and
     adapter (no key without one, so a base model's SSD blocks stay valid), and the KV's dtype
-    where it is not the compute dtype (a float16 cache: never mixed with float32 blocks)."""
+    where it is not the compute dtype (a float16 cache: never mixed with float32 blocks), and
+    the int8 dot products' rounding of x where they run (cpu_activations: other numbers)."""
     identity: dict[str, Any] = {
         "source": config.source,
         "path": str(loaded.path),
@@ -56,6 +57,8 @@ def kv_identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
     }
     if loaded.kv_dtype == "float16" and loaded.dtype != "float16":
         identity["kv_dtype"] = loaded.kv_dtype
+    if loaded.cpu_path is not None and loaded.cpu_path.activations is not None:
+        identity["activations"] = loaded.cpu_path.activations
     if config.adapter is not None:
         identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}
     return identity

@@ -27,3 +27,30 @@ def test_the_adapter_and_its_weights_are_part_of_the_kv_identity(tmp_path: Path)
     assert first["adapter"]["path"] == str(adapter)
     (adapter / "adapters.safetensors").write_bytes(b"y" * 16)  # retrained in place
     assert kv_identity(tuned, loaded) != first
+
+
+def test_the_int8_rounding_of_x_is_part_of_the_kv_identity(tmp_path: Path) -> None:
+    """KV computed with x as one int8 term (cpu_activations: int8) is not the precise
+    layout's, nor the float layout's; a float-layout model's identity is as it was."""
+    import dataclasses
+
+    from mlxd.models.cpu_path import Phases, Timings, decide
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 8)
+    config = ModelConfig(source=str(tmp_path))
+    timings = Timings((5.0, 6.0, 8.0, 100.0), (6.0, 8.0, 12.0, 150.0), (9.0, 15.0, 30.0, 200.0))
+    float_layout = decide(
+        Phases(prefill=256), timings, packed_bytes=1, float32_bytes=2, kv_bytes=0, budget=10
+    )
+    dot = dataclasses.replace(
+        float_layout, timings=dataclasses.replace(timings, packed_dot=(1.0,) * 4)
+    )
+    one_term = dataclasses.replace(dot, precise=False)
+    identities = []
+    for choice in (None, float_layout, dot, one_term):
+        loaded = LoadedModel(
+            nn.Module(), None, tmp_path, "q4", 0, {"model_type": "llama"}, cpu_path=choice
+        )
+        identities.append(kv_identity(config, loaded))
+    assert identities[0] == identities[1] and "activations" not in identities[1]
+    assert identities[2]["activations"] == "precise" and identities[3]["activations"] == "int8"

@@ -422,3 +422,37 @@ def test_a_small_models_one_row_kernels_leave_a_core_to_the_engine() -> None:
     assert choose(busy).one_thread and not choose(busy).spares_a_core
     split = Timings((4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0))
     assert choose(split).plan == "mixed" and not choose(split).spares_a_core
+
+
+def test_the_load_applies_the_spare_core_to_one_row_kernels(smol) -> None:
+    """A worker loading a small model on its plan (decided here on fake timings): one-row
+    kernels on a thread fewer, larger ones on every thread; a large model's on every thread.
+    In a process of its own: a float32 model, as the `smol` fixture, pins the kernels to one
+    thread for the rest of the process."""
+    import subprocess
+    import sys
+
+    script = f"""
+from pathlib import Path
+from mlxd import kernels
+from mlxd.models.cpu_path import Phases, Timings, decide
+from mlxd.models.loader import load_llm
+
+def load(decode_ms):
+    timings = Timings(decode_ms, decode_ms, (5000.0,) * 4)
+    choice = decide(Phases(prefill=256), timings, packed_bytes=1, float32_bytes=2, kv_bytes=0,
+                    budget=10)
+    load_llm(Path({str(smol.path)!r}), model_name="smol", cpu_path=choice)
+    return kernels.threads_for_rows(1), kernels.threads_for_rows(8)
+
+kernels.set_threads(2)
+print(load((3.0, 6.0, 9.0, 90.0)), load((20.0, 70.0, 220.0, 1200.0)))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    small, large = result.stdout.strip().split(") (")
+    cores = min(2, len(__import__("os").sched_getaffinity(0)))
+    if cores > 1:
+        assert small == "(1, 2" and large == "2, 2)", result.stdout
+    else:
+        assert small == "(1, 1" and large == "1, 1)", result.stdout
