@@ -13,6 +13,7 @@ separate layers back first.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import cast
 
 import mlx.core as mx
@@ -24,33 +25,31 @@ from mlxd.models.packed import PackedLinear
 
 
 class Fused(PackedLinear):
-    """The rows of `parts` packed linears in one; `widths`: each part's outputs."""
+    """The rows of several packed linears in one; `widths`: each part's outputs."""
 
     def __init__(self, packed: Packed, bias: mx.array | None, widths: list[int]) -> None:
         super().__init__(packed, bias)
-        self.widths = widths
+        ends = list(accumulate(widths))
+        # Each part's output rows, once: `outputs` runs every layer of every step.
+        self.parts = [slice(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
     def outputs(self, x: mx.array) -> list[mx.array]:
         """Each part's output, as its own layer computes it."""
         y = self(x)
-        ends = [sum(self.widths[: i + 1]) for i in range(len(self.widths))]
-        starts = [0, *ends[:-1]]
-        return [y[..., start:end] for start, end in zip(starts, ends, strict=True)]
+        return [y[..., rows] for rows in self.parts]
 
     def split(self) -> list[PackedLinear]:
         """The parts as layers of their own (evaluated: the caller may be another thread)."""
-        parts, start = [], 0
+        parts = []
         bias = self.get("bias")
-        for width in self.widths:
-            rows = slice(start, start + width)
-            tiles = slice(start // kernels.LANES, (start + width) // kernels.LANES)
+        for rows in self.parts:
+            tiles = slice(rows.start // kernels.LANES, rows.stop // kernels.LANES)
             weight = mx.contiguous(self.weight[rows])
             scale_bias = mx.contiguous(self.scale_bias[tiles])
             part_bias = None if bias is None else mx.contiguous(bias[rows])
             mx.eval(weight, scale_bias, *([] if part_bias is None else [part_bias]))
             packed = Packed(weight, scale_bias, self.bits, self.dot, self.precise)
             parts.append(PackedLinear(packed, part_bias))
-            start += width
         return parts
 
 
