@@ -144,15 +144,22 @@ inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
 }
 
 // y[m0 .. m0 + MB / TERMS, work item g] from int8 rows m0 * TERMS .. + MB: per block the int32
-// sums of SPLIT partial accumulators, scaled in float and summed over a row's TERMS.
+// sums of SPLIT partial accumulators, scaled in float and summed over a row's TERMS into y's
+// vectors, which stay in registers until the last block (stored once, not loaded and stored
+// again every 32 inputs: at 8 rows that epilogue was as many instructions as the dot products).
 template <int BITS, int MB, int TERMS, typename S>
 void rows_dot(const Problem<S>& p, int g, int m0) {
   static_assert(MB % TERMS == 0, "whole rows of x per pass");
-  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS);
+  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS - MB / TERMS * NV);
   constexpr int STEPS = SPLIT > 2 ? SPLIT / 2 : 1;  // steps of 8 inputs per iteration
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   constexpr float OFFSET = offset(BITS);  // q - OFFSET in the dot product
   const int blocks = p.K / BLOCK;
+  const size_t first = size_t(m0) * TERMS;  // the pass's first int8 row
+  const int8_t* x8 = p.x.x8 + first * p.K;
+  const float* d = p.x.d + first * blocks;
+  const float* sum8 = p.x.sum8 + first * blocks;
+  vf y[MB / TERMS][NV] = {};
   for (int b = 0; b < blocks; ++b) {
     prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
     vi part[MB][NV][SPLIT] = {};
@@ -164,7 +171,7 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
           load_eight<BITS>(p.template weights<BITS>(g, v), kk, lo[v], hi[v]);
         }
         for (int i = 0; i < MB; ++i) {
-          const int8_t* xr = p.x.x8 + (size_t(m0) * TERMS + i) * p.K + kk;
+          const int8_t* xr = x8 + size_t(i) * p.K + kk;
           const vi x0 = broadcast4(xr), x1 = broadcast4(xr + 4);
           for (int v = 0; v < NV; ++v) {
             part[i][v][(2 * u) % SPLIT] = dot<BITS>(part[i][v][(2 * u) % SPLIT], lo[v], x0);
@@ -176,22 +183,21 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
     for (int v = 0; v < NV; ++v) {
       const vf scale = load_scales(p.scales(g, v, b));
       const vf bias = load_scales(p.scales(g, v, b) + LANES) + OFFSET * scale;
-      for (int i = 0; i < MB / TERMS; ++i) {
-        vf block_y = {};
-        for (int t = 0; t < TERMS; ++t) {
-          const int r = i * TERMS + t;
-          vi sum = part[r][v][0];
-          for (int s = 1; s < SPLIT; ++s) {
-            sum += part[r][v][s];
-          }
-          const size_t at = (size_t(m0) * TERMS + r) * blocks + b;
-          // Exact in float: |sum| <= 32 * 255 * 127 < 2^24.
-          const vf q_x8 = __builtin_convertvector(sum, vf);
-          block_y += (q_x8 * scale + bias * p.x.sum8[at]) * p.x.d[at];
+      for (int r = 0; r < MB; ++r) {
+        vi sum = part[r][v][0];
+        for (int s = 1; s < SPLIT; ++s) {
+          sum += part[r][v][s];
         }
-        float* out = p.out(m0 + i, g, v);
-        store(out, b == 0 ? block_y : load(out) + block_y);
+        const size_t at = size_t(r) * blocks + b;
+        // Exact in float: |sum| <= 32 * 255 * 127 < 2^24.
+        const vf q_x8 = __builtin_convertvector(sum, vf);
+        y[r / TERMS][v] += (q_x8 * scale + bias * sum8[at]) * d[at];
       }
+    }
+  }
+  for (int i = 0; i < MB / TERMS; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      store(p.out(m0 + i, g, v), y[i][v]);
     }
   }
 }

@@ -100,13 +100,17 @@ inline void widen_pair(const uint8_t* at, int k, vf& q0, vf& q1) {
 }
 
 // y[m0 .. m0 + MB, work item g] with the weights widened in registers, inputs accumulating into
-// SPLIT partial sums summed per block.
+// SPLIT partial sums summed per block into y's vectors, which stay in registers until the last
+// block (as qdot_tiles.h's).
 template <int BITS, int MB, typename S>
 void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
-  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS);
+  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS - MB * NV);
   constexpr int PAIRS = SPLIT > 2 ? SPLIT / 2 : 1;  // pairs of inputs per step
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
   const int blocks = p.K / BLOCK;
+  const float* x = p.x + size_t(m0) * p.K;
+  xsum += size_t(m0) * blocks;
+  vf y[MB][NV] = {};
   for (int b = 0; b < blocks; ++b) {
     prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
     vf part[MB][NV][SPLIT] = {};
@@ -118,7 +122,7 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
           widen_pair<BITS>(p.template weights<BITS>(g, v), kk, q0[v], q1[v]);
         }
         for (int i = 0; i < MB; ++i) {
-          const float* xr = p.x + size_t(m0 + i) * p.K + kk;
+          const float* xr = x + size_t(i) * p.K + kk;
           const float x0 = xr[0], x1 = xr[1];
           for (int v = 0; v < NV; ++v) {
             part[i][v][(2 * u) % SPLIT] += q0[v] * x0;
@@ -135,10 +139,13 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
         for (int s = 1; s < SPLIT; ++s) {
           sum += part[i][v][s];
         }
-        float* out = p.out(m0 + i, g, v);
-        const vf block_y = sum * scale + bias * xsum[size_t(m0 + i) * blocks + b];
-        store(out, b == 0 ? block_y : load(out) + block_y);
+        y[i][v] += sum * scale + bias * xsum[size_t(i) * blocks + b];
       }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      store(p.out(m0 + i, g, v), y[i][v]);
     }
   }
 }
