@@ -185,20 +185,27 @@ def pack_experts(
 
 def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     """Rows `ids` (any shape) of the dequantized matrix, float32 [*ids.shape, K], read from
-    the packed layout with MLX ops: an embedding lookup from the table `pack` made."""
-    assert not packed.dot  # pack's layout
+    the packed layout (`pack`'s or `pack_dot`'s) with MLX ops: an embedding lookup from the
+    table that is also the output projection."""
     rows, inputs = packed.shape
     flat = ids.reshape(-1)
-    tile, lane = flat // LANES, (flat % LANES)[:, None, None]
-    # [tiles, bytes per row, 16 rows] (see `pack`) → the tile of each id, then its lane.
-    data = packed.weight.reshape(rows // LANES, -1, LANES)[tile]
-    values = mx.take_along_axis(data, lane, axis=2)[..., 0]
-    if packed.bits == 4:  # the earlier input in the low nibble
-        values = mx.stack([values & 0xF, values >> 4], axis=-1)
+    tile, lane = flat // LANES, flat % LANES
+    if packed.dot:
+        # [tiles, groups of 4 bytes, 16 rows, 4] (see `pack_dot`) → each id's [groups, 4].
+        data = packed.weight.reshape(rows // LANES, -1, LANES, 4)[tile]
+        values = mx.take_along_axis(data, lane[:, None, None, None], axis=2)[:, :, 0]
+        if packed.bits == 4:  # inputs k..k+3 in the low nibbles, k+4..k+7 in the high
+            values = mx.concatenate([values & 0xF, values >> 4], axis=-1)
+    else:
+        # [tiles, bytes per row, 16 rows] (see `pack`) → the tile of each id, then its lane.
+        data = packed.weight.reshape(rows // LANES, -1, LANES)[tile]
+        values = mx.take_along_axis(data, lane[:, None, None], axis=2)[..., 0]
+        if packed.bits == 4:  # the earlier input in the low nibble
+            values = mx.stack([values & 0xF, values >> 4], axis=-1)
     values = values.reshape(flat.shape[0], inputs // BLOCK, BLOCK).astype(mx.float32)
     both = packed.scale_bias[tile]  # [n, blocks, 2, 16]
-    both = mx.take_along_axis(both, lane[..., None], axis=3)[..., 0].astype(mx.float32)
-    out = values * both[..., 0:1] + both[..., 1:2]
+    both = mx.take_along_axis(both, lane[:, None, None, None], axis=3)[..., 0]
+    out = values * both[..., 0:1].astype(mx.float32) + both[..., 1:2].astype(mx.float32)
     return out.reshape(*ids.shape, inputs)
 
 

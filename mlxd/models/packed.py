@@ -127,20 +127,20 @@ class SplitLinear(nn.Module):
 
 
 class PackedEmbedding(nn.Module):
-    """A quantized embedding that is also the output projection (tied), held once: packed,
-    `as_linear` on the kernel and lookups dequantizing their rows from the packed table
-    (kernels.take_rows), or from the float32 copy where the plan keeps one (mixed)."""
+    """A quantized embedding that is also the output projection (tied), held once: packed in
+    the plan's layout, `as_linear` on the kernel and lookups dequantizing their rows from the
+    packed table (kernels.take_rows), or from the float32 copy where the plan keeps one
+    (mixed)."""
 
     def __init__(
         self,
         embedding: nn.QuantizedEmbedding,
+        packed: Packed,
         path_for: Callable[[int], str] | None = None,
-        packed: Packed | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
-        # The float layout, whatever the plan's: `take_rows` reads it.
-        self.output = _packed_linear(embedding, None, path_for, packed or _pack(embedding, False))
+        self.output = _packed_linear(embedding, None, path_for, packed)
 
     def __call__(self, ids: mx.array) -> mx.array:
         if isinstance(self.output, SplitLinear):
@@ -393,8 +393,8 @@ def pack_model(
     experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
     float32 weights for the rows it gives to "float32"; with `dot` the linears and experts are
     multiplied as int8 dot products (kernels.pack_dot, x as two int8 terms unless not
-    `precise`: cpu_activations int8). A tied embedding keeps the
-    float layout, which its lookups read (kernels.take_rows). A layer whose packed weights are
+    `precise`: cpu_activations int8), a tied embedding too (its lookups read
+    either layout: kernels.take_rows). A layer whose packed weights are
     in `cached` (by name) and `fits` takes them as they are. Returns the packed weights by
     layer name, and how many layers were packed here.
 
@@ -417,13 +417,12 @@ def pack_model(
     for name in names:
         module = _module_at(model, name)
         assert isinstance(module, Quantized)
-        layout = dot and not isinstance(module, nn.QuantizedEmbedding)  # see PackedEmbedding
         weights = (cached or {}).get(name)
-        if weights is None or not fits(weights, module, layout, precise):
+        if weights is None or not fits(weights, module, dot, precise):
             if isinstance(module, QuantizedSwitchLinear):
-                weights = _pack_experts(module, layout, precise)
+                weights = _pack_experts(module, dot, precise)
             else:
-                weights = _pack(module, layout, precise)
+                weights = _pack(module, dot, precise)
         layers[name] = weights
         replacement: nn.Module
         if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy
@@ -431,7 +430,7 @@ def pack_model(
         elif isinstance(module, nn.QuantizedLinear):
             replacement = _packed_linear(module, module.get("bias"), path_for, weights)
         else:
-            replacement = PackedEmbedding(module, path_for, weights)
+            replacement = PackedEmbedding(module, weights, path_for)
         del module  # the last reference but the model's, which the update drops
         model.update_modules(tree_unflatten([(name, replacement)]))
         mx.clear_cache()

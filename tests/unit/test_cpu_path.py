@@ -245,9 +245,9 @@ def test_the_int8_dot_layout_computes_the_model_as_its_float32_twin(smol) -> Non
     model.set_dtype(mx.float32)
     pack_model(model, dot=True)
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
-    # The tied embedding's table keeps the float layout, which its lookups read.
-    assert not packed.pop("model.embed_tokens.output").dot
-    assert packed and all(m.dot and m.precise for m in packed.values())
+    # The tied embedding's table too: its lookups read that layout.
+    assert "model.embed_tokens.output" in packed
+    assert all(m.dot and m.precise for m in packed.values())
     for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
         ids = mx.array([smol.tokenizer.encode(prompt)])
         assert mx.allclose(model(ids), smol.model(ids), atol=5e-2).item()
@@ -268,13 +268,13 @@ def test_one_int8_term_computes_the_model_as_llama_cpp_rounds_it(smol) -> None:
     model.set_dtype(mx.float32)
     pack_model(model, dot=True, precise=False)
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
-    assert not packed.pop("model.embed_tokens.output").dot
-    assert packed and all(m.dot and not m.precise for m in packed.values())
+    assert "model.embed_tokens.output" in packed
+    assert all(m.dot and not m.precise for m in packed.values())
     for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
         ids = mx.array([smol.tokenizer.encode(prompt)])
         ours, twin = model(ids)[0, -1], smol.model(ids)[0, -1]
         gap = mx.abs(ours - twin).max().item()
-        assert 0 < gap < 2.0  # 0.72 to 0.88 here; the precise layout's stay under 0.05
+        assert 0 < gap < 2.0  # 0.66 to 0.84 here; the precise layout's stay under 0.05
         assert mx.argmax(ours).item() == mx.argmax(twin).item()
 
 

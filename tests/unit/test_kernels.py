@@ -48,6 +48,17 @@ def test_qmatmul_takes_batched_strided_and_half_inputs() -> None:
     ).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dot", [False, True])
+def test_take_rows_reads_each_layout_exactly(bits: int, dot: bool) -> None:
+    # A tied embedding's lookups read the table its output projection multiplies by.
+    weight, scales, biases = mx.quantize(mx.random.normal((96, 128)), group_size=64, bits=bits)
+    packed = (kernels.pack_dot if dot else kernels.pack)(weight, scales, biases, 64, bits)
+    table = mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32), 64, bits)
+    ids = mx.array([[0, 17, 95], [31, 32, 48]])
+    assert mx.array_equal(kernels.take_rows(packed, ids), table[ids]).item()
+
+
 def test_pack_refuses_what_the_kernel_cannot_run() -> None:
     weight, scales, biases = mx.quantize(mx.random.normal((48, 64)), group_size=32, bits=4)
     assert not kernels.packable(weight.shape[0], 32, 4)  # 48 output rows: tiles are 32
