@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.models import base
+from mlx_lm.models.rope_utils import Llama3RoPE
 from mlx_lm.utils import MODEL_REMAPPING
 
 from mlxd import kernels
@@ -32,35 +33,50 @@ STANDARD_ATTENTION_MODULES = ("llama", "qwen2", "qwen3")
 
 
 class KernelRoPE(nn.Module):
-    """A plain nn.RoPE (scaled variants such as Llama 3's keep MLX's)."""
+    """A RoPE whose angles grow linearly with the position: a plain nn.RoPE, or Llama 3's
+    scaled one (mlx-lm's Llama3RoPE: other frequencies, the same rotation). Inputs the kernel
+    does not take go to the module it replaces."""
 
-    def __init__(self, rope: nn.RoPE) -> None:
+    def __init__(self, rope: nn.Module) -> None:
         super().__init__()
-        self.dims, self.traditional, self.base, self.scale = (
-            rope.dims,
-            rope.traditional,
-            rope.base,
-            rope.scale,
-        )
-        exponents = mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims
-        self._inv_freq = mx.power(mx.array(self.base, mx.float32), -exponents)
+        self.dims, self.traditional = rope.dims, rope.traditional
+        if isinstance(rope, nn.RoPE):
+            self.scale = rope.scale
+            exponents = mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims
+            self._inv_freq = mx.power(mx.array(rope.base, mx.float32), -exponents)
+        else:
+            self.scale = 1.0
+            self._inv_freq = _angles_per_position(rope)
+        self.replaced = rope
         # Now, on the loading thread: MLX streams belong to the thread that made them, and
         # the model runs on another.
         mx.eval(self._inv_freq)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if x.ndim != 4 or x.dtype != mx.float32:
-            return mx.fast.rope(
-                x,
-                self.dims,
-                traditional=self.traditional,
-                base=self.base,
-                scale=self.scale,
-                offset=offset,
-            )
+            result: mx.array = self.replaced(x, offset=offset)
+            return result
         return kernels.rope(
             x, self._inv_freq, _offsets(offset, x.shape[0]), self.dims, self.traditional, self.scale
         )
+
+
+def _angles_per_position(rope: nn.Module) -> mx.array:
+    """Each frequency pair's angle per position, read off `rope` itself: (1, 0) in every pair
+    rotated one position on is (cos, sin) of it (all in (0, 1] radians, so atan2 gives them
+    to float32's precision). Its configuration then needs no second reading."""
+    half = rope.dims // 2
+    ones, zeros = mx.ones((half,)), mx.zeros((half,))
+    pairs = (
+        mx.stack([ones, zeros], axis=-1).reshape(-1)
+        if rope.traditional
+        else (mx.concatenate([ones, zeros]))
+    )
+    rotated = rope(pairs.reshape(1, 1, 1, -1), offset=1).reshape(-1)
+    cos, sin = (
+        (rotated[0::2], rotated[1::2]) if rope.traditional else (rotated[:half], rotated[half:])
+    )
+    return mx.arctan2(sin, cos).astype(mx.float32)
 
 
 def _offsets(offset: int | mx.array, batch: int) -> mx.array:
@@ -87,13 +103,13 @@ class KernelRMSNorm(nn.RMSNorm):
 
 
 def use_kernel_layers(model: nn.Module) -> int:
-    """Swap `model`'s plain nn.RoPE and nn.RMSNorm layers for the kernel ones (subclasses and
-    other variants keep MLX's); how many were swapped."""
+    """Swap `model`'s plain nn.RoPE, Llama 3's RoPE and plain nn.RMSNorm layers for the kernel
+    ones (subclasses and other variants keep MLX's); how many were swapped."""
     if not kernels.available():
         return 0
     swaps: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if type(module) is nn.RoPE and module.base is not None:
+        if (type(module) is nn.RoPE and module.base is not None) or type(module) is Llama3RoPE:
             swaps.append((name, KernelRoPE(module)))
         elif type(module) is nn.RMSNorm:
             swaps.append((name, KernelRMSNorm(module)))

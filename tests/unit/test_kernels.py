@@ -193,6 +193,33 @@ def test_rope_equals_mlx(traditional: bool, dims: int) -> None:
             assert kernel_error <= max(mlx_error, 1e-5), (kernel_error, mlx_error)
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+def test_llama3_rope_runs_on_the_kernel_as_mlx_lm_computes_it(traditional: bool) -> None:
+    # Llama 3.x's scaled frequencies, read off mlx-lm's module (Llama-3.2-1B's config).
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    rope = Llama3RoPE(64, 131072, traditional, 500000.0, scaling)
+    kernel = KernelRoPE(rope)
+    x = mx.random.normal((3, 32, 2, 64))
+    for offset in (0, 17, 9000, mx.array([3, 100, 60000])):
+        got, expected = kernel(x, offset=offset), rope(x, offset=offset)
+        # Both round a late position's angle in float32 (≈5e-3 apart at 60,000 here).
+        largest = mx.max(mx.array(offset)).item()
+        assert mx.allclose(got, expected, rtol=0, atol=1e-5 + 2e-7 * largest).item()
+    half = x.astype(mx.float16)  # what the kernel does not take goes to mlx-lm's module
+    assert mx.array_equal(kernel(half, offset=5), rope(half, offset=5)).item()
+    # A greater error than the rounding of late angles: the frequencies are not Llama 3's.
+    plain = KernelRoPE(nn.RoPE(64, traditional=traditional, base=500000.0))
+    assert not mx.allclose(plain(x, offset=9000), rope(x, offset=9000), atol=1e-2).item()
+
+
 def test_rms_norm_equals_mlx(kernel_isa: str) -> None:
     norm = nn.RMSNorm(576, eps=1e-5)
     norm.weight = mx.random.normal((576,))
