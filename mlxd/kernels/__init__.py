@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import ModuleType
 
 import mlx.core as mx
-import numpy as np
 
-BLOCK = 32  # inputs per scale and bias in the kernel
-LANES = 16  # output rows per tile
-PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of LANES)
-
+# The layouts (kernels/layout.py), under the names the kernels' callers use.
+from mlxd.kernels.layout import BLOCK as BLOCK
+from mlxd.kernels.layout import LANES as LANES
+from mlxd.kernels.layout import Packed as Packed
+from mlxd.kernels.layout import pack as pack
+from mlxd.kernels.layout import pack_dot as pack_dot
+from mlxd.kernels.layout import pack_experts as pack_experts
+from mlxd.kernels.layout import packable as packable
+from mlxd.kernels.layout import take_rows as take_rows
+from mlxd.kernels.layout import why_not_packable as why_not_packable
 
 ISA_ENV = "MLXD_KERNELS_ISA"
 
@@ -88,210 +90,6 @@ def use_isa(name: str) -> None:
     _module().use_isa(name)
 
 
-@dataclass(frozen=True)
-class Packed:
-    """Weights [N, K] in the kernel's layout, or a stack of E such (`pack_experts`): [E, N, K]."""
-
-    weight: mx.array  # uint8 [(E,) N, K * bits / 8], tiled
-    scale_bias: mx.array  # float16 or float32 [(E,) N / 16, K / 32, 2 (scale, bias), 16]
-    bits: int
-    dot: bool = False  # pack_dot's layout: multiplied by integer dot products
-    precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K): one matrix's (an expert's, for a stack)."""
-        return self.weight.shape[-2], self.weight.shape[-1] * 8 // self.bits
-
-
-def packable(rows: int, group_size: int, bits: int) -> bool:
-    """Whether `pack` takes an MLX-quantized matrix with this many (output) rows, group size
-    and width (rows: the kernel works on pairs of 16-row tiles)."""
-    return why_not_packable(rows, group_size, bits) is None
-
-
-def why_not_packable(rows: int, group_size: int, bits: int) -> str | None:
-    """What keeps `pack` from taking such a matrix, in a few words (None: nothing)."""
-    if bits not in (4, 8):
-        return f"{bits}-bit (the kernels take 4 and 8)"
-    if group_size % BLOCK:
-        return f"groups of {group_size} (the kernels take multiples of {BLOCK})"
-    if rows % (2 * LANES):
-        return f"{rows} output rows (the kernels take multiples of {2 * LANES})"
-    return None
-
-
-def pack(
-    weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
-) -> Packed:
-    """MLX's quantized layout (`mx.quantize`, or a GGUF as mx.load reads it) → `Packed`.
-
-    The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
-    for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
-    per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
-    exactly (a GGUF's do), else float32.
-    """
-    return _pack_rows(weight, scales, biases, group_size, bits, _float_layout)
-
-
-def pack_dot(
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    group_size: int,
-    bits: int,
-    precise: bool = False,
-) -> Packed:
-    """MLX's quantized layout → `Packed` for the integer dot-product kernel (csrc/qdot.cpp):
-    output rows in tiles of 16, each row's values of 4 consecutive inputs in one 32-bit lane:
-    per tile and 4 inputs (8 bits) 64 bytes, bytes 4j..4j+3 row j's; per tile and 8 inputs
-    (4 bits) 64 bytes, byte 4j+i = q[j][k+i] | q[j][k+4+i] << 4. Scales and biases as `pack`'s.
-    The kernel rounds x to int8 per block of 32 (llama.cpp's Q8: relative error up to 1/254 of
-    the block's largest |x|), or with `precise` to two int8 terms (1/64,516) for twice the
-    dot products.
-    """
-    return _pack_rows(weight, scales, biases, group_size, bits, _dot_layout, True, precise)
-
-
-def pack_experts(
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    group_size: int,
-    bits: int,
-    dot: bool = False,
-    precise: bool = False,
-) -> Packed:
-    """A mixture of experts' stacked matrices as MLX quantizes them (mlx-lm's
-    `QuantizedSwitchLinear`: weight [E, N, K * bits / 32] uint32, scales and biases
-    [E, N, K / group]) → `Packed` [E, N, K] for `gather_qmatmul`: each expert as `pack` (or with
-    `dot` `pack_dot`) lays out one matrix, one after another (tiles never straddle two experts:
-    N is a multiple of 32).
-    """
-    experts, rows = weight.shape[0], weight.shape[1]
-    if weight.ndim != 3 or not packable(rows, group_size, bits):
-        raise ValueError(f"cannot pack {bits}-bit experts {weight.shape}, group size {group_size}")
-    w, s, b = (a.reshape(experts * rows, -1) for a in (weight, scales, biases))
-    layout = _dot_layout if dot else _float_layout
-    flat = _pack_rows(w, s, b, group_size, bits, layout, dot, dot and precise)
-    return Packed(
-        flat.weight.reshape(experts, rows, -1),
-        flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
-        bits,
-        dot,
-        precise,
-    )
-
-
-def take_rows(packed: Packed, ids: mx.array) -> mx.array:
-    """Rows `ids` (any shape) of the dequantized matrix, float32 [*ids.shape, K], read from
-    the packed layout (`pack`'s or `pack_dot`'s) with MLX ops: an embedding lookup from the
-    table that is also the output projection."""
-    rows, inputs = packed.shape
-    flat = ids.reshape(-1)
-    tile, lane = flat // LANES, flat % LANES
-    if packed.dot:
-        # [tiles, groups of 4 bytes, 16 rows, 4] (see `pack_dot`) → each id's [groups, 4].
-        data = packed.weight.reshape(rows // LANES, -1, LANES, 4)[tile]
-        values = mx.take_along_axis(data, lane[:, None, None, None], axis=2)[:, :, 0]
-        if packed.bits == 4:  # inputs k..k+3 in the low nibbles, k+4..k+7 in the high
-            values = mx.concatenate([values & 0xF, values >> 4], axis=-1)
-    else:
-        # [tiles, bytes per row, 16 rows] (see `pack`) → the tile of each id, then its lane.
-        data = packed.weight.reshape(rows // LANES, -1, LANES)[tile]
-        values = mx.take_along_axis(data, lane[:, None, None], axis=2)[..., 0]
-        if packed.bits == 4:  # the earlier input in the low nibble
-            values = mx.stack([values & 0xF, values >> 4], axis=-1)
-    values = values.reshape(flat.shape[0], inputs // BLOCK, BLOCK).astype(mx.float32)
-    both = packed.scale_bias[tile]  # [n, blocks, 2, 16]
-    both = mx.take_along_axis(both, lane[:, None, None, None], axis=3)[..., 0]
-    out = values * both[..., 0:1].astype(mx.float32) + both[..., 1:2].astype(mx.float32)
-    return out.reshape(*ids.shape, inputs)
-
-
-Layout = Callable[[np.ndarray, int], np.ndarray]
-
-
-def _pack_rows(
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    group_size: int,
-    bits: int,
-    layout: Layout,
-    dot: bool = False,
-    precise: bool = False,
-) -> Packed:
-    """`PACK_ROWS` rows at a time into the result, on a thread per core, so the temporaries
-    are a few slices', not a whole tensor's (an 8B's output head: 0.5 GiB)."""
-    if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
-        raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
-    rows, words = weight.shape
-    inputs = words * 32 // bits
-    # MLX evaluates on this thread (the arrays belong to its stream); numpy on the packers.
-    raw = _row_bytes(weight)
-    scales32, biases32 = (np.asarray(a.astype(mx.float32)) for a in (scales, biases))
-    packed_weight = np.empty((rows, words * 4), np.uint8)
-    both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
-
-    def pack_slice(start: int) -> None:
-        stop = min(start + PACK_ROWS, rows)
-        tiles = slice(start // LANES, stop // LANES)
-        packed_weight[start:stop] = layout(raw[tiles], bits).reshape(stop - start, -1)
-        both[tiles] = _scales_biases(scales32[start:stop], biases32[start:stop], group_size)
-
-    for _ in _packers.map(pack_slice, range(0, rows, PACK_ROWS)):
-        pass  # raises what a slice raised
-    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
-        both = both.astype(np.float16)
-    packed = Packed(mx.array(packed_weight), mx.array(both), bits, dot, precise)
-    mx.eval(packed.weight, packed.scale_bias)
-    return packed
-
-
-def _row_bytes(weight: mx.array) -> np.ndarray:
-    """MLX's packed rows as bytes, [N / 16 tiles, 16, K * bits / 8]: little-endian words, so
-    each byte holds one 8-bit value or two 4-bit ones, the earlier in the low nibble."""
-    raw = np.asarray(weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32))
-    rows = raw.shape[0]
-    return raw.view(np.uint8).reshape(rows // LANES, LANES, -1)
-
-
-def _float_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
-    # MLX's bytes already pair inputs k and k + 1 of a row as the kernel does (4 bits).
-    return np.ascontiguousarray(tiles.transpose(0, 2, 1))
-
-
-def _dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
-    count, _, width = tiles.shape
-    if bits == 4:
-        # Bytes b0..b3 hold inputs k..k+7 in pairs (b0 = q0 | q1 << 4, …); the kernel wants
-        # byte i = q[k+i] | q[k+4+i] << 4: nibbles moved between bytes, never split out.
-        b0, b1, b2, b3 = (tiles.reshape(count, LANES, width // 4, 4)[..., i] for i in range(4))
-        high = np.uint8(0xF0)
-        tiles = np.stack(
-            [
-                (b0 & 0xF) | (b2 << 4),
-                (b0 >> 4) | (b2 & high),
-                (b1 & 0xF) | (b3 << 4),
-                (b1 >> 4) | (b3 & high),
-            ],
-            axis=-1,
-        )
-    else:
-        tiles = tiles.reshape(count, LANES, width // 4, 4)
-    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
-
-
-def _scales_biases(scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
-    """[rows, K / group] → [tiles, K / 32 blocks, 2, 16]: each tile's 16 scales, then biases."""
-    both = np.stack([scales, biases])
-    rows = both.shape[1]
-    both = np.repeat(both, group_size // BLOCK, axis=2).reshape(2, rows // LANES, LANES, -1)
-    return both.transpose(1, 3, 0, 2)
-
-
-_packers = ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="pack")
 _cpu = _load()
 
 

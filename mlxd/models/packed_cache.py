@@ -11,7 +11,7 @@ The key says everything the arrays depend on, so a file is never stale:
 - the weights: the model directory's path and the size, mtime, ctime and inode of each file
   in it (a converted GGUF's directory is named by the file's hash and never rewritten; a
   rewritten or replaced file changes its mtime, ctime or inode);
-- the layout: the source of the code that writes it (mlxd/kernels/__init__.py and
+- the layout: the source of the code that writes it (mlxd/kernels/layout.py and
   models/packed.py) and the ISA variant the kernels run, which reads it;
 - the packing options: the int8 dot-product layout (x as one or two int8 terms:
   `cpu_activations`) or the float one (the CPU path plan, models/cpu_path.py; "mixed" keeps
@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd import kernels
-from mlxd.kernels import Packed
+from mlxd.kernels import Packed, layout
 from mlxd.models.sources import exclusive
 from mlxd.process_exit import before_exit
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 FOLDER = "packed"
 FORMAT = "mlxd-packed-1"
 # The code that writes the layout: any change to it is a new layout.
-_LAYOUT_SOURCES = (Path(kernels.__file__), Path(__file__).with_name("packed.py"))
+_LAYOUT_SOURCES = (Path(layout.__file__), Path(__file__).with_name("packed.py"))
 
 
 _writes: list[threading.Thread] = []  # background writes not yet waited for
