@@ -8,6 +8,13 @@ Debian's OpenBLAS 0.3.21 also takes CPUs it does not recognise (virtualized Xeon
 generic model) for a 2004 "Prescott" and runs SSE3 kernels: measured here, 39 GFLOP/s for a
 1280x576x1536 sgemm against 184 GFLOP/s with OPENBLAS_CORETYPE=SkylakeX. So the re-exec also
 names the kernel family the CPU's flags support, unless the user already chose one.
+
+It also asks glibc (2.35 and later) for transparent huge pages on the memory it maps, MLX's
+buffers included (`glibc.malloc.hugetlb=1`; the kernel's THP mode is `madvise` on Debian, so
+without the request every weight is read through 4 KB pages): a decode step reads every weight
+once, and with 2 MB pages SmolLM2's one-row step took 4.9-5.1 ms instead of 5.2-5.9, 8 rows
+14.6-15.4 instead of 15.3-18.6, a Llama-3.2-1B shape's one row 17.9-19.2 instead of 20.7-22.8
+(alternated runs, AMD EPYC Zen 5), at the same resident size. A tunable the user set is kept.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ OPTIMIZED_MARKERS = ("openblas", "blis", "mkl")
 # Set in the re-executed child so a failed preload can never loop.
 REEXEC_GUARD = "MLXD_BLAS_REEXEC"
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+HUGE_PAGES = ("glibc.malloc.hugetlb", "1")
 
 
 def find_optimized_blas() -> str | None:
@@ -56,8 +64,13 @@ def openblas_coretype(flags: set[str]) -> str | None:
 
 
 def optimized_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` plus what makes MLX's CPU matmuls fast here: the BLAS preload and its kernels."""
+    """`env` plus what makes MLX's CPU work fast here: huge pages, the BLAS preload and its
+    kernels."""
     env = dict(env)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    name, value = HUGE_PAGES
+    if not any(t.split("=")[0] == name for t in tunables):
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, f"{name}={value}"])
     blas = find_optimized_blas()
     if blas is None:
         return env

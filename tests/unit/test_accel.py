@@ -1,3 +1,8 @@
+import os
+from pathlib import Path
+
+import pytest
+
 from mlxd import accel
 
 AVX512_FLAGS = {"sse3", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
@@ -23,6 +28,40 @@ def test_optimized_env_preloads_first_and_keeps_user_choices(monkeypatch):
     assert accel.optimized_env(env) == env
 
 
-def test_optimized_env_without_a_blas_changes_nothing(monkeypatch):
+def test_optimized_env_without_a_blas_asks_for_huge_pages_only(monkeypatch):
     monkeypatch.setattr(accel, "find_optimized_blas", lambda: None)
-    assert accel.optimized_env({"A": "1"}) == {"A": "1"}
+    env = accel.optimized_env({"A": "1"})
+    assert env == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert accel.optimized_env(env) == env
+
+
+def test_huge_pages_join_the_users_tunables_and_keep_their_choice(monkeypatch):
+    monkeypatch.setattr(accel, "find_optimized_blas", lambda: None)
+    other = accel.optimized_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert other["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    off = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert accel.optimized_env(off) == off
+
+
+def test_a_process_started_with_it_maps_huge_pages() -> None:
+    # glibc takes the tunable at process start: a child's 64 MB MLX buffer (malloc'd) is then
+    # held in 2 MB pages where the kernel lets madvise ask for them (without it: none here).
+    import subprocess
+    import sys
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[madvise]" not in thp.read_text():
+        pytest.skip("not applicable here: the kernel gives huge pages to all memory or none")
+    script = (
+        "import mlx.core as mx; a = mx.ones((16 << 20,)); mx.eval(a); "
+        "print(next(l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHuge')))"
+    )
+
+    def huge_kb(env: dict[str, str]) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True
+        )
+        return int(run.stdout.split()[1])
+
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert huge_kb(accel.optimized_env(plain)) >= 32 << 10 > huge_kb(plain)
