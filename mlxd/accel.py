@@ -12,9 +12,10 @@ names the kernel family the CPU's flags support, unless the user already chose o
 It also asks glibc (2.35 and later) for transparent huge pages on the memory it maps, MLX's
 buffers included (`glibc.malloc.hugetlb=1`; the kernel's THP mode is `madvise` on Debian, so
 without the request every weight is read through 4 KB pages): a decode step reads every weight
-once, and with 2 MB pages SmolLM2's one-row step took 4.9-5.1 ms instead of 5.2-5.9, 8 rows
-14.6-15.4 instead of 15.3-18.6, a Llama-3.2-1B shape's one row 17.9-19.2 instead of 20.7-22.8
-(alternated runs, AMD EPYC Zen 5), at the same resident size. A tunable the user set is kept.
+once, and with 2 MB pages SmolLM2's one-row forward pass took 4.9-5.1 ms instead of 5.2-5.9, 8
+rows 14.6-15.4 instead of 15.3-18.6, a Llama-3.2-1B shape's one row 17.9-19.2 instead of
+20.7-22.8 (in one process, alternated runs, AMD EPYC Zen 5), at the same resident size. A
+tunable the user set is kept.
 """
 
 from __future__ import annotations

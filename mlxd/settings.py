@@ -25,7 +25,9 @@ class Settings(BaseSettings):
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     no_reexec: bool = Field(
-        False, description="Do not re-exec the process with an optimized BLAS preloaded."
+        False,
+        description="Do not re-exec the process with an optimized BLAS preloaded and glibc's "
+        "transparent huge pages asked for.",
     )
 
     @field_validator("log_level", mode="before")
