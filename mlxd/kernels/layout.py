@@ -120,18 +120,13 @@ def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     rows, inputs = packed.shape
     flat = ids.reshape(-1)
     tile, lane = flat // LANES, flat % LANES
-    if packed.dot:
-        # [tiles, groups of 4 bytes, 16 rows, 4] (see `pack_dot`) → each id's [groups, 4].
-        data = packed.weight.reshape(rows // LANES, -1, LANES, 4)[tile]
-        values = mx.take_along_axis(data, lane[:, None, None, None], axis=2)[:, :, 0]
-        if packed.bits == 4:  # inputs k..k+3 in the low nibbles, k+4..k+7 in the high
-            values = mx.concatenate([values & 0xF, values >> 4], axis=-1)
-    else:
-        # [tiles, bytes per row, 16 rows] (see `pack`) → the tile of each id, then its lane.
-        data = packed.weight.reshape(rows // LANES, -1, LANES)[tile]
-        values = mx.take_along_axis(data, lane[:, None, None], axis=2)[..., 0]
-        if packed.bits == 4:  # the earlier input in the low nibble
-            values = mx.stack([values & 0xF, values >> 4], axis=-1)
+    # A row's bytes come in groups, 16 rows' groups side by side: one byte (`pack`) or four
+    # (`pack_dot`). [tiles, groups, 16 rows, bytes] → each id's tile, then its lane.
+    group = 4 if packed.dot else 1
+    data = packed.weight.reshape(rows // LANES, -1, LANES, group)[tile]
+    values = mx.take_along_axis(data, lane[:, None, None, None], axis=2)[:, :, 0]
+    if packed.bits == 4:  # a group's earlier inputs in its low nibbles, the later in the high
+        values = mx.concatenate([values & 0xF, values >> 4], axis=-1)
     values = values.reshape(flat.shape[0], inputs // BLOCK, BLOCK).astype(mx.float32)
     both = packed.scale_bias[tile]  # [n, blocks, 2, 16]
     both = mx.take_along_axis(both, lane[:, None, None, None], axis=3)[..., 0]

@@ -67,15 +67,15 @@ def _angles_per_position(rope: nn.Module) -> mx.array:
     to float32's precision). Its configuration then needs no second reading."""
     half = rope.dims // 2
     ones, zeros = mx.ones((half,)), mx.zeros((half,))
-    pairs = (
-        mx.stack([ones, zeros], axis=-1).reshape(-1)
-        if rope.traditional
-        else (mx.concatenate([ones, zeros]))
-    )
+    if rope.traditional:  # pairs (2i, 2i + 1)
+        pairs = mx.stack([ones, zeros], axis=-1).reshape(-1)
+    else:  # pairs (i, i + half)
+        pairs = mx.concatenate([ones, zeros])
     rotated = rope(pairs.reshape(1, 1, 1, -1), offset=1).reshape(-1)
-    cos, sin = (
-        (rotated[0::2], rotated[1::2]) if rope.traditional else (rotated[:half], rotated[half:])
-    )
+    if rope.traditional:
+        cos, sin = rotated[0::2], rotated[1::2]
+    else:
+        cos, sin = rotated[:half], rotated[half:]
     return mx.arctan2(sin, cos).astype(mx.float32)
 
 
