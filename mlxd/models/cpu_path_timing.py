@@ -45,7 +45,8 @@ from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
 from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
-from mlxd.models.packed import pack, why_not_packable
+from mlxd.models.packability import why_not_packable
+from mlxd.models.packed import pack
 
 Shape = tuple[int, int, int, int]  # out, in, group size, bits
 HEAD_ROWS = 8192

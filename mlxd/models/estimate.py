@@ -16,7 +16,7 @@ from typing import Any
 from mlxd import kernels
 from mlxd.errors import ModelLoadError
 from mlxd.models.loader import DTYPES, _target_dtype
-from mlxd.models.packed import KERNEL_BITS, why_not_packable
+from mlxd.models.packability import KERNEL_BITS, why_not_packable
 
 # Bytes per element of each target dtype of a cast (loader.FLOAT_DTYPES).
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -121,7 +121,7 @@ def _packed_bytes(
             # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
             # float32 (kernels.pack keeps float16 only where it is exact).
             halves = all(tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases"))
-            weights = out * in_dims * KERNEL_BITS[bits] // 8  # as widened (packed.KERNEL_BITS)
+            weights = out * in_dims * KERNEL_BITS[bits] // 8  # as widened (packability.KERNEL_BITS)
             total += weights + out * in_dims // kernels.BLOCK * (4 if halves else 8)
     return total
 

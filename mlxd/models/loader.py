@@ -30,14 +30,13 @@ from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
 from mlxd.models.kernel_layers import stores_half_kv, use_kernel_attention, use_kernel_layers
 from mlxd.models.layer_eval import evaluate_per_layer
-from mlxd.models.packed import (
+from mlxd.models.packability import (
     can_pack,
-    dequantize_layers,
     experts_summary,
     float32_summary,
-    pack_model,
     unpackable_layers,
 )
+from mlxd.models.packed import dequantize_layers, pack_model
 from mlxd.models.packed_cache import PackedCache
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ projection (tied) becomes a `PackedEmbedding`, one packed table for both.
 A model may mix widths (mlx-community's `mixed_*` recipes, a 6-bit head over a 4-bit body, a
 GGUF's IQ4 tensors imported at 6 bits): the layers the kernels take run packed and the others
 are dequantized to float32 for BLAS (`dequantize_layers`), which MLX's own quantized matmul
-is 2-4x slower than on the CPU; the loader says which and why (`unpackable_layers`).
+is 2-4x slower than on the CPU; the loader says which and why (`packability.unpackable_layers`).
 
 A mixture of experts' stacked expert matrices (mlx-lm's `QuantizedSwitchLinear`, called by its
 `SwitchGLU` / `SwitchMLP` with each token's expert indices) become a `PackedSwitchLinear`,
@@ -31,14 +31,15 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from mlxd import kernels
 from mlxd.kernels import Packed
+from mlxd.models.packability import (
+    KERNEL_BITS,
+    Quantized,
+    expert_stacks,
+    quantized_layers,
+    why_layer_not_packable,
+)
 
-# The width the kernels run each width MLX stores at: a 2- or 3-bit value fits a nibble and a
-# 5- or 6-bit one a byte, with the same scale and bias, so widening is exact (a Q5_K GGUF
-# imports at 5 bits; mlx-community's 3- and 6-bit recipes). Memory: 4 or 8 bits a weight.
-KERNEL_BITS = {2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 8: 8}
 WIDEN_ROWS = 1024
-
-Quantized = nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear
 
 
 class PackedLinear(nn.Module):
@@ -155,7 +156,7 @@ class PackedEmbedding(nn.Module):
 def _pack_experts(module: QuantizedSwitchLinear, dot: bool, precise: bool) -> Packed:
     """`kernels.pack_experts` of any width MLX stores, at the width the kernels run it (with
     `dot` for the int8 dot products, as `pack`)."""
-    assert module.biases is not None  # affine quantization (see _why_not_packable)
+    assert module.biases is not None  # affine quantization (see why_layer_not_packable)
     weight, width = module.weight, KERNEL_BITS[module.bits]
     if width != module.bits:
         experts, rows, _ = weight.shape
@@ -169,7 +170,7 @@ def _pack_experts(module: QuantizedSwitchLinear, dot: bool, precise: bool) -> Pa
 def _pack(
     module: nn.QuantizedLinear | nn.QuantizedEmbedding, dot: bool, precise: bool = True
 ) -> Packed:
-    assert module.biases is not None  # affine quantization (see _why_not_packable)
+    assert module.biases is not None  # affine quantization (see why_layer_not_packable)
     weight, scales, biases = module.weight, module.scales, module.biases
     return pack(weight, scales, biases, module.group_size, module.bits, dot, precise)
 
@@ -193,20 +194,6 @@ def pack(
     return kernels.pack(weight, scales, biases, group_size, width)
 
 
-def why_not_packable(rows: int, group_size: int, bits: int) -> str | None:
-    """What keeps the kernels from an affine matrix of this shape and width (None: nothing)."""
-    if bits not in KERNEL_BITS:
-        return f"{bits}-bit (the kernels take 2 to 6 and 8)"
-    return kernels.why_not_packable(rows, group_size, KERNEL_BITS[bits])
-
-
-def _why_not_packable(module: Quantized) -> str | None:
-    if module.mode != "affine":
-        return f"{module.mode} quantization (the kernels take affine)"
-    # Output rows: a matrix's, or each expert's of a stack [E, N, K * bits / 32].
-    return why_not_packable(module.weight.shape[-2], module.group_size, module.bits)
-
-
 def _widened(weight: mx.array, bits: int, width: int) -> mx.array:
     """MLX's packed `bits`-bit values (a little-endian bit stream along each row) as MLX's
     packed `width`-bit words holding the same values. `WIDEN_ROWS` rows at a time: the bit
@@ -222,93 +209,6 @@ def _widened(weight: mx.array, bits: int, width: int) -> mx.array:
             chunk.reshape(chunk.shape[0], -1), axis=1, bitorder="little"
         )
     return mx.array(out.view(np.uint32))
-
-
-def _quantized(model: nn.Module) -> dict[str, nn.QuantizedLinear | nn.QuantizedEmbedding]:
-    """The quantized layers that multiply: linears, and an embedding that is also the output
-    projection (tied: mlx-lm's models have an `lm_head` exactly when theirs is separate). An
-    untied embedding only looks rows up, which MLX does as well from its stored table."""
-    tied = "lm_head" not in model
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.QuantizedLinear)
-        or (tied and isinstance(module, nn.QuantizedEmbedding))
-    }
-
-
-def can_pack(model: nn.Module) -> bool:
-    """Whether the kernels are built and take some quantized layer of `model`."""
-    quantized = _quantized(model).values()
-    return kernels.available() and any(_why_not_packable(m) is None for m in quantized)
-
-
-def unpackable_layers(model: nn.Module) -> dict[str, str]:
-    """The quantized layers the kernels do not take, and why."""
-    return {
-        name: why
-        for name, module in _quantized(model).items()
-        if (why := _why_not_packable(module)) is not None
-    }
-
-
-def _experts(model: nn.Module) -> dict[str, QuantizedSwitchLinear]:
-    """A mixture of experts' quantized stacks of expert matrices."""
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, QuantizedSwitchLinear)
-    }
-
-
-def experts_summary(model: nn.Module) -> str:
-    """Where the quantized layers of kinds other than linears and embeddings run (mlx-lm's
-    `QuantizedSwitchLinear`: a mixture of experts' stacked expert matrices), as `pack_model`
-    will place them: "" for none, else a line for the log and status."""
-    unpackable: dict[str, str] = {}
-    packable = 0
-    for name, module in model.named_modules():
-        if "scales" not in module or isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
-            continue
-        if not isinstance(module, QuantizedSwitchLinear):
-            unpackable[name] = f"{type(module).__name__} (the kernels take mlx-lm's switch layers)"
-        elif (why := _why_not_packable(module)) is not None:
-            unpackable[name] = why
-        else:
-            packable += 1
-    lines = []
-    if packable:
-        lines.append(f"{packable} quantized expert layers run packed on the kernels' gather matmul")
-    if unpackable:
-        lines.append(
-            f"{len(unpackable)} quantized expert layers run on MLX's own quantized matmul, the "
-            f"kernels do not take them: {_by_reason(unpackable)}"
-        )
-    return "; ".join(lines)
-
-
-def _by_reason(unpackable: dict[str, str]) -> str:
-    """Layer names grouped by why, a few of each: "6-bit (...): lm_head, …; ..."."""
-    by_reason: dict[str, list[str]] = {}
-    for name, why in unpackable.items():
-        by_reason.setdefault(why, []).append(name)
-    return "; ".join(
-        f"{why}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-        for why, names in by_reason.items()
-    )
-
-
-def float32_summary(unpackable: dict[str, str]) -> str:
-    """For the log and status ("" for none), e.g. "2 quantized layers run float32 on BLAS,
-    the kernels do not take them: 6-bit (the kernels take 4 and 8): lm_head, …"."""
-    count = len(unpackable)
-    if not count:
-        return ""
-    layers = "layer runs" if count == 1 else "layers run"
-    return (
-        f"{count} quantized {layers} float32 on BLAS, the kernels do not take them: "
-        f"{_by_reason(unpackable)}"
-    )
 
 
 def dequantize_layers(model: nn.Module, names: Iterable[str]) -> None:
@@ -346,7 +246,7 @@ def _packed_linear(
     packed = PackedLinear(weights, bias)
     if path_for is None:
         return packed
-    assert module.biases is not None  # affine (see _why_not_packable)
+    assert module.biases is not None  # affine (see why_layer_not_packable)
     dense = mx.dequantize(
         module.weight, module.scales, module.biases, module.group_size, module.bits
     ).astype(mx.float32)
@@ -409,8 +309,8 @@ def pack_model(
     # (Names only: a reference to a stored layer would keep it alive through the loop.)
     packable = [
         (m.weight.nbytes, n)
-        for n, m in {**_quantized(model), **_experts(model)}.items()
-        if not _why_not_packable(m)
+        for n, m in {**quantized_layers(model), **expert_stacks(model)}.items()
+        if not why_layer_not_packable(m)
     ]
     names = [name for _, name in sorted(packable, key=lambda size_name: -size_name[0])]
     layers: dict[str, Packed] = {}

@@ -47,8 +47,13 @@ log = logging.getLogger(__name__)
 
 FOLDER = "packed"
 FORMAT = "mlxd-packed-1"
-# The code that writes the layout: any change to it is a new layout.
-_LAYOUT_SOURCES = (Path(layout.__file__), Path(__file__).with_name("packed.py"))
+# The code that writes the layout: any change to it is a new layout (packability.py holds the
+# width each stored width is packed at).
+_LAYOUT_SOURCES = (
+    Path(layout.__file__),
+    Path(__file__).with_name("packed.py"),
+    Path(__file__).with_name("packability.py"),
+)
 
 
 _writes: list[threading.Thread] = []  # background writes not yet waited for

@@ -25,7 +25,7 @@ from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.loader import FLOAT_DTYPES, LoadedModel, load_llm
 from mlxd.models.lora import MultiLoRA
-from mlxd.models.packed import float32_summary
+from mlxd.models.packability import float32_summary
 from mlxd.runtime.engine import EventStream
 from mlxd.types import EmbeddingInput, Embeddings, Event, GenerationRequest
 from mlxd.worker.hooks import load_hooks

@@ -213,7 +213,8 @@ def test_tiny_moe_models_give_the_same_greedy_tokens_packed(model_type, bits, gr
 
     from mlx_lm.utils import quantize_model
 
-    from mlxd.models.packed import PackedSwitchLinear, experts_summary, pack_model
+    from mlxd.models.packability import experts_summary
+    from mlxd.models.packed import PackedSwitchLinear, pack_model
     from tests.tiny_gguf import tiny_config
 
     if not kernels.available():
@@ -251,7 +252,7 @@ def test_tiny_moe_models_give_the_same_greedy_tokens_packed(model_type, bits, gr
 def test_unpackable_experts_are_said_to_stay_on_mlxs_quantized_matmul():
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxd.models.packed import experts_summary
+    from mlxd.models.packability import experts_summary
 
     glu = SwitchGLU(64, 96, 4)
     mxfp4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
