@@ -58,24 +58,24 @@ void GatherQMatmul::eval_cpu(
   const int32_t* ip = rows<int32_t>(indices, encoder);
   const uint8_t* wp = rows<uint8_t>(w, encoder);
   float* yp = outputs[0].data<float>();
-  const int bits = bits_;
+  const int bits = bits_, group = PackedPrimitive::group(K, scale_bias);
   const bool dot = dot_, precise = precise_;
   const int threads = threads_on(stream(), T);
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
       if (dot) {
-        run.gather_qdot_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, precise, threads);
+        run.gather_qdot_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, precise, threads);
       } else {
-        run.gather_qmatmul_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, threads);
+        run.gather_qmatmul_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, threads);
       }
     });
   } else {
     encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
       if (dot) {
-        run.gather_qdot_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, precise, threads);
+        run.gather_qdot_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, precise, threads);
       } else {
-        run.gather_qmatmul_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, threads);
+        run.gather_qmatmul_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, threads);
       }
     });
   }

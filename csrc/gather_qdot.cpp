@@ -40,7 +40,8 @@ void run(const Gather<S>& a) {
                          ys.data() + size_t(first) * a.N,
                          count,
                          a.N,
-                         a.K};
+                         a.K,
+                         a.scale_shift};
       dot_work_item<BITS, TERMS, S>(p, g);
       scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
     }
@@ -49,8 +50,9 @@ void run(const Gather<S>& a) {
 
 template <typename S>
 void gather_qdot(const float* x, const int32_t* idx, const uint8_t* w, const S* scale_bias,
-                 float* y, int T, int J, int E, int N, int K, int bits, bool precise, int threads) {
-  const Gather<S> a{x, idx, w, scale_bias, y, T, J, E, N, K, threads};
+                 float* y, int T, int J, int E, int N, int K, int bits, int group, bool precise,
+                 int threads) {
+  const Gather<S> a{x, idx, w, scale_bias, y, T, J, E, N, K, scale_shift(group), threads};
   if (precise) {
     bits == 4 ? run<4, 2, S>(a) : run<8, 2, S>(a);  // the op checked: 4 or 8
   } else {
@@ -62,14 +64,14 @@ void gather_qdot(const float* x, const int32_t* idx, const uint8_t* w, const S* 
 
 void gather_qdot_f32(const float* x, const int32_t* idx, const uint8_t* w,
                      const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                     int bits, bool precise, int threads) {
-  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, precise, threads);
+                     int bits, int group, bool precise, int threads) {
+  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, precise, threads);
 }
 
 void gather_qdot_f16(const float* x, const int32_t* idx, const uint8_t* w,
                      const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                     int bits, bool precise, int threads) {
-  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, precise, threads);
+                     int bits, int group, bool precise, int threads) {
+  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, precise, threads);
 }
 
 }  // namespace MLXD_ISA

@@ -45,6 +45,7 @@ void run(const Gather<S>& a) {
           count,
           a.N,
           a.K,
+          a.scale_shift,
           1};
       work_item<BITS, S>(p, xsum.data() + size_t(first) * blocks, buf.data(), g);
       scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
@@ -54,8 +55,9 @@ void run(const Gather<S>& a) {
 
 template <typename S>
 void gather_qmatmul(const float* x, const int32_t* idx, const uint8_t* w, const S* scale_bias,
-                    float* y, int T, int J, int E, int N, int K, int bits, int threads) {
-  const Gather<S> a{x, idx, w, scale_bias, y, T, J, E, N, K, threads};
+                    float* y, int T, int J, int E, int N, int K, int bits, int group,
+                    int threads) {
+  const Gather<S> a{x, idx, w, scale_bias, y, T, J, E, N, K, scale_shift(group), threads};
   if (bits == 4) {
     run<4, S>(a);
   } else {
@@ -67,14 +69,14 @@ void gather_qmatmul(const float* x, const int32_t* idx, const uint8_t* w, const 
 
 void gather_qmatmul_f32(const float* x, const int32_t* idx, const uint8_t* w,
                         const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                        int bits, int threads) {
-  gather_qmatmul(x, idx, w, scale_bias, y, T, J, E, N, K, bits, threads);
+                        int bits, int group, int threads) {
+  gather_qmatmul(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, threads);
 }
 
 void gather_qmatmul_f16(const float* x, const int32_t* idx, const uint8_t* w,
                         const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                        int bits, int threads) {
-  gather_qmatmul(x, idx, w, scale_bias, y, T, J, E, N, K, bits, threads);
+                        int bits, int group, int threads) {
+  gather_qmatmul(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, threads);
 }
 
 }  // namespace MLXD_ISA

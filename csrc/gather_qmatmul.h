@@ -7,7 +7,7 @@
 namespace mlxd {
 
 // x [T, K]; indices int32 or uint32 [T, J]; w uint8 [E, N, K * bits / 8] and scale_bias
-// float16 or float32 [E, N / 16, K / 32, 2, 16]: E matrices as `mlxd.kernels.pack` lays each
+// float16 or float32 [E, N / 16, K / group, 2, 16]: E matrices as `mlxd.kernels.pack` lays each
 // out. y [T, J, N] float32, y[t, j] = x[t] @ dequantize(w[indices[t, j]])^T. dot: each laid out
 // by pack_dot instead, multiplied by integer dot products (precise: x as two int8 terms).
 mlx::core::array gather_qmatmul(

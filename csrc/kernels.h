@@ -27,17 +27,17 @@ struct AttentionArgs {
 struct Kernels {
   const char* isa;
   // y[M, N] = x[M, K] @ dequantize(w)^T (see qmatmul.cpp), scales and biases float32 or
-  // float16 bits.
+  // float16 bits, one pair per `group` inputs (32 times a power of two).
   void (*qmatmul_f32)(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
-                      int N, int K, int bits, int threads);
+                      int N, int K, int bits, int group, int threads);
   void (*qmatmul_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
-                      int M, int N, int K, int bits, int threads);
+                      int M, int N, int K, int bits, int group, int threads);
   // The same product by integer dot products on pack_dot's layout (see qdot.cpp), x as int8
   // or (precise) as int8 plus its rounding's rest in int8.
   void (*qdot_f32)(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
-                   int N, int K, int bits, bool precise, int threads);
+                   int N, int K, int bits, int group, bool precise, int threads);
   void (*qdot_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
-                   int N, int K, int bits, bool precise, int threads);
+                   int N, int K, int bits, int group, bool precise, int threads);
   // Whether qdot runs on an integer dot-product instruction (VNNI, maddubs, sdot), not the
   // generic variant's scalar loop.
   bool integer_dot;
@@ -48,17 +48,17 @@ struct Kernels {
   // after another (gather_qmatmul.cpp): a mixture of experts' matmul.
   void (*gather_qmatmul_f32)(const float* x, const int32_t* idx, const uint8_t* w,
                              const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                             int bits, int threads);
+                             int bits, int group, int threads);
   void (*gather_qmatmul_f16)(const float* x, const int32_t* idx, const uint8_t* w,
                              const uint16_t* scale_bias, float* y, int T, int J, int E, int N,
-                             int K, int bits, int threads);
+                             int K, int bits, int group, int threads);
   // The same on pack_dot's layout by integer dot products (gather_qdot.cpp).
   void (*gather_qdot_f32)(const float* x, const int32_t* idx, const uint8_t* w,
                           const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                          int bits, bool precise, int threads);
+                          int bits, int group, bool precise, int threads);
   void (*gather_qdot_f16)(const float* x, const int32_t* idx, const uint8_t* w,
                           const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                          int bits, bool precise, int threads);
+                          int bits, int group, bool precise, int threads);
   // tokens[r] drawn from row r of logits [rows, V] (sampling_kernel.cpp): among the tokens of
   // the untempered distribution's top_p[r] nucleus (mlx-lm's rule; all at 1), with weights
   // e^((x - max) · inv_temperature[r]), the first in index order whose cumulative weight

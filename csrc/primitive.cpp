@@ -46,8 +46,13 @@ void PackedPrimitive::check_weights(
     int row_bytes,
     const mx::array& scale_bias) {
   if (K <= 0 || N <= 0 || K % 32 != 0 || N % 32 != 0 || row_bytes * 8 != K * bits ||
-      scale_bias.size() != size_t(experts) * N * (K / 16) ||
+      scale_bias.ndim() < 4 || scale_bias.shape(-3) <= 0 || K % scale_bias.shape(-3) != 0 ||
       (scale_bias.dtype() != mx::float16 && scale_bias.dtype() != mx::float32)) {
+    throw std::invalid_argument(disagree);
+  }
+  const int blocks = group(K, scale_bias) / 32;  // blocks of 32 inputs a scale serves
+  if (group(K, scale_bias) % 32 != 0 || (blocks & (blocks - 1)) != 0 ||
+      scale_bias.size() != size_t(experts) * N * 2 * scale_bias.shape(-3)) {
     throw std::invalid_argument(disagree);
   }
 }
@@ -66,24 +71,24 @@ void QMatmul::eval_cpu(
   const float* xp = rows<float>(x, encoder);
   const uint8_t* wp = rows<uint8_t>(w, encoder);
   float* yp = y.data<float>();
-  const int bits = bits_;
+  const int bits = bits_, group = PackedPrimitive::group(K, scale_bias);
   const int threads = threads_on(stream(), M);
   const bool dot = dot_, precise = precise_;
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
       if (dot) {
-        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, precise, threads);
+        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, group, precise, threads);
       } else {
-        run.qmatmul_f16(xp, wp, sp, yp, M, N, K, bits, threads);
+        run.qmatmul_f16(xp, wp, sp, yp, M, N, K, bits, group, threads);
       }
     });
   } else {
     encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
       if (dot) {
-        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, precise, threads);
+        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, group, precise, threads);
       } else {
-        run.qmatmul_f32(xp, wp, sp, yp, M, N, K, bits, threads);
+        run.qmatmul_f32(xp, wp, sp, yp, M, N, K, bits, group, threads);
       }
     });
   }

@@ -18,7 +18,7 @@
 //   4 bits: per 8 inputs k..k+7, 64 bytes: byte 4j+i = q[n0 + j][k+i] | q[n0 + j][k+4+i] << 4
 // so each 32-bit lane holds one output row's 4 consecutive inputs, and a dot product of a weight
 // vector with 4 bytes of x broadcast sums them per row with no horizontal sums. Scales and
-// biases as the float path's: per tile and block of 32 inputs 16 scales then 16 biases.
+// biases as the float path's: per tile and group of inputs 16 scales then 16 biases.
 
 #include "parallel.h"
 #include "qdot_tiles.h"
@@ -40,14 +40,14 @@ void run(const Problem<S>& p, int threads) {
 
 template <int TERMS, typename S>
 void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
-          int bits, int threads) {
+          int bits, int group, int threads) {
   const size_t per_block = size_t(M) * TERMS * (K / BLOCK);
   // One allocation: x8 (K / 4 floats' bytes per int8 row), then d and sum8 per block.
   Scratch scratch(size_t(M) * TERMS * K / 4 + 2 * per_block);
   int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
   float* d = scratch.data() + size_t(M) * TERMS * K / 4;
   quantize_rows<TERMS>(x, M, K, threads, x8, d, d + per_block);
-  const Problem<S> p{{x8, d, d + per_block}, w, scale_bias, y, M, N, K};
+  const Problem<S> p{{x8, d, d + per_block}, w, scale_bias, y, M, N, K, scale_shift(group)};
   if (bits == 4) {
     run<4, TERMS, S>(p, threads);
   } else {
@@ -57,11 +57,11 @@ void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M
 
 template <typename S>
 void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
-          int bits, bool precise, int threads) {
+          int bits, int group, bool precise, int threads) {
   if (precise) {
-    qdot<2, S>(x, w, scale_bias, y, M, N, K, bits, threads);
+    qdot<2, S>(x, w, scale_bias, y, M, N, K, bits, group, threads);
   } else {
-    qdot<1, S>(x, w, scale_bias, y, M, N, K, bits, threads);
+    qdot<1, S>(x, w, scale_bias, y, M, N, K, bits, group, threads);
   }
 }
 
@@ -74,13 +74,13 @@ const bool integer_dot = true;
 #endif
 
 void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-              int K, int bits, bool precise, int threads) {
-  qdot(x, w, scale_bias, y, M, N, K, bits, precise, threads);
+              int K, int bits, int group, bool precise, int threads) {
+  qdot(x, w, scale_bias, y, M, N, K, bits, group, precise, threads);
 }
 
 void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
-              int K, int bits, bool precise, int threads) {
-  qdot(x, w, scale_bias, y, M, N, K, bits, precise, threads);
+              int K, int bits, int group, bool precise, int threads) {
+  qdot(x, w, scale_bias, y, M, N, K, bits, group, precise, threads);
 }
 
 }  // namespace MLXD_ISA

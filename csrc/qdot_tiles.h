@@ -111,9 +111,10 @@ template <typename S>
 struct Problem {
   Quantized x;
   const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes] (pack_dot's layout)
-  const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
+  const S* scale_bias;  // [N / 16 tiles, K / group, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;  // M: rows of x (of y)
+  int scale_shift;  // log2(group / 32): blocks of 32 inputs share a scale and bias
 
   // Vector v of work item g's weights (tile g * TILES + v / V, lanes from (v % V) * W), 4-byte
   // lanes.
@@ -121,8 +122,12 @@ struct Problem {
   const uint8_t* weights(int g, int v) const {
     return w + size_t(g * TILES + v / V) * K * BITS / 8 * LANES + (v % V) * W * 4;
   }
+  const S* scales(int g, int v) const {  // its W scales of the first group
+    return scale_bias + size_t(g * TILES + v / V) * (K / BLOCK >> scale_shift) * 2 * LANES +
+           (v % V) * W;
+  }
   const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
-    return scale_bias + (size_t(g * TILES + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
+    return scales(g, v) + size_t(block >> scale_shift) * 2 * LANES;
   }
   float* out(int m, int g, int v) const {
     return y + size_t(m) * N + g * GROUP + v * W;
@@ -159,6 +164,11 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
   const int8_t* x8 = p.x.x8 + first * p.K;
   const float* d = p.x.d + first * blocks;
   const float* sum8 = p.x.sum8 + first * blocks;
+  // Work item g's first group's scales, computed once: precise at one row is compute-bound.
+  const S* scales[NV];
+  for (int v = 0; v < NV; ++v) {
+    scales[v] = p.scales(g, v);
+  }
   vf y[MB / TERMS][NV] = {};
   for (int b = 0; b < blocks; ++b) {
     prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
@@ -180,9 +190,10 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
         }
       }
     }
+    const size_t group = size_t(b >> p.scale_shift) * 2 * LANES;
     for (int v = 0; v < NV; ++v) {
-      const vf scale = load_scales(p.scales(g, v, b));
-      const vf bias = load_scales(p.scales(g, v, b) + LANES) + OFFSET * scale;
+      const vf scale = load_scales(scales[v] + group);
+      const vf bias = load_scales(scales[v] + group + LANES) + OFFSET * scale;
       for (int r = 0; r < MB; ++r) {
         vi sum = part[r][v][0];
         for (int s = 1; s < SPLIT; ++s) {

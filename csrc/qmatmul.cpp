@@ -10,10 +10,11 @@
 // no horizontal sums are needed: output rows go in tiles of 16, and for each tile and input k
 //   8 bits: 16 bytes, q[n0 + j][k] for j < 16
 //   4 bits: 16 bytes per pair (k, k + 1), byte j = q[n0 + j][k] | q[n0 + j][k + 1] << 4
-// and per tile and block of 32 inputs 16 scales then 16 biases, float16 (when that is exact,
-// as for a GGUF's) or float32: w = scale * q + bias (MLX's affine quantization). At batch 1 a
-// step streams every weight from memory, so the bytes per weight set its pace: 4.5 bits here
-// with float16 scales, as a Q4_1 GGUF.
+// and per tile and group of inputs (32, or the model's 64 or 128) 16 scales then 16 biases,
+// float16 (when that is exact, as for a GGUF's) or float32: w = scale * q + bias (MLX's affine
+// quantization). At batch 1 a step streams every weight from memory, so the bytes per weight
+// set its pace: with float16 scales 5 bits in groups of 32 (as a Q4_1 GGUF), 4.5 in groups of
+// 64 (as Q4_0).
 //
 // In registers the bias is factored out of each block, as llama.cpp does:
 //   sum_k x_k (s q_k + b) = s sum_k x_k q_k + b sum_k x_k
@@ -53,8 +54,8 @@ void run(const Problem<S>& p) {
 
 template <typename S>
 void qmatmul(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
-             int bits, int threads) {
-  const Problem<S> p{x, w, scale_bias, y, M, N, K, threads};
+             int bits, int group, int threads) {
+  const Problem<S> p{x, w, scale_bias, y, M, N, K, scale_shift(group), threads};
   if (bits == 4) {
     run<4, S>(p);
   } else {
@@ -65,13 +66,13 @@ void qmatmul(const float* x, const uint8_t* w, const S* scale_bias, float* y, in
 }  // namespace
 
 void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-                 int K, int bits, int threads) {
-  qmatmul(x, w, scale_bias, y, M, N, K, bits, threads);
+                 int K, int bits, int group, int threads) {
+  qmatmul(x, w, scale_bias, y, M, N, K, bits, group, threads);
 }
 
 void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
-                 int N, int K, int bits, int threads) {
-  qmatmul(x, w, scale_bias, y, M, N, K, bits, threads);
+                 int N, int K, int bits, int group, int threads) {
+  qmatmul(x, w, scale_bias, y, M, N, K, bits, group, threads);
 }
 
 }  // namespace MLXD_ISA

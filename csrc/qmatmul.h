@@ -6,7 +6,8 @@
 
 namespace mlxd {
 
-// x [..., K]; w uint8 [N, K * bits / 8]; scale_bias float16 or float32 [N / 16, K / 32, 2, 16].
+// x [..., K]; w uint8 [N, K * bits / 8]; scale_bias float16 or float32 [N / 16, K / group, 2,
+// 16], a scale and bias per group inputs (32 times a power of two).
 // dot: w in pack_dot's layout, multiplied by integer dot products (qdot.cpp; precise: x as
 // two int8 terms), else in pack's.
 mlx::core::array qmatmul(
@@ -25,7 +26,8 @@ class PackedPrimitive : public CpuPrimitive {
 
   // Whether `experts` packed matrices [N, K] of `bits` agree with w's `row_bytes` and
   // `scale_bias`: K in blocks of 32 inputs, N in multiples of 32 rows (mlxd.kernels.packable's
-  // rule), float16 or float32 scales. Throws std::invalid_argument(`disagree`) otherwise.
+  // rule), float16 or float32 scales, a pair per group of 32 times a power of two inputs.
+  // Throws std::invalid_argument(`disagree`) otherwise.
   static void check_weights(
       const char* disagree,
       int bits,
@@ -34,6 +36,11 @@ class PackedPrimitive : public CpuPrimitive {
       int K,
       int row_bytes,
       const mlx::core::array& scale_bias);
+
+  // The inputs sharing a scale and bias: scale_bias [..., K / group, 2, 16].
+  static int group(int K, const mlx::core::array& scale_bias) {
+    return K / scale_bias.shape(-3);
+  }
 
   bool is_equivalent(const mlx::core::Primitive& other) const override {
     const auto& same = static_cast<const PackedPrimitive&>(other);

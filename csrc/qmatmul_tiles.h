@@ -65,9 +65,10 @@ template <typename S>
 struct Problem {
   const float* x;  // [M, K]
   const uint8_t* w;  // [N / 16 tiles, K * bits / 8 * 16 bytes]
-  const S* scale_bias;  // [N / 16 tiles, K / 32 blocks, 2 (scale, bias), 16]
+  const S* scale_bias;  // [N / 16 tiles, K / group, 2 (scale, bias), 16]
   float* y;  // [M, N]
   int M, N, K;
+  int scale_shift;  // log2(group / 32): blocks of 32 inputs share a scale and bias
   int threads;
 
   // Vector v of work item g's weights, work items of T tiles (tile g * T + v / V, lanes from
@@ -77,8 +78,13 @@ struct Problem {
     return w + size_t(g * T + v / V) * K * BITS / 8 * LANES + (v % V) * W;
   }
   template <int T = TILES>
+  const S* scales(int g, int v) const {  // its W scales of the first group
+    return scale_bias + size_t(g * T + v / V) * (K / BLOCK >> scale_shift) * 2 * LANES +
+           (v % V) * W;
+  }
+  template <int T = TILES>
   const S* scales(int g, int v, int block) const {  // its W scales; the biases follow at +16
-    return scale_bias + (size_t(g * T + v / V) * (K / BLOCK) + block) * 2 * LANES + (v % V) * W;
+    return scales<T>(g, v) + size_t(block >> scale_shift) * 2 * LANES;
   }
   template <int T = TILES>
   float* out(int m, int g, int v) const {
@@ -110,6 +116,10 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
   const int blocks = p.K / BLOCK;
   const float* x = p.x + size_t(m0) * p.K;
   xsum += size_t(m0) * blocks;
+  const S* scales[NV];  // work item g's first group, computed once (as qdot_tiles.h's)
+  for (int v = 0; v < NV; ++v) {
+    scales[v] = p.scales(g, v);
+  }
   vf y[MB][NV] = {};
   for (int b = 0; b < blocks; ++b) {
     prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
@@ -131,9 +141,10 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
         }
       }
     }
+    const size_t group = size_t(b >> p.scale_shift) * 2 * LANES;
     for (int v = 0; v < NV; ++v) {
-      const vf scale = load_scales(p.scales(g, v, b));
-      const vf bias = load_scales(p.scales(g, v, b) + LANES);
+      const vf scale = load_scales(scales[v] + group);
+      const vf bias = load_scales(scales[v] + group + LANES);
       for (int i = 0; i < MB; ++i) {
         vf sum = part[i][v][0];
         for (int s = 1; s < SPLIT; ++s) {

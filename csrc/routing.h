@@ -16,16 +16,17 @@ struct Gather {
   const float* x;  // [T, K]
   const int32_t* idx;  // [T, J]
   const uint8_t* w;  // [E, N / 16 tiles, K * bits / 8 * 16 bytes] (either layout)
-  const S* scale_bias;  // [E, N / 16 tiles, K / 32 blocks, 2, 16]
+  const S* scale_bias;  // [E, N / 16 tiles, K / group, 2, 16]
   float* y;  // [T, J, N]
   int T, J, E, N, K;
+  int scale_shift;  // log2(group / 32): a scale and bias per group inputs
   int threads;
 
   const uint8_t* weights(int e, int bits) const {  // expert e's
     return w + size_t(e) * N * K * bits / 8;
   }
-  const S* scales(int e) const {  // 2 per 16 rows and 32 inputs
-    return scale_bias + size_t(e) * N * K / 16;
+  const S* scales(int e) const {  // 2 per 16 rows and group inputs
+    return scale_bias + (size_t(e) * N * K / 16 >> scale_shift);
   }
 };
 

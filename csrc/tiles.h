@@ -11,7 +11,10 @@ namespace MLXD_ISA {
 
 namespace {
 
-constexpr int BLOCK = 32;  // inputs sharing one scale and bias (and, int8 path, one x scale)
+// Inputs per step of the kernels' loops (and, int8 path, per x scale). A weight scale and bias
+// serve a group of 2^scale_shift blocks: a model quantized in groups of 64 keeps one pair per
+// 64 inputs (4.5 bits a 4-bit weight, not 5: the bytes a decode step streams).
+constexpr int BLOCK = 32;
 constexpr int LANES = 16;  // output rows per tile (the packed layout)
 constexpr int V = LANES / W;  // vectors per tile
 
@@ -31,6 +34,12 @@ constexpr int TILES = 1;
 constexpr int NV = TILES * V;  // vectors of output rows a work item
 constexpr int GROUP = TILES * LANES;  // output rows per work item
 constexpr int PREFETCH_BLOCKS = 4;  // how far ahead (blocks of 32 inputs) weights are fetched
+
+// log2(group / BLOCK), for a group of inputs sharing a scale (the op checked: 32 times a power
+// of two).
+inline int scale_shift(int group) {
+  return __builtin_ctz(unsigned(group / BLOCK));
+}
 
 }  // namespace
 }  // namespace MLXD_ISA

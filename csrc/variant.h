@@ -12,29 +12,29 @@ namespace mlxd {
 namespace MLXD_ISA {
 
 void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-                 int K, int bits, int threads);
+                 int K, int bits, int group, int threads);
 void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
-                 int N, int K, int bits, int threads);
+                 int N, int K, int bits, int group, int threads);
 void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-              int K, int bits, bool precise, int threads);
+              int K, int bits, int group, bool precise, int threads);
 void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
-              int K, int bits, bool precise, int threads);
+              int K, int bits, int group, bool precise, int threads);
 extern const bool integer_dot;
 void attention(const AttentionArgs& args, int threads);
 void rms_norm(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
 void swiglu(const float* gate, const float* x, float* y, size_t n);
 void gather_qmatmul_f32(const float* x, const int32_t* idx, const uint8_t* w,
                         const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                        int bits, int threads);
+                        int bits, int group, int threads);
 void gather_qmatmul_f16(const float* x, const int32_t* idx, const uint8_t* w,
                         const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                        int bits, int threads);
+                        int bits, int group, int threads);
 void gather_qdot_f32(const float* x, const int32_t* idx, const uint8_t* w,
                      const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                     int bits, bool precise, int threads);
+                     int bits, int group, bool precise, int threads);
 void gather_qdot_f16(const float* x, const int32_t* idx, const uint8_t* w,
                      const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                     int bits, bool precise, int threads);
+                     int bits, int group, bool precise, int threads);
 void sample(const float* logits, const float* inv_temperature, const float* top_p,
             const float* u, uint32_t* tokens, int rows, int V, int threads);
 

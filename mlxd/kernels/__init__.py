@@ -28,6 +28,7 @@ from mlxd.kernels.layout import pack as pack
 from mlxd.kernels.layout import pack_dot as pack_dot
 from mlxd.kernels.layout import pack_experts as pack_experts
 from mlxd.kernels.layout import packable as packable
+from mlxd.kernels.layout import scale_group as scale_group
 from mlxd.kernels.layout import take_rows as take_rows
 from mlxd.kernels.layout import why_not_packable as why_not_packable
 

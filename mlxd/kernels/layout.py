@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-BLOCK = 32  # inputs per scale and bias in the kernel
+BLOCK = 32  # inputs per step of the kernels' loops; a scale and bias serve one or more
 LANES = 16  # output rows per tile
 PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of LANES)
 
@@ -23,7 +23,7 @@ class Packed:
     """Weights [N, K] in the kernel's layout, or a stack of E such (`pack_experts`): [E, N, K]."""
 
     weight: mx.array  # uint8 [(E,) N, K * bits / 8], tiled
-    scale_bias: mx.array  # float16 or float32 [(E,) N / 16, K / 32, 2 (scale, bias), 16]
+    scale_bias: mx.array  # float16 or float32 [(E,) N / 16, K / group, 2 (scale, bias), 16]
     bits: int
     dot: bool = False  # pack_dot's layout: multiplied by integer dot products
     precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
@@ -32,6 +32,22 @@ class Packed:
     def shape(self) -> tuple[int, int]:
         """(N, K): one matrix's (an expert's, for a stack)."""
         return self.weight.shape[-2], self.weight.shape[-1] * 8 // self.bits
+
+    @property
+    def group(self) -> int:
+        """Inputs sharing a scale and bias (`scale_group` of the quantization's group)."""
+        return self.shape[1] // self.scale_bias.shape[-3]
+
+
+def scale_group(group_size: int) -> int:
+    """The inputs a packed scale and bias serve for a quantization `group_size` (a multiple
+    of BLOCK): the group itself where the kernels step it (BLOCK times a power of two: 32, 64,
+    128), else its largest such divisor. One pair per 64 inputs, not per 32, is 4.5 bits a
+    4-bit weight instead of 5: a tenth fewer bytes for a decode step to stream."""
+    group = BLOCK
+    while group_size % (2 * group) == 0:
+        group *= 2
+    return group
 
 
 def packable(rows: int, group_size: int, bits: int) -> bool:
@@ -58,8 +74,8 @@ def pack(
 
     The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
     for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
-    per tile and block of 32 inputs 16 scales then 16 biases, in float16 when that holds them
-    exactly (a GGUF's do), else float32.
+    per tile and group of inputs (`scale_group`) 16 scales then 16 biases, in float16 when that
+    holds them exactly (a GGUF's do), else float32.
     """
     return _pack_rows(weight, scales, biases, group_size, bits, _float_layout)
 
@@ -127,8 +143,8 @@ def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     values = mx.take_along_axis(data, lane[:, None, None, None], axis=2)[:, :, 0]
     if packed.bits == 4:  # a group's earlier inputs in its low nibbles, the later in the high
         values = mx.concatenate([values & 0xF, values >> 4], axis=-1)
-    values = values.reshape(flat.shape[0], inputs // BLOCK, BLOCK).astype(mx.float32)
-    both = packed.scale_bias[tile]  # [n, blocks, 2, 16]
+    values = values.reshape(flat.shape[0], -1, packed.group).astype(mx.float32)
+    both = packed.scale_bias[tile]  # [n, groups, 2, 16]
     both = mx.take_along_axis(both, lane[:, None, None, None], axis=3)[..., 0]
     out = values * both[..., 0:1].astype(mx.float32) + both[..., 1:2].astype(mx.float32)
     return out.reshape(*ids.shape, inputs)
@@ -157,7 +173,7 @@ def _pack_rows(
     raw = _row_bytes(weight)
     scales32, biases32 = (np.asarray(a.astype(mx.float32)) for a in (scales, biases))
     packed_weight = np.empty((rows, words * 4), np.uint8)
-    both = np.empty((rows // LANES, inputs // BLOCK, 2, LANES), np.float32)
+    both = np.empty((rows // LANES, inputs // scale_group(group_size), 2, LANES), np.float32)
 
     def pack_slice(start: int) -> None:
         stop = min(start + PACK_ROWS, rows)
@@ -209,10 +225,12 @@ def _dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _scales_biases(scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
-    """[rows, K / group] → [tiles, K / 32 blocks, 2, 16]: each tile's 16 scales, then biases."""
+    """[rows, K / group] → [tiles, K / scale_group, 2, 16]: each tile's 16 scales, then
+    biases."""
     both = np.stack([scales, biases])
     rows = both.shape[1]
-    both = np.repeat(both, group_size // BLOCK, axis=2).reshape(2, rows // LANES, LANES, -1)
+    repeats = group_size // scale_group(group_size)
+    both = np.repeat(both, repeats, axis=2).reshape(2, rows // LANES, LANES, -1)
     return both.transpose(1, 3, 0, 2)
 
 

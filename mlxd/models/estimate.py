@@ -112,17 +112,18 @@ def _packed_bytes(
         if module not in modules or leaf not in ("weight", "scales", "biases"):
             total += as_loaded
             continue
-        out, in_dims, _, bits = modules[module]
+        out, in_dims, group, bits = modules[module]
         if module.endswith("embed_tokens") and not tied:  # lookups only: the stored table
             total += as_loaded
         elif module in unpacked:  # float32 for BLAS
             total += out * in_dims * 4 if leaf == "weight" else 0
         elif leaf == "weight":
-            # A scale and a bias per 32 inputs: float16 when stored so (a GGUF's), else
-            # float32 (kernels.pack keeps float16 only where it is exact).
+            # A scale and a bias per group (kernels.scale_group): float16 when stored so (a
+            # GGUF's), else float32 (kernels.pack keeps float16 only where it is exact).
             halves = all(tensors[f"{module}.{n}"]["dtype"] == "F16" for n in ("scales", "biases"))
             weights = out * in_dims * KERNEL_BITS[bits] // 8  # as widened (packability.KERNEL_BITS)
-            total += weights + out * in_dims // kernels.BLOCK * (4 if halves else 8)
+            pairs = out * in_dims // kernels.scale_group(group)
+            total += weights + pairs * (4 if halves else 8)
     return total
 
 

@@ -270,7 +270,8 @@ def fits(packed: Packed, module: Quantized, dot: bool, precise: bool = True) -> 
     *experts, rows, words = module.weight.shape
     inputs = words * 32 // module.bits
     width = KERNEL_BITS[module.bits]
-    tiles = (*experts, rows // kernels.LANES, inputs // kernels.BLOCK, 2, kernels.LANES)
+    groups = inputs // kernels.scale_group(module.group_size)
+    tiles = (*experts, rows // kernels.LANES, groups, 2, kernels.LANES)
     return (
         packed.bits == width
         and packed.dot == dot

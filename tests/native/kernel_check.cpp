@@ -15,31 +15,31 @@ static uint16_t to_half(float f) {  // exact for the scales and biases used (k /
   __fp16 h = static_cast<__fp16>(f); uint16_t b; std::memcpy(&b, &h, 2); return b; }
 int check(const Kernels& k) {
   int bad = 0; srand(1);
-  for (int bits : {4, 8}) for (int K : {64, 576}) for (int M : {1, 3, 7, 9, 33, 40}) {
+  for (int bits : {4, 8}) for (int K : {64, 576}) for (int G : {32, 64}) for (int M : {1, 3, 7, 9, 33, 40}) {
     const int N = 64, levels = bits == 4 ? 16 : 256;
     std::vector<uint8_t> q(N * K); for (auto& v : q) v = rand() % levels;
     std::vector<float> x(M * K); for (auto& v : x) v = (rand() % 2001 - 1000) / 1000.0f;
-    std::vector<float> sc(N * (K / 32)), bi(N * (K / 32));
+    std::vector<float> sc(N * (K / G)), bi(N * (K / G));  // a scale and bias per G inputs
     for (auto& v : sc) v = (rand() % 64 + 1) / 1024.0f; for (auto& v : bi) v = -(rand() % 64) / 256.0f;
-    // pack: tiles of 16 rows; per k (8 bits) or pair (4 bits) 16 bytes; per tile, block: 16 scales, 16 biases
+    // pack: tiles of 16 rows; per k (8 bits) or pair (4 bits) 16 bytes; per tile, group: 16 scales, 16 biases
     std::vector<uint8_t> w(N * K * bits / 8); size_t at = 0;
     for (int t = 0; t < N / 16; ++t) {
       if (bits == 8) for (int kk = 0; kk < K; ++kk) for (int j = 0; j < 16; ++j) w[at++] = q[(t*16+j)*K+kk];
       else for (int kk = 0; kk < K; kk += 2) for (int j = 0; j < 16; ++j) w[at++] = q[(t*16+j)*K+kk] | q[(t*16+j)*K+kk+1] << 4;
     }
-    std::vector<uint16_t> sb(N * (K / 32) * 2);
-    for (int t = 0; t < N / 16; ++t) for (int b = 0; b < K / 32; ++b) for (int j = 0; j < 16; ++j) {
-      sb[((t*(K/32)+b)*2+0)*16+j] = to_half(sc[(t*16+j)*(K/32)+b]);
-      sb[((t*(K/32)+b)*2+1)*16+j] = to_half(bi[(t*16+j)*(K/32)+b]);
+    std::vector<uint16_t> sb(N * (K / G) * 2);
+    for (int t = 0; t < N / 16; ++t) for (int b = 0; b < K / G; ++b) for (int j = 0; j < 16; ++j) {
+      sb[((t*(K/G)+b)*2+0)*16+j] = to_half(sc[(t*16+j)*(K/G)+b]);
+      sb[((t*(K/G)+b)*2+1)*16+j] = to_half(bi[(t*16+j)*(K/G)+b]);
     }
     std::vector<float> y(M * N);
-    k.qmatmul_f16(x.data(), w.data(), sb.data(), y.data(), M, N, K, bits, 2);
+    k.qmatmul_f16(x.data(), w.data(), sb.data(), y.data(), M, N, K, bits, G, 2);
     double worst = 0;
     for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
-      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += x[m*K+kk] * (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]);
+      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += x[m*K+kk] * (double(sc[n*(K/G)+kk/G]) * q[n*K+kk] + bi[n*(K/G)+kk/G]);
       worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
     }
-    if (worst > 1e-3) { printf("%s qmatmul bits %d K %d M %d: error %g\n", k.isa, bits, K, M, worst); ++bad; }
+    if (worst > 1e-3) { printf("%s qmatmul bits %d K %d G %d M %d: error %g\n", k.isa, bits, K, G, M, worst); ++bad; }
     // qdot: pack_dot's layout (per tile 4 inputs of a row per 32-bit lane; 4 bits: k+4..k+7 in the high nibbles)
     // against float64 with x rounded to int8 per block of 32 as the kernel does (d = max |x| / 127).
     std::vector<uint8_t> wd(N * K * bits / 8); at = 0;
@@ -58,13 +58,13 @@ int check(const Kernels& k) {
           xr[m*K+b*32+i] = x8 * double(step) + rest * double(step / 254);
         }
       }
-      k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, precise, 2);
+      k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, G, precise, 2);
       worst = 0;
       for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
-        double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/32)+kk/32]) * q[n*K+kk] + bi[n*(K/32)+kk/32]) * xr[m*K+kk];
+        double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/G)+kk/G]) * q[n*K+kk] + bi[n*(K/G)+kk/G]) * xr[m*K+kk];
         worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
       }
-      if (worst > 1e-3) { printf("%s qdot bits %d K %d M %d precise %d: error %g\n", k.isa, bits, K, M, precise, worst); ++bad; }
+      if (worst > 1e-3) { printf("%s qdot bits %d K %d G %d M %d precise %d: error %g\n", k.isa, bits, K, G, M, precise, worst); ++bad; }
     }
   }
   // attention: decode and tiled prefill, causal, D 64; float32 K/V, then float16 (a 16-bit cache)

@@ -59,6 +59,27 @@ def test_take_rows_reads_each_layout_exactly(bits: int, dot: bool) -> None:
     assert mx.array_equal(kernels.take_rows(packed, ids), table[ids]).item()
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_scale_and_bias_serve_the_models_group(group: int) -> None:
+    # One pair per 64 inputs for a model quantized in 64s (4.5 bits a 4-bit weight, not 5).
+    weight, scales, biases = mx.quantize(mx.random.normal((32, 384)), group_size=group, bits=4)
+    x = mx.random.normal((3, 384))
+    expected = x @ mx.dequantize(weight, scales, biases, group, 4).T
+    for dot in (False, True):
+        if dot:
+            packed = kernels.pack_dot(weight, scales, biases, group, 4, precise=True)
+        else:
+            packed = kernels.pack(weight, scales, biases, group, 4)
+        assert packed.group == kernels.scale_group(group) == group
+        assert packed.scale_bias.shape == (2, 384 // group, 2, 16)
+        error = mx.abs(kernels.qmatmul(x, packed) - expected).max().item()
+        assert error < 1e-4 * mx.abs(expected).max().item(), (dot, error)
+
+
+def test_a_group_the_kernels_cannot_step_is_served_in_its_largest_part_they_can() -> None:
+    assert [kernels.scale_group(g) for g in (96, 160, 192, 256)] == [32, 32, 64, 256]
+
+
 def test_pack_refuses_what_the_kernel_cannot_run() -> None:
     weight, scales, biases = mx.quantize(mx.random.normal((48, 64)), group_size=32, bits=4)
     assert not kernels.packable(weight.shape[0], 32, 4)  # 48 output rows: tiles are 32
