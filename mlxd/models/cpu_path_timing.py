@@ -226,9 +226,33 @@ def time_paths_here(
 
 
 def machine_busy() -> bool:
-    """Over the last minute, twice as many runnable tasks as cores: timings taken now say more
-    about the other work than about the paths."""
-    return os.getloadavg()[0] > 2 * len(os.sched_getaffinity(0))
+    """Other work holding every core now: timings taken now would say more about it than about
+    the paths. Read from the kernel's count of runnable tasks where there is one; else from the
+    one-minute load average (twice the cores), which lags: right after a heavy job (a benchmark,
+    another model's load) it calls an idle machine busy, and the next load times again."""
+    cores = len(os.sched_getaffinity(0))
+    running = runnable_tasks()
+    if running is None:
+        return os.getloadavg()[0] > 2 * cores
+    return running - 1 >= cores  # this thread is one of them
+
+
+def runnable_tasks(samples: int = 5, interval_s: float = 0.01) -> int | None:
+    """The machine's runnable tasks now (Linux's /proc/stat procs_running, the middle of a few
+    samples: one can catch a moment's spike), or None where the kernel does not say."""
+    counts = []
+    for i in range(samples):
+        if i:
+            time.sleep(interval_s)
+        try:
+            stat = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+        found = re.search(r"^procs_running (\d+)$", stat, re.MULTILINE)
+        if found is None:
+            return None
+        counts.append(int(found.group(1)))
+    return sorted(counts)[len(counts) // 2]
 
 
 # This process's timings by key, whether they came from the disk cache and whether they are

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
@@ -388,6 +390,26 @@ def test_timings_taken_on_a_busy_machine_are_used_but_not_cached(
         choice = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
         assert choice is not None and choice.plan == "float32" and not choice.cached
     assert len(timed) == 2 and not list(tmp_path.rglob("*.json"))
+
+
+def test_busy_means_other_work_holds_every_core_now(monkeypatch):
+    from mlxd.models import cpu_path_timing
+
+    cores = len(os.sched_getaffinity(0))
+    for others, busy in ((0, False), (cores - 1, False), (cores, True)):
+        monkeypatch.setattr(cpu_path_timing, "runnable_tasks", lambda n=others: n + 1)
+        assert cpu_path_timing.machine_busy() is busy
+    # Not the minute's average: it lags behind a heavy job that has ended.
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    monkeypatch.setattr(cpu_path_timing, "runnable_tasks", lambda: 1)
+    assert not cpu_path_timing.machine_busy()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc/stat")
+def test_runnable_tasks_count_the_caller():
+    from mlxd.models import cpu_path_timing
+
+    assert (cpu_path_timing.runnable_tasks() or 0) >= 1
 
 
 def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
