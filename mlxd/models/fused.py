@@ -61,7 +61,7 @@ def fuse(layers: list[nn.Module]) -> Fused | None:
         return None
     linears = cast(list[PackedLinear], layers)
     packed = [linear.packed for linear in linears]
-    layout = {(p.bits, p.dot, p.precise, p.scale_bias.dtype, p.shape[1]) for p in packed}
+    layout = {(p.bits, p.dot, p.precise, p.scale_bias.dtype, p.shape[1], p.group) for p in packed}
     biases = [linear.get("bias") for linear in linears]
     if len(layout) != 1 or len({b is None for b in biases}) != 1:
         return None

@@ -14,11 +14,11 @@ from mlxd.models.packed import PackedLinear, SplitLinear, pack
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="mlxd's CPU kernels not built")
 
 
-def linear(rows: int, inputs: int, dot: bool, bias: bool) -> PackedLinear:
+def linear(rows: int, inputs: int, dot: bool, bias: bool, group: int = 32) -> PackedLinear:
     w = mx.random.normal((rows, inputs)) * 0.05
-    quantized = mx.quantize(w, group_size=32, bits=4)
+    quantized = mx.quantize(w, group_size=group, bits=4)
     return PackedLinear(
-        pack(*quantized, 32, 4, dot=dot), mx.random.normal((rows,)) if bias else None
+        pack(*quantized, group, 4, dot=dot), mx.random.normal((rows,)) if bias else None
     )
 
 
@@ -46,6 +46,7 @@ def test_layers_of_another_kind_or_layout_stay_apart() -> None:
     assert fuse([*parts[:2], linear(64, 256, True, False)]) is None  # another layout
     assert fuse([*parts[:2], linear(64, 256, False, True)]) is None  # one bias of three
     assert fuse([*parts[:2], linear(64, 128, False, False)]) is None  # another input width
+    assert fuse([*parts[:2], linear(64, 256, False, False, 64)]) is None  # scales per 64
     split = SplitLinear(parts[2], mx.zeros((64, 256)), lambda rows: "packed")
     assert fuse([*parts[:2], split]) is None  # the mixed plan's two weight sets
 
