@@ -17,9 +17,9 @@ that llama.cpp's own `llama-quantize` makes of it, and an MLX 4-bit directory of
 It reports each one's load time (process start to GET /health answering 200), the peak RSS
 (VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
 the first load (mlxd's: conversion and packing too), after the cached load and after each
-level, and tok/s and TTFT at each level from mlxd's load generator (same
-prompts, greedy, same max_tokens for every server). llama-server maps the GGUF, so its RSS
-counts the file's pages it touched; mlxd's worker holds its weights in memory.
+level, and tok/s and TTFT at each level from mlxd's load generator (same prompts, greedy or
+`--sampling t0.7/p0.9`, same max_tokens for every server). llama-server maps the GGUF, so its
+RSS counts the file's pages it touched; mlxd's worker holds its weights in memory.
 """
 
 from __future__ import annotations
@@ -55,7 +55,13 @@ from benchmarks.compare import (  # noqa: E402
 )
 from benchmarks.gguf_import import SHAPES  # noqa: E402
 from benchmarks.random_llama import quantize, write_f16_gguf, write_mlx_4bit  # noqa: E402
-from mlxd.cli.loadgen import LevelResult, parse_levels, print_results, run_sweep  # noqa: E402
+from mlxd.cli.loadgen import (  # noqa: E402
+    SAMPLING,
+    LevelResult,
+    parse_levels,
+    print_results,
+    run_sweep,
+)
 
 GIB = 2**30
 
@@ -102,7 +108,9 @@ def timed_start(
 
 
 def sweep_level(url: str, level: int, args: argparse.Namespace) -> LevelResult:
-    results = asyncio.run(run_sweep(url, MODEL_NAME, [level], args.max_tokens, args.requests))
+    sampling = SAMPLING[args.sampling]
+    sweep = run_sweep(url, MODEL_NAME, [level], args.max_tokens, args.requests, sampling=sampling)
+    results = asyncio.run(sweep)
     return results[0]
 
 
@@ -249,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--levels", type=parse_levels, default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sampling", choices=list(SAMPLING), default="greedy")
     parser.add_argument("--requests", type=int, default=None, help="per level (default 2×C)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -279,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_model()}; flags: {cpu_flags()}; {os.cpu_count()} cores")
     print(f"shape {args.shape}: {gguf} ({gguf.stat().st_size / GIB:.2f} GiB)")
     print(f"LD_PRELOAD (both): {env.get('LD_PRELOAD', '(none)')}")
-    print(f"levels {args.levels}, max_tokens {args.max_tokens}, greedy, threads {args.threads}")
+    print(
+        f"levels {args.levels}, max_tokens {args.max_tokens}, {args.sampling} "
+        f"{dict(SAMPLING[args.sampling])}, threads {args.threads}"
+    )
 
     runs: dict[str, PeerRun] = {}
     failed = False
