@@ -190,10 +190,10 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
         }
       }
     }
-    const size_t group = size_t(b >> p.scale_shift) * 2 * LANES;
+    const size_t group_at = size_t(b >> p.scale_shift) * 2 * LANES;  // block b's pairs
     for (int v = 0; v < NV; ++v) {
-      const vf scale = load_scales(scales[v] + group);
-      const vf bias = load_scales(scales[v] + group + LANES) + OFFSET * scale;
+      const vf scale = load_scales(scales[v] + group_at);
+      const vf bias = load_scales(scales[v] + group_at + LANES) + OFFSET * scale;
       for (int r = 0; r < MB; ++r) {
         vi sum = part[r][v][0];
         for (int s = 1; s < SPLIT; ++s) {

@@ -141,10 +141,10 @@ void rows_in_registers(const Problem<S>& p, const float* xsum, int g, int m0) {
         }
       }
     }
-    const size_t group = size_t(b >> p.scale_shift) * 2 * LANES;
+    const size_t group_at = size_t(b >> p.scale_shift) * 2 * LANES;  // block b's pairs
     for (int v = 0; v < NV; ++v) {
-      const vf scale = load_scales(scales[v] + group);
-      const vf bias = load_scales(scales[v] + group + LANES);
+      const vf scale = load_scales(scales[v] + group_at);
+      const vf bias = load_scales(scales[v] + group_at + LANES);
       for (int i = 0; i < MB; ++i) {
         vf sum = part[i][v][0];
         for (int s = 1; s < SPLIT; ++s) {
