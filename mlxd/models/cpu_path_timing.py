@@ -8,15 +8,16 @@ figure is a whole-model step estimate: layers × one layer's matmuls, plus the h
 `HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
 float32 head need not be materialised. Everything else a step does (attention, norms, RoPE)
 runs the same kernels on both paths and is left out. A decode figure is the fastest of
-`REPEATS` runs after a warm-up; the prefill chunk, which costs the most and runs on weights and
-threads the decode phases warmed, the fastest of `PREFILL_REPEATS` without one, timed over at
-most `PREFILL_ROWS` rows and scaled to the chunk: from 64 rows both paths are compute-bound
-(the kernels dequantize a tile once per pass over all rows), so time grows with the rows.
-Measured here: ≈ 7 s for SmolLM2 and ≈ 30 s for a Llama-3.2-1B shape set on 2 cores at load
-average 18 (both before the prefill cap); a quiet machine takes a fraction of that.
-The fastest run, not the median: other work on the machine only ever adds time (a preempted
-thread delays whatever waits on it). Timings taken while the machine had twice as many
-runnable tasks as cores are used for this load but not cached: the next load times again
+`REPEATS` runs, after a warm-up in the first phase (the later ones run on the weights and
+threads it warmed); the prefill chunk, which costs the most, the fastest of `PREFILL_REPEATS`,
+timed over at most `PREFILL_ROWS` rows and scaled to the chunk: from 64 rows both paths are
+compute-bound (the kernels dequantize a tile once per pass over all rows), so time grows with
+the rows. The fastest run, not the median: other work on the machine only ever adds time (a
+preempted thread delays whatever waits on it). For the same reason float32, timed after the
+packed layouts, is not run again once a run took `GIVE_UP` times the slowest packed layout's
+best at that phase: no repeat can make it the faster, and its runs were most of a first load (a
+Llama-3.2-1B shape's float32 layer reads 250 MB a pass). Timings taken while other work held
+every core (`machine_busy`) are used for this load but not cached: the next load times again
 (measured: a cache written at load average 18 kept SmolLM2 on one thread, 49 tok/s at one
 stream on the quiet machine, against 77 for the choice it times there).
 """
@@ -27,6 +28,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform
 import re
@@ -53,6 +55,7 @@ HEAD_ROWS = 8192
 REPEATS = 3
 PREFILL_REPEATS = 2
 PREFILL_ROWS = 128
+GIVE_UP = 2.0
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -143,24 +146,36 @@ def _matrix(shape: Shape, precise: bool, float32: bool) -> _Matrix:
     return _Matrix(packed, dot, dense, out / rows)
 
 
-def _best_ms(run: Callable[[], list[mx.array]], repeats: int, warm_up: bool) -> float:
+def _best_ms(
+    run: Callable[[], list[mx.array]], repeats: int, warm_up: bool, give_up_ms: float
+) -> float:
+    """The fastest of `repeats` runs, or of fewer once the fastest took over `give_up_ms`."""
     if warm_up:
         mx.eval(run())  # first-call allocations, thread pools
-    times = []
+    best = math.inf
     for _ in range(repeats):
         started = time.perf_counter()
         mx.eval(run())
-        times.append((time.perf_counter() - started) * 1e3)
-    return min(times)
+        best = min(best, (time.perf_counter() - started) * 1e3)
+        if best > give_up_ms:
+            break
+    return best
 
 
 def _time(
-    matrices: list[_Matrix], rows: int, packed: bool, prefill: bool = False, dot: bool = False
+    matrices: list[_Matrix],
+    rows: int,
+    packed: bool,
+    prefill: bool = False,
+    dot: bool = False,
+    warm_up: bool = False,
+    give_up_ms: float = math.inf,
 ) -> float:
     """ms for one pass of `matrices` over `rows` input rows (each scaled); packed: in the
-    int8 dot products' layout with `dot`."""
+    int8 dot products' layout with `dot`. Stops repeating past `give_up_ms` (the whole pass)."""
     total = 0.0
-    for scale, group in _by_scale(matrices).items():
+    scales = _by_scale(matrices)
+    for scale, group in scales.items():
         inputs = {m.inputs: mx.random.normal((rows, m.inputs)) for m in group}
         mx.eval(list(inputs.values()))
 
@@ -172,7 +187,8 @@ def _time(
             return [x[m.inputs] @ cast(mx.array, m.dense).T for m in group]
 
         repeats = PREFILL_REPEATS if prefill else REPEATS
-        total += scale * _best_ms(run, repeats, warm_up=not prefill)
+        # The pass's bar shared evenly by its scale groups (one, in practice: a layer, a head).
+        total += scale * _best_ms(run, repeats, warm_up, give_up_ms / scale / len(scales))
     return total
 
 
@@ -203,17 +219,29 @@ def time_paths_here(
     layer = [_matrix(s, precise, float32) for s in shapes.layer]
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
+    # Per part ("layer", "head") and phase: the slowest packed layout's best ms (float32 is
+    # compared with each: on one thread under the mixed plan), float32's bar.
+    packed_best: dict[tuple[str, int], float] = {}
 
-    def step(rows: int, packed: bool, decode: bool, dot: bool) -> float:
-        if decode:
-            ms = shapes.layers * _time(layer, rows, packed, dot=dot)
-            return ms + (_time(head, rows, packed, dot=dot) if head else 0.0)
-        timed = min(rows, PREFILL_ROWS)
-        return shapes.layers * _time(layer, timed, packed, prefill=True, dot=dot) * rows / timed
+    def part(name: str, matrices: list[_Matrix], phase: int, packed: bool, dot: bool) -> float:
+        rows = phases.rows[phase]
+        prefill = phase == len(phases.rows) - 1
+        timed = min(rows, PREFILL_ROWS) if prefill else rows
+        key = (name, phase)
+        give_up = math.inf if packed else GIVE_UP * packed_best.get(key, math.inf)
+        ms = _time(matrices, timed, packed, prefill, dot, warm_up=phase == 0, give_up_ms=give_up)
+        if packed:
+            packed_best[key] = max(ms, packed_best.get(key, 0.0))
+        return ms * rows / timed
 
     def phase_times(packed: bool, dot: bool = False) -> tuple[float, ...]:
-        decode = tuple(step(rows, packed, decode=True, dot=dot) for rows in phases.decode)
-        return (*decode, step(phases.prefill, packed, decode=False, dot=dot))
+        steps = []
+        for phase in range(len(phases.rows)):
+            ms = shapes.layers * part("layer", layer, phase, packed, dot)
+            if head and phase < len(phases.decode):  # a prefill chunk projects its last rows
+                ms += part("head", head, phase, packed, dot)
+            steps.append(ms)
+        return tuple(steps)
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
     packed_all = phase_times(True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -209,6 +210,50 @@ def test_time_paths_gives_a_figure_per_phase_and_path():
 
     assert len(timings.packed_dot) == (4 if kernels.integer_dot() else 0)
     assert all(ms > 0 for ms in timings.packed_dot)
+
+
+def test_a_path_far_behind_is_not_run_again():
+    import mlx.core as mx
+
+    from mlxd.models import cpu_path_timing
+
+    runs = []
+
+    def run() -> list[mx.array]:
+        runs.append(1)
+        return [mx.ones((4,)) * len(runs)]
+
+    assert cpu_path_timing._best_ms(run, repeats=3, warm_up=True, give_up_ms=math.inf) > 0
+    assert len(runs) == 4  # the warm-up and three runs
+    runs.clear()
+    cpu_path_timing._best_ms(run, repeats=3, warm_up=False, give_up_ms=0.0)
+    assert len(runs) == 1
+
+
+def test_float32_gives_up_at_twice_the_slowest_packed_layout(monkeypatch):
+    from mlxd.models import cpu_path_timing
+    from mlxd.models.cpu_path_timing import GIVE_UP, ModelShapes, time_paths_here
+
+    calls: list[tuple[int, int, bool, float, float]] = []
+    time_one = cpu_path_timing._time
+
+    def timed(matrices, rows, packed, prefill, dot, warm_up, give_up_ms):
+        ms = time_one(matrices, rows, packed, prefill, dot, warm_up, give_up_ms)
+        calls.append((id(matrices), rows, packed, give_up_ms, ms))
+        return ms
+
+    monkeypatch.setattr(cpu_path_timing, "_time", timed)
+    shapes = ModelShapes(layer=((64, 64, 32, 4),), head=(256, 64, 32, 4), layers=2)
+    timings = time_paths_here(shapes, Phases(prefill=16))
+    assert all(ms > 0 for ms in timings.float32)
+    float32 = [call for call in calls if not call[2]]
+    # Per phase the layer's pass and (decode) the head's, each against every packed layout's
+    # figure for the same pass: the float layout, the int8 dot products', on one thread.
+    assert [rows for _, rows, *_ in float32] == [1, 1, 8, 8, 32, 32, 16]
+    assert all(bar == math.inf for _, _, is_packed, bar, _ in calls if is_packed)
+    for part, rows, _, bar, _ in float32:
+        packed = [ms for p, r, is_packed, _, ms in calls if is_packed and (p, r) == (part, rows)]
+        assert len(packed) >= 2 and bar == GIVE_UP * max(packed)
 
 
 def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_path):
