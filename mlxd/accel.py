@@ -105,14 +105,25 @@ def loaded_blas() -> str:
     except OSError:
         return "platform default"  # macOS: MLX uses Accelerate
     libs = {line.rsplit(None, 1)[-1] for line in maps.splitlines() if ".so" in line}
-    for lib in sorted(libs):
+    # The preloaded library answers MLX's cblas calls first; others may be mapped beside it
+    # without serving MLX (numpy's bundled OpenBLAS renames its symbols).
+    preloaded = [lib for lib in os.environ.get("LD_PRELOAD", "").split(":") if lib in libs]
+    for lib in [*preloaded, *sorted(libs)]:
+        if not any(marker in lib.lower() for marker in OPTIMIZED_MARKERS) or not _has_cblas(lib):
+            continue
         if "openblas" in lib.lower():
             return f"OpenBLAS {_openblas_core(lib)} ({lib})"
-        if any(marker in lib.lower() for marker in OPTIMIZED_MARKERS):
-            return Path(lib).name
+        return Path(lib).name
     if any("libblas" in lib for lib in libs):
         return "reference BLAS (slow)"
     return "not loaded yet"
+
+
+def _has_cblas(lib: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(lib), "cblas_sgemm")
+    except OSError:
+        return False
 
 
 def _openblas_core(lib: str) -> str:

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,16 @@ def test_a_process_started_with_it_maps_huge_pages() -> None:
 
     plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     assert huge_kb(accel.optimized_env(plain)) >= 32 << 10 > huge_kb(plain)
+
+
+def test_the_blas_named_is_the_preloaded_one_not_numpys():
+    """numpy maps its own OpenBLAS (symbols renamed: MLX cannot call it) beside the preload."""
+    blas = accel.find_optimized_blas()
+    if blas is None:
+        pytest.skip("no optimized BLAS installed (the Makefile installs Debian's OpenBLAS)")
+    code = "import numpy, mlx.core as mx; from mlxd import accel; print(accel.loaded_blas())"
+    env = accel.optimized_env(os.environ)
+    named = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert named.endswith(f"({blas})") or named == Path(blas).name
