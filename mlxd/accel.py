@@ -100,11 +100,9 @@ def ensure_optimized_blas() -> None:
 
 def loaded_blas() -> str:
     """Name the BLAS this process has mapped: an optimized one, MLX's bundled reference, or none."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
+    libs = mapped_libraries()
+    if libs is None:
         return "platform default"  # macOS: MLX uses Accelerate
-    libs = {line.rsplit(None, 1)[-1] for line in maps.splitlines() if ".so" in line}
     # The preloaded library answers MLX's cblas calls first; others may be mapped beside it
     # without serving MLX (numpy's bundled OpenBLAS renames its symbols).
     preloaded = [lib for lib in os.environ.get("LD_PRELOAD", "").split(":") if lib in libs]
@@ -117,6 +115,15 @@ def loaded_blas() -> str:
     if any("libblas" in lib for lib in libs):
         return "reference BLAS (slow)"
     return "not loaded yet"
+
+
+def mapped_libraries() -> set[str] | None:
+    """The shared libraries this process has mapped (None: no /proc to say)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    return {line.rsplit(None, 1)[-1] for line in maps.splitlines() if ".so" in line}
 
 
 def _has_cblas(lib: str) -> bool:

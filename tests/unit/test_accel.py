@@ -1,6 +1,4 @@
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,14 +67,23 @@ def test_a_process_started_with_it_maps_huge_pages() -> None:
     assert huge_kb(accel.optimized_env(plain)) >= 32 << 10 > huge_kb(plain)
 
 
-def test_the_blas_named_is_the_preloaded_one_not_numpys():
-    """numpy maps its own OpenBLAS (symbols renamed: MLX cannot call it) beside the preload."""
+def test_the_blas_named_is_the_preloaded_one_not_numpys(tmp_path, monkeypatch):
+    """numpy maps its own OpenBLAS beside the preload (symbols renamed: MLX cannot call it);
+    here at a path that sorts before the preload's, as a venv under /check or /home does."""
+    import numpy
+
     blas = accel.find_optimized_blas()
     if blas is None:
         pytest.skip("no optimized BLAS installed (the Makefile installs Debian's OpenBLAS)")
-    code = "import numpy, mlx.core as mx; from mlxd import accel; print(accel.loaded_blas())"
-    env = accel.optimized_env(os.environ)
-    named = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    numpys = sorted(Path(numpy.__file__).parent.parent.glob("numpy.libs/*openblas*.so"))
+    assert numpys, "numpy's wheel bundles its OpenBLAS"
+    beside = tmp_path / "numpy.libs" / numpys[0].name
+    beside.parent.mkdir()
+    beside.symlink_to(numpys[0])
+    assert str(beside) < blas
+    monkeypatch.setattr(accel, "mapped_libraries", lambda: {str(beside), blas})
+    monkeypatch.setenv("LD_PRELOAD", blas)
+    named = accel.loaded_blas()
     assert named.endswith(f"({blas})") or named == Path(blas).name
+    monkeypatch.setenv("LD_PRELOAD", "")  # not preloaded, still the one with cblas_sgemm
+    assert accel.loaded_blas() == named
