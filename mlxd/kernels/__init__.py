@@ -22,6 +22,7 @@ import mlx.core as mx
 
 # The layouts (kernels/layout.py), under the names the kernels' callers use.
 from mlxd.kernels.layout import BLOCK as BLOCK
+from mlxd.kernels.layout import KERNEL_BITS as KERNEL_BITS
 from mlxd.kernels.layout import LANES as LANES
 from mlxd.kernels.layout import Packed as Packed
 from mlxd.kernels.layout import pack as pack

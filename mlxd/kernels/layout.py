@@ -16,6 +16,10 @@ import numpy as np
 BLOCK = 32  # inputs per step of the kernels' loops; a scale and bias serve one or more
 LANES = 16  # output rows per tile
 PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of LANES)
+# The width the kernels run each width MLX stores at: a 2- or 3-bit value fits a nibble and a
+# 5- or 6-bit one a byte, with the same scale and bias, so widening is exact (a Q5_K GGUF
+# imports at 5 bits; mlx-community's 3- and 6-bit recipes). Memory: 4 or 8 bits a weight.
+KERNEL_BITS = {2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 8: 8}
 
 
 @dataclass(frozen=True)

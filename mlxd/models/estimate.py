@@ -15,8 +15,9 @@ from typing import Any
 
 from mlxd import kernels
 from mlxd.errors import ModelLoadError
+from mlxd.kernels import KERNEL_BITS
 from mlxd.models.loader import DTYPES, _target_dtype
-from mlxd.models.packability import KERNEL_BITS, why_not_packable
+from mlxd.models.packability import why_not_packable
 
 # Bytes per element of each target dtype of a cast (loader.FLOAT_DTYPES).
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

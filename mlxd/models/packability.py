@@ -9,11 +9,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from mlxd import kernels
-
-# The width the kernels run each width MLX stores at: a 2- or 3-bit value fits a nibble and a
-# 5- or 6-bit one a byte, with the same scale and bias, so widening is exact (a Q5_K GGUF
-# imports at 5 bits; mlx-community's 3- and 6-bit recipes). Memory: 4 or 8 bits a weight.
-KERNEL_BITS = {2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 8: 8}
+from mlxd.kernels import KERNEL_BITS
 
 Quantized = nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear
 

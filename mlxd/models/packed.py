@@ -30,9 +30,8 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from mlxd import kernels
-from mlxd.kernels import Packed
+from mlxd.kernels import KERNEL_BITS, Packed
 from mlxd.models.packability import (
-    KERNEL_BITS,
     Quantized,
     expert_stacks,
     quantized_layers,

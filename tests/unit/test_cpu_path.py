@@ -199,7 +199,8 @@ def test_split_layers_run_each_row_count_on_its_path(monkeypatch):
 
 
 def test_time_paths_gives_a_figure_per_phase_and_path():
-    from mlxd.models.cpu_path_timing import ModelShapes, time_paths
+    from mlxd.models.cpu_path_probe import ModelShapes
+    from mlxd.models.cpu_path_timing import time_paths
 
     shapes = ModelShapes(layer=((64, 64, 32, 4), (128, 64, 32, 4)), head=(256, 64, 32, 8), layers=2)
     timings = time_paths(shapes, Phases(prefill=16))
@@ -215,7 +216,7 @@ def test_time_paths_gives_a_figure_per_phase_and_path():
 def test_a_path_far_behind_is_not_run_again():
     import mlx.core as mx
 
-    from mlxd.models import cpu_path_timing
+    from mlxd.models import cpu_path_probe
 
     runs = []
 
@@ -223,28 +224,28 @@ def test_a_path_far_behind_is_not_run_again():
         runs.append(1)
         return [mx.ones((4,)) * len(runs)]
 
-    assert cpu_path_timing._best_ms(run, repeats=3, warm_up=True, give_up_ms=math.inf) > 0
+    assert cpu_path_probe._best_ms(run, repeats=3, warm_up=True, give_up_ms=math.inf) > 0
     assert len(runs) == 4  # the warm-up and three runs
     runs.clear()
-    cpu_path_timing._best_ms(run, repeats=3, warm_up=False, give_up_ms=0.0)
+    cpu_path_probe._best_ms(run, repeats=3, warm_up=False, give_up_ms=0.0)
     assert len(runs) == 1
 
 
 def test_float32_gives_up_at_twice_the_slowest_packed_layout(monkeypatch):
-    from mlxd.models import cpu_path_timing
-    from mlxd.models.cpu_path_timing import GIVE_UP, ModelShapes, time_paths_here
+    from mlxd.models import cpu_path_probe
+    from mlxd.models.cpu_path_probe import GIVE_UP, ModelShapes, time_paths
 
     calls: list[tuple[int, int, bool, float, float]] = []
-    time_one = cpu_path_timing._time
+    time_one = cpu_path_probe._time
 
     def timed(matrices, rows, packed, prefill, dot, warm_up, give_up_ms):
         ms = time_one(matrices, rows, packed, prefill, dot, warm_up, give_up_ms)
         calls.append((id(matrices), rows, packed, give_up_ms, ms))
         return ms
 
-    monkeypatch.setattr(cpu_path_timing, "_time", timed)
+    monkeypatch.setattr(cpu_path_probe, "_time", timed)
     shapes = ModelShapes(layer=((64, 64, 32, 4),), head=(256, 64, 32, 4), layers=2)
-    timings = time_paths_here(shapes, Phases(prefill=16))
+    timings = time_paths(shapes, Phases(prefill=16))  # in this process
     assert all(ms > 0 for ms in timings.float32)
     float32 = [call for call in calls if not call[2]]
     # Per phase the layer's pass and (decode) the head's, each against every packed layout's
@@ -376,7 +377,8 @@ def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
 
 def test_time_paths_without_float32_times_the_packed_layouts_alone():
     from mlxd import kernels
-    from mlxd.models.cpu_path_timing import ModelShapes, time_paths
+    from mlxd.models.cpu_path_probe import ModelShapes
+    from mlxd.models.cpu_path_timing import time_paths
 
     shapes = ModelShapes(layer=((64, 64, 32, 4),), head=(256, 64, 32, 8), layers=2)
     timings = time_paths(shapes, Phases(prefill=16), precise=False, float32=False)
@@ -460,7 +462,7 @@ def test_runnable_tasks_count_the_caller():
 def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
     from mlxd import kernels
     from mlxd.models import cpu_path_timing
-    from mlxd.models.cpu_path_timing import ModelShapes
+    from mlxd.models.cpu_path_probe import ModelShapes
 
     shapes = ModelShapes(layer=((64, 64, 32, 4),), head=None, layers=1)
     ident = cpu_path_timing.identity(shapes, PHASES)
@@ -523,3 +525,23 @@ print(load((3.0, 6.0, 9.0, 90.0)), load((20.0, 70.0, 220.0, 1200.0)))
         assert small == "(1, 2" and large == "2, 2)", result.stdout
     else:
         assert small == "(1, 1" and large == "1, 1)", result.stdout
+
+
+def test_the_timing_child_imports_the_kernels_not_the_worker():
+    """The child of a first load: the worker's modules and mlx-lm's (≈1 s) stay out of it."""
+    import subprocess
+    import sys
+
+    heavy = "{'mlx_lm', 'transformers', 'mlxd.worker'}"
+    code = f"import sys, mlxd.models.cpu_path_probe; print(sorted({heavy} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_failed_timing_says_why():
+    from mlxd.models.cpu_path_probe import ModelShapes
+    from mlxd.models.cpu_path_timing import time_paths
+
+    shapes = ModelShapes(layer=((64, 64, 32, 7),), head=None, layers=1)  # no kernel width
+    with pytest.raises(RuntimeError, match=r"timing the CPU paths failed .*KeyError: 7"):
+        time_paths(shapes, Phases(prefill=16))
