@@ -161,7 +161,7 @@ def share_cores(packed: bool) -> None:
 
 def set_threads(threads: int) -> None:
     """The kernels run on `threads` threads until the next `share_cores` (tests, benchmarks,
-    the load's timing of the CPU path: models/cpu_path_timing.py)."""
+    the load's timing of the CPU path: models/cpu_path_probe.py)."""
     _module().set_threads(threads)
 
 

@@ -5,7 +5,7 @@ The packed kernels beat float32 BLAS on some CPUs and lose to it on others (on a
 EPYC a SmolLM2 decode step ran 0.79x / 0.31x / 0.11x as fast packed at batch 1 / 8 / 32), and
 which wins can differ by batch size: small batches are bound by reading the weights (4 bits
 beat 32), large ones by arithmetic (BLAS's). So at load one layer's matmuls and the output
-head are timed both ways (models/cpu_path_timing.py) for decode at batch 1, 8 and 32 and for a
+head are timed both ways (models/cpu_path_probe.py) for decode at batch 1, 8 and 32 and for a
 prefill chunk, and `decide` picks the plan that is fastest over those phases:
 
 - "packed": every phase on the kernels, on every core, or on one thread where that measured
