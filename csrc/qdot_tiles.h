@@ -173,10 +173,11 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
   for (int b = 0; b < blocks; ++b) {
     prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
     vi part[MB][NV][SPLIT] = {};
-    // Unrolled, so `part` is indexed by constants and stays in registers: GCC 12 left the
-    // loops over rows and steps rolled for 2-7 rows (and precise's one row, two int8 rows),
-    // `part` in memory: a 1B shape's 8192 x 2048 at one row, precise, took 0.31 ms against
-    // 0.10 unrolled, int8 at 2-7 rows 2-3x the time (AVX-512 VNNI; 8 rows were unrolled).
+    // Unrolled, so `part` is indexed by constants and stays in registers: with float32 scales
+    // (a K-quant GGUF's) GCC 12 left the loops over rows and steps rolled for 2-7 rows (and
+    // precise's one row, two int8 rows), `part` in memory: a 1B shape's 8192 x 2048 at one
+    // row, precise, took 0.31 ms against 0.10 unrolled, int8 at 2-7 rows 2-3x the time
+    // (AVX-512 VNNI). With float16 scales it had unrolled them: the same either way.
     for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 8 * STEPS) {
 #pragma GCC unroll 8
       for (int u = 0; u < STEPS; ++u) {
