@@ -70,6 +70,11 @@ class Timings:
     # product.
     packed_dot: tuple[float, ...] = ()
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Timings:
+        """The timings from their `asdict` form read back from JSON (the cache, the probe)."""
+        return cls(**{k: tuple(map(float, v)) for k, v in raw.items()})
+
     @property
     def dot_faster(self) -> bool:
         """Whether the int8 dot products ran faster over the phases than the float layout (by
@@ -326,7 +331,7 @@ class TimingCache:
     def get(self, key: str) -> Timings | None:
         try:
             raw = json.loads((self.root / f"{key}.json").read_text())
-            return Timings(**{k: tuple(map(float, v)) for k, v in raw["timings"].items()})
+            return Timings.from_json(raw["timings"])
         except (OSError, ValueError, KeyError, TypeError):
             return None  # missing or unreadable: time again
 

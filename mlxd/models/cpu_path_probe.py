@@ -18,10 +18,7 @@ the rows. The fastest run, not the median: other work on the machine only ever a
 preempted thread delays whatever waits on it). For the same reason float32, timed after the
 packed layouts, is not run again once a run took `GIVE_UP` times the slowest packed layout's
 best at that phase: no repeat can make it the faster, and its runs were most of a first load (a
-Llama-3.2-1B shape's float32 layer reads 250 MB a pass). Timings taken while other work held
-every core (`machine_busy`) are used for this load but not cached: the next load times again
-(measured: a cache written at load average 18 kept SmolLM2 on one thread, 49 tok/s at one
-stream on the quiet machine, against 77 for the choice it times there).
+Llama-3.2-1B shape's float32 layer reads 250 MB a pass).
 """
 
 from __future__ import annotations

@@ -113,8 +113,7 @@ def time_paths(
         log.warning("the CPU path timing's child failed:\n%s", child.stderr.strip())
         lines = child.stderr.strip().splitlines() or ["no message"]
         raise RuntimeError(f"timing the CPU paths failed (exit {child.returncode}): {lines[-1]}")
-    timings = json.loads(child.stdout.strip().splitlines()[-1])  # the last line: its answer
-    return Timings(**{k: tuple(v) for k, v in timings.items()})
+    return Timings.from_json(json.loads(child.stdout.strip().splitlines()[-1]))  # its last line
 
 
 def machine_busy() -> bool:
