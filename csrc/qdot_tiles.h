@@ -57,16 +57,23 @@ template <int BITS>
 constexpr bool SUM16 = false;
 #endif
 
+#if defined(MLXD_ISA_AVX512)
+// Adjacent int16 lanes summed into int32 (vpmaddwd by ones).
+inline vi pairs_to_int32(vi pairs) {
+  return (vi)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(1));
+}
+#elif defined(MLXD_ISA_AVX2)
+inline vi pairs_to_int32(vi pairs) {
+  return (vi)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1));
+}
+#endif
+
 // A block's partial sum as int32 per lane: the int16 pairs of SUM16's sums added.
 template <int BITS>
 inline vi widen(vi part) {
-#if defined(MLXD_ISA_AVX512)
+#if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
   if constexpr (SUM16<BITS>) {
-    return (vi)_mm512_madd_epi16((__m512i)part, _mm512_set1_epi16(1));
-  }
-#elif defined(MLXD_ISA_AVX2)
-  if constexpr (SUM16<BITS>) {
-    return (vi)_mm256_madd_epi16((__m256i)part, _mm256_set1_epi16(1));
+    return pairs_to_int32(part);
   }
 #endif
   return part;
@@ -88,7 +95,7 @@ inline vi dot(vi acc, vi w, vi x) {
   if constexpr (SUM16<BITS>) {
     return (vi)_mm512_add_epi16((__m512i)acc, _mm512_maddubs_epi16(u, s));
   }
-  return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+  return acc + pairs_to_int32((vi)_mm512_maddubs_epi16(u, s));
 #elif defined(MLXD_ISA_AVX2) && defined(__AVXVNNI__)
   return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
 #elif defined(MLXD_ISA_AVX2)
@@ -101,7 +108,7 @@ inline vi dot(vi acc, vi w, vi x) {
   if constexpr (SUM16<BITS>) {
     return (vi)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16(u, s));
   }
-  return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return acc + pairs_to_int32((vi)_mm256_maddubs_epi16(u, s));
 #elif defined(__ARM_FEATURE_DOTPROD)
   const int8x16_t q = BITS == 8 ? veorq_s8((int8x16_t)w, vdupq_n_s8(-128))
                                 : vsubq_s8((int8x16_t)w, vdupq_n_s8(8));
