@@ -30,12 +30,9 @@ if __package__ in (None, ""):
 def reexec_with_blas(module: str = "benchmarks.profile_step") -> None:
     """Run `python -m module` again with the engine's environment (the BLAS preload) unless
     this process already has it."""
-    from mlxd.accel import REEXEC_GUARD, optimized_env
+    from mlxd.accel import ensure_optimized_blas
 
-    env = optimized_env(os.environ)
-    if env != dict(os.environ) and not os.environ.get(REEXEC_GUARD):
-        env[REEXEC_GUARD] = "1"
-        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+    ensure_optimized_blas(module)
 
 
 def best_ms(fn: Callable[[], object], repeat: int = 10, rounds: int = 7) -> float:

@@ -84,8 +84,9 @@ def optimized_env(env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def ensure_optimized_blas() -> None:
-    """Re-exec the current command with `optimized_env()` when it differs from ours.
+def ensure_optimized_blas(module: str = "mlxd") -> None:
+    """Re-exec the current command as `python -m module` with `optimized_env()` when it
+    differs from ours.
 
     Does nothing off Linux, when nothing would change, or inside the re-executed child.
     """
@@ -95,7 +96,7 @@ def ensure_optimized_blas() -> None:
     if env == dict(os.environ):
         return
     env[REEXEC_GUARD] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "mlxd", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
 def loaded_blas() -> str:

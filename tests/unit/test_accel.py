@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from mlxd import accel
+from tests.conftest import NOT_APPLICABLE
 
 AVX512_FLAGS = {"sse3", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
 
@@ -87,3 +88,13 @@ def test_the_blas_named_is_the_preloaded_one_not_numpys(tmp_path, monkeypatch):
     assert named.endswith(f"({blas})") or named == Path(blas).name
     monkeypatch.setenv("LD_PRELOAD", "")  # not preloaded, still the one with cblas_sgemm
     assert accel.loaded_blas() == named
+
+
+def test_the_tests_run_on_the_blas_the_daemon_runs_on() -> None:
+    """mlxd.testing.blas re-executed pytest with the preload and put back the environment it
+    was started with, for the processes the tests start."""
+    if accel.find_optimized_blas() is None:
+        pytest.skip(f"{NOT_APPLICABLE} no optimized BLAS is installed")
+    blas = accel.loaded_blas()
+    assert "reference" not in blas and "not loaded" not in blas, blas
+    assert "MLXD_TEST_ENV" not in os.environ
