@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 from mlxd import accel
 
@@ -22,7 +24,9 @@ if _STARTED_WITH in os.environ:
     started_with = json.loads(os.environ[_STARTED_WITH])
     os.environ.clear()
     os.environ.update(started_with)
-else:
+elif Path(sys.argv[0]).name == "pytest" or Path(sys.argv[0]).parent.name == "pytest":
+    # Started as `pytest` or `python -m pytest`: the command can be run again as the latter
+    # (not so from a program that calls pytest.main; it runs the tests as it started them).
     os.environ[_STARTED_WITH] = json.dumps(dict(os.environ))
     accel.ensure_optimized_blas("pytest")
     del os.environ[_STARTED_WITH]  # nothing to change: not re-executed
