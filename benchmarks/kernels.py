@@ -30,7 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.profile_step import best_ms, reexec_with_blas  # noqa: E402
+from benchmarks.profile_step import best_ms  # noqa: E402
+from mlxd.accel import ensure_optimized_blas  # noqa: E402
 
 
 def op_rows(model, batch: int, context: int) -> list[tuple[str, Callable, Callable]]:
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
-    reexec_with_blas("benchmarks.kernels")
+    ensure_optimized_blas("benchmarks.kernels")
 
     from benchmarks.compare import cpu_model, resolve_model_dir
     from mlxd import kernels

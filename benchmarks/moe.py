@@ -32,7 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.profile_step import best_ms, reexec_with_blas  # noqa: E402
+from benchmarks.profile_step import best_ms  # noqa: E402
+from mlxd.accel import ensure_optimized_blas  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP_K = 2048, 768, 8
 
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (default: all)")
     parser.add_argument("--no-float32", action="store_true")
     args = parser.parse_args()
-    reexec_with_blas("benchmarks.moe")
+    ensure_optimized_blas("benchmarks.moe")
 
     import mlx.core as mx
 

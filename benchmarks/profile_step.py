@@ -26,13 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
-
-def reexec_with_blas(module: str = "benchmarks.profile_step") -> None:
-    """Run `python -m module` again with the engine's environment (the BLAS preload) unless
-    this process already has it."""
-    from mlxd.accel import ensure_optimized_blas
-
-    ensure_optimized_blas(module)
+from mlxd.accel import ensure_optimized_blas  # noqa: E402
 
 
 def best_ms(fn: Callable[[], object], repeat: int = 10, rounds: int = 7) -> float:
@@ -241,7 +235,7 @@ def step_ab(
 
 
 def main(argv: list[str] | None = None) -> int:
-    reexec_with_blas()
+    ensure_optimized_blas("benchmarks.profile_step")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--context", type=int, default=128, help="KV length during the steps")

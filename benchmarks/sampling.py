@@ -34,7 +34,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.compare import cpu_model  # noqa: E402
-from benchmarks.profile_step import best_ms, reexec_with_blas  # noqa: E402
+from benchmarks.profile_step import best_ms  # noqa: E402
+from mlxd.accel import ensure_optimized_blas  # noqa: E402
 from mlxd.cli.loadgen import parse_levels, story_prompts  # noqa: E402
 
 TEMPERATURE, TOP_P = 0.7, 0.9
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args(argv)
     if args.steps:
-        reexec_with_blas("benchmarks.sampling")
+        ensure_optimized_blas("benchmarks.sampling")
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
     if args.steps:
         step_table(args.batches, args.rounds)
