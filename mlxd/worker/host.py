@@ -39,6 +39,7 @@ from mlxd.types import Event
 from mlxd.worker import memory
 from mlxd.worker.factory import load_engine, locate
 from mlxd.worker.hooks import load_hooks
+from mlxd.worker.jit_cache import keep_jit_cache
 
 log = logging.getLogger("mlxd.worker")
 
@@ -222,6 +223,7 @@ async def _start(
     server = ServerHolder(spec.server)
     load_hooks().before_load(spec.name)
     memory.apply_limits(spec.name, spec.server.metal)  # before the weights are allocated
+    keep_jit_cache(spec.server.cache_dir)
     nice = _lower_priority()
     try:
         path, need = await locate(spec.name, spec.config, spec.server)

@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
+from mlxd.accel import backend_name
 from mlxd.cache import PrefixCache, open_prefix_cache
 from mlxd.cache.lease import PrefixLease
 from mlxd.config import CacheConfig, ModelConfig, ServerConfig
@@ -28,6 +29,7 @@ from mlxd.models.lora import MultiLoRA
 from mlxd.models.packability import float32_summary
 from mlxd.runtime.engine import EventStream
 from mlxd.types import EmbeddingInput, Embeddings, Event, GenerationRequest
+from mlxd.worker import warm_up
 from mlxd.worker.hooks import load_hooks
 from mlxd.worker.llm_core import LLMCore
 from mlxd.worker.llm_load import kv_identity, load_draft
@@ -72,6 +74,11 @@ class LLMEngine(RequestPreparation):
             loaded.config.get("max_position_embeddings") or DEFAULT_CONTEXT
         )
         self.prefix_cache = prefix_cache
+        # A GPU compiles kernels for each new shape: those of the common requests compile
+        # here, while the model loads (worker/warm_up.py). A distributed group's ranks step
+        # in lockstep from their first request on: they compile as they go.
+        wanted = config.warm_up if config.warm_up is not None else backend_name() != "cpu"
+        warm = wanted and drive is None
         self.core = LLMCore(
             name,
             loaded.model,
@@ -79,6 +86,9 @@ class LLMEngine(RequestPreparation):
             config.batch,
             config.speculative,
             draft.model if draft else None,
+            warm_up.rounds(loaded.tokenizer, config.batch, self.context_length, name)
+            if warm
+            else None,
         )
         self.memory_bytes = loaded.nbytes + config.cache.ram + (draft.nbytes if draft else 0)
         self.last_used = time.monotonic()
@@ -122,7 +132,22 @@ class LLMEngine(RequestPreparation):
         prefix_cache = await asyncio.to_thread(
             open_prefix_cache, loaded.model, identity, config.cache, cache_dir, loaded.kv_dtype
         )
-        return cls(name, config, loaded, prefix_cache, draft=draft)
+        return await cls(name, config, loaded, prefix_cache, draft=draft).started()
+
+    async def started(self) -> Self:
+        """Once the model thread started: its warm-up, where it has one, is done."""
+        await asyncio.to_thread(self.loop.started.wait)
+        if self.loop.failure is not None:
+            raise ModelLoadError(f"model '{self.name}': {self.loop.failure}")
+        warmed = self._warm_up_stats()
+        if warmed is not None:
+            log.info(
+                "model '%s': warmed up in %.1f s (steps of %s rows, greedy and top-p)",
+                self.name,
+                warmed["seconds"],
+                ", ".join(map(str, warmed["batches"])),
+            )
+        return self
 
     @property
     def idle(self) -> bool:
@@ -234,6 +259,7 @@ class LLMEngine(RequestPreparation):
             "memory_bytes": self.memory_bytes,
             "context_length": self.context_length,
             "max_batch_size": self.config.batch.max_batch_size,
+            "warm_up": self._warm_up_stats(),
             "running": self.core.running,
             "waiting": self.loop.waiting,
             "decode_steps": s.steps,
@@ -246,6 +272,14 @@ class LLMEngine(RequestPreparation):
             "failed": s.failed,
             "cache": self.prefix_cache.stats() if self.prefix_cache else _NO_CACHE,
             "speculative": self._speculative_stats(),
+        }
+
+    def _warm_up_stats(self) -> dict[str, Any] | None:
+        if self.core.warm_up_s is None:
+            return None
+        return {
+            "seconds": round(self.core.warm_up_s, 3),
+            "batches": sorted(set(self.core.warm_up_batches)),
         }
 
     def _speculative_stats(self) -> dict[str, Any] | None:

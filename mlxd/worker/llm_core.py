@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -31,7 +32,7 @@ from mlxd.executor.sampling import (
 from mlxd.executor.speculative import make_speculator
 from mlxd.models.lora import MultiLoRA
 from mlxd.scheduler import Budget, Running, StepPlan, Waiting, schedule
-from mlxd.types import Delta, Finished, FinishReason
+from mlxd.types import Delta, Finished, FinishReason, GenerationRequest
 from mlxd.worker.sequence import (
     FINAL_STATUS,
     CoreStats,
@@ -53,8 +54,10 @@ class LLMCore:
         batch: BatchConfig,
         speculative: SpeculativeConfig | None = None,
         draft_model: Any = None,
+        warm_up: list[list[GenerationRequest]] | None = None,
     ):
-        """`draft_model`: speculative mode draft's model (the same vocabulary as `model`)."""
+        """`draft_model`: speculative mode draft's model (the same vocabulary as `model`).
+        `warm_up`: rounds of requests `start` runs to their end and forgets (worker/warm_up.py)."""
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -76,6 +79,9 @@ class LLMCore:
         # A failed step fails its batch and the core goes on, unless the step was collective
         # (a distributed group: a lost rank leaves nothing to go on with; worker/rank_cores.py).
         self.step_errors_are_fatal = False
+        self._warm_up = warm_up or []
+        self.warm_up_s: float | None = None  # how long `start` took to run them
+        self.warm_up_batches: list[int] = []  # the most rows each round decoded at once
 
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them. Everything
@@ -86,6 +92,34 @@ class LLMCore:
         if self._stream.device == mx.cpu:
             kernels.parallelize_this_thread()
         self._executor = self._new_executor()
+        if self._warm_up:
+            started = time.perf_counter()
+            self._run_warm_up(self._warm_up)
+            self.warm_up_s = time.perf_counter() - started
+
+    def _run_warm_up(self, rounds: list[list[GenerationRequest]]) -> None:
+        """Each round through the scheduler and the executor, as requests would go, to its
+        end; what they produced is dropped and the counters start at zero after them. They
+        hold no prefix-cache lease, so the cache never sees them."""
+        for requests in rounds:
+            error = self._run_to_end(requests)
+            self.warm_up_batches.append(self.stats.max_batch_seen)
+            self.stats = CoreStats()
+            if error is not None:  # what a request would meet too: said, and the model serves
+                log.warning("model '%s': warm-up stopped: %s", self.name, error)
+                break
+
+    def _run_to_end(self, requests: list[GenerationRequest]) -> str | None:
+        """Step until `requests` are done; the first failure's error ends them all."""
+        for request in requests:
+            assert isinstance(request.prompt, list), "warm-up prompts are token ids"
+            self.add(Sequence(request, request.prompt))
+        while self.has_work:
+            for _, event in self.step():
+                if isinstance(event, Finished) and event.error is not None:
+                    self.fail_all("warm-up stopped")
+                    return event.error
+        return None
 
     @property
     def executor(self) -> BatchExecutor:

@@ -72,6 +72,9 @@ class ModelLoop(Generic[Item, Output]):
         self._lock = threading.Lock()
         self._in_inbox = 0  # adds not yet taken by the thread; guarded by _lock
         self.failure: str | None = None  # why the thread died, if it did
+        # Set once the core's `start` returned (or the thread died in it): a load that
+        # warms the core up waits for it.
+        self.started = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
         self._thread.start()
 
@@ -115,6 +118,7 @@ class ModelLoop(Generic[Item, Output]):
         core = self.core
         try:
             core.start()
+            self.started.set()
             while self._take(block=not core.has_work) and self._hold():
                 outputs = core.step()
                 if outputs:
@@ -130,6 +134,7 @@ class ModelLoop(Generic[Item, Output]):
                         if command == "add":
                             core.add(item)
                 self._in_inbox = 0
+            self.started.set()  # after `failure`: a load waiting on it reads why
             message = f"model '{self.name}' failed ({self.failure}); it is being restarted"
             self._deliver_quietly(core.fail_all(message, status=503))
             return

@@ -143,7 +143,7 @@ class VLMEngine(LLMEngine):
         loaded, vlm, processor = await asyncio.to_thread(
             load_vlm, path, dtype=config.dtype, model_name=name
         )
-        return cls(name, config, loaded, vlm, processor, server)
+        return await cls(name, config, loaded, vlm, processor, server).started()
 
     def encode(self, request: GenerationRequest) -> list[int]:
         inputs = self._vision_inputs(request)

