@@ -94,10 +94,10 @@ class ModelConfig(Section):
     warm_up: bool | None = Field(
         None,
         description="llm/vlm models: run the common request shapes once while loading (one "
-        "full prefill step, then 1, 2, 4, … max_batch_size rows, greedy and at top-p), so a "
-        "GPU compiles their kernels before the first request rather than during it (tens of "
-        "seconds on a fresh machine; MLX keeps them under cache_dir/mlx-jit). null: on GPU "
-        "backends only (`warm_up` in /v1/status).",
+        "row at prompt lengths 8, 16, … one prefill step; then 1, 2, 4, … max_batch_size "
+        "rows of mixed lengths, greedy and at top-p), so a GPU compiles their kernels before "
+        "the first request rather than during it (minutes on a fresh machine, once: MLX keeps "
+        "them under cache_dir/mlx-jit). null: on GPU backends only (`warm_up` in /v1/status).",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Reject prompts longer than this; null means the context length."

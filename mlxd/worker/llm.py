@@ -145,7 +145,7 @@ class LLMEngine(RequestPreparation):
                 "model '%s': warmed up in %.1f s (steps of %s rows, greedy and top-p)",
                 self.name,
                 warmed["seconds"],
-                ", ".join(map(str, warmed["batches"])),
+                ", ".join(map(str, warmed["rows"])),
             )
         return self
 
@@ -275,11 +275,13 @@ class LLMEngine(RequestPreparation):
         }
 
     def _warm_up_stats(self) -> dict[str, Any] | None:
-        if self.core.warm_up_s is None:
+        rounds = self.core.warm_up_rounds
+        if not rounds:
             return None
         return {
-            "seconds": round(self.core.warm_up_s, 3),
-            "batches": sorted(set(self.core.warm_up_batches)),
+            "seconds": round(sum(seconds for _, seconds in rounds), 3),
+            "rows": sorted({rows for rows, _ in rounds}),
+            "rounds": [{"rows": rows, "seconds": round(seconds, 3)} for rows, seconds in rounds],
         }
 
     def _speculative_stats(self) -> dict[str, Any] | None:

@@ -80,8 +80,8 @@ class LLMCore:
         # (a distributed group: a lost rank leaves nothing to go on with; worker/rank_cores.py).
         self.step_errors_are_fatal = False
         self._warm_up = warm_up or []
-        self.warm_up_s: float | None = None  # how long `start` took to run them
-        self.warm_up_batches: list[int] = []  # the most rows each round decoded at once
+        # Each round run: the most rows a step of it ran, and its seconds (what compiled).
+        self.warm_up_rounds: list[tuple[int, float]] = []
 
     def start(self) -> None:
         """On the model thread: MLX streams belong to the thread that made them. Everything
@@ -92,18 +92,16 @@ class LLMCore:
         if self._stream.device == mx.cpu:
             kernels.parallelize_this_thread()
         self._executor = self._new_executor()
-        if self._warm_up:
-            started = time.perf_counter()
-            self._run_warm_up(self._warm_up)
-            self.warm_up_s = time.perf_counter() - started
+        self._run_warm_up(self._warm_up)
 
     def _run_warm_up(self, rounds: list[list[GenerationRequest]]) -> None:
         """Each round through the scheduler and the executor, as requests would go, to its
         end; what they produced is dropped and the counters start at zero after them. They
         hold no prefix-cache lease, so the cache never sees them."""
         for requests in rounds:
+            started = time.perf_counter()
             error = self._run_to_end(requests)
-            self.warm_up_batches.append(self.stats.max_batch_seen)
+            self.warm_up_rounds.append((self.stats.max_batch_seen, time.perf_counter() - started))
             self.stats = CoreStats()
             if error is not None:  # what a request would meet too: said, and the model serves
                 log.warning("model '%s': warm-up stopped: %s", self.name, error)

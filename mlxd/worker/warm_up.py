@@ -22,8 +22,8 @@ GREEDY = SamplingParams(temperature=0.0)
 # kernels of its own.
 TOP_P = SamplingParams(temperature=0.7, top_p=0.9)
 SHORT_PROMPT = 8
-# Past the prompt's first token: at least one decode step at the round's batch size, unless
-# the model ends a sequence at once.
+# Past the prompt's first token: decode steps at the round's batch size, unless the model
+# ends a sequence at once.
 MAX_TOKENS = 3
 TEXT = "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. "
 
@@ -35,27 +35,40 @@ def batch_sizes(max_batch_size: int) -> list[int]:
     return sizes if sizes[-1] == max_batch_size else [*sizes, max_batch_size]
 
 
+def prompt_lengths(step: int) -> list[int]:
+    """One row's prompt lengths: 8, 16, 32, … up to one prefill step, and the step itself."""
+    lengths = list(itertools.takewhile(lambda n: n < step, (SHORT_PROMPT << i for i in range(32))))
+    return [*lengths, step]
+
+
 def rounds(
     tokenizer: Any, batch: BatchConfig, context_length: int, model: str
 ) -> list[list[GenerationRequest]]:
-    """Each round is run to its end before the next, so its requests decode as one batch: a
-    prompt of one full prefill step alone, then, greedy and at top-p, `batch_sizes` short
-    prompts at once."""
-    words = tokenizer.encode(TEXT * (1 + batch.prefill_step_size // 8))
-    long_prompt = min(batch.prefill_step_size, context_length - MAX_TOKENS - 1, len(words))
+    """Each round is run to its end before the next, so its requests decode as one batch: one
+    row greedy at each of `prompt_lengths`, then, greedy and at top-p, `batch_sizes` rows at
+    once whose prompts differ in length (8, 16, … 128 tokens: padded rows, as requests are)."""
+    step = max(1, min(batch.prefill_step_size, context_length - MAX_TOKENS - 1))
+    words = tokenizer.encode(TEXT * (1 + step // 8))
     ids = itertools.count()
 
-    def request(length: int, sampling: SamplingParams) -> GenerationRequest:
-        return GenerationRequest(
-            request_id=f"warm-up-{next(ids)}",
-            model=model,
-            max_tokens=MAX_TOKENS,
-            sampling=sampling,
-            prompt=words[:length],
-        )
+    def round_of(lengths: list[int], sampling: SamplingParams) -> list[GenerationRequest]:
+        lengths = [min(length, step) for length in lengths]
+        # The first rows decode while the last are prefilled, a step each: they must still
+        # run when the last joins, for a step of all of them.
+        tokens = MAX_TOKENS + -(-sum(lengths) // batch.prefill_step_size)
+        return [
+            GenerationRequest(
+                request_id=f"warm-up-{next(ids)}",
+                model=model,
+                max_tokens=tokens,
+                sampling=sampling,
+                prompt=words[:length],
+            )
+            for length in lengths
+        ]
 
-    plan = [[request(long_prompt, GREEDY)]]
+    plan = [round_of([length], GREEDY) for length in prompt_lengths(step)]
     for size in batch_sizes(batch.max_batch_size):
-        for sampling in (GREEDY, TOP_P):
-            plan.append([request(SHORT_PROMPT, sampling) for _ in range(size)])
+        lengths = [SHORT_PROMPT << (row % 5) for row in range(size)]
+        plan += [round_of(lengths, GREEDY), round_of(lengths, TOP_P)]
     return plan

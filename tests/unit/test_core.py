@@ -224,23 +224,28 @@ def test_fail_all_ends_everything_with_the_message(model):
     assert all(s.status is S.FINISHED_ERROR for s in seqs) and not core.has_work
 
 
-def test_warm_up_batch_sizes_are_powers_of_two_and_the_largest():
+def test_warm_up_batch_sizes_and_prompt_lengths_are_powers_of_two_and_the_largest():
     assert warm_up.batch_sizes(1) == [1]
     assert warm_up.batch_sizes(6) == [1, 2, 4, 6]
     assert warm_up.batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert warm_up.prompt_lengths(256) == [8, 16, 32, 64, 128, 256]
+    assert warm_up.prompt_lengths(40) == [8, 16, 32, 40]
+    assert warm_up.prompt_lengths(5) == [5]
 
 
 def test_a_warm_up_runs_each_batch_size_and_leaves_nothing_behind(model):
     batch = BatchConfig(max_batch_size=6, prefill_step_size=40)
     rounds = warm_up.rounds(LetterTokenizer(), batch, context_length=64, model="tiny")
-    # One full prefill step alone, then each batch size greedy and at top-p.
-    assert [len(r) for r in rounds] == [1, 1, 1, 2, 2, 4, 4, 6, 6]
-    assert len(rounds[0][0].prompt) == 40
-    assert {r[0].sampling.temperature for r in rounds[1:]} == {0.0, 0.7}
+    # One row at each prompt length, then each batch size greedy and at top-p.
+    assert [len(r) for r in rounds] == [1, 1, 1, 1, 1, 1, 2, 2, 4, 4, 6, 6]
+    assert [len(r[0].prompt) for r in rounds[:4]] == [8, 16, 32, 40]
+    assert [len(row.prompt) for row in rounds[-1]] == [8, 16, 32, 40, 40, 8]
+    assert {r[0].sampling.temperature for r in rounds[4:]} == {0.0, 0.7}
     warmed = LLMCore("tiny", model, LetterTokenizer(), batch, warm_up=rounds)
     warmed.start()
-    assert warmed.warm_up_s is not None
-    assert warmed.warm_up_batches == [1, 1, 1, 2, 2, 4, 4, 6, 6]
+    rows = [rows for rows, _ in warmed.warm_up_rounds]
+    assert rows == [1, 1, 1, 1, 1, 1, 2, 2, 4, 4, 6, 6]
+    assert all(seconds > 0 for _, seconds in warmed.warm_up_rounds)
     assert not warmed.has_work and warmed.stats == CoreStats()
     # What it runs next is what a core that never warmed up runs.
     cold = core_for(model, max_batch_size=6, prefill_step_size=40)
@@ -269,7 +274,9 @@ def test_a_warm_up_that_fails_is_said_and_the_core_serves_on(model, caplog):
     rounds = warm_up.rounds(LetterTokenizer(), batch, context_length=64, model="tiny")
     core = LLMCore("tiny", failing, LetterTokenizer(), batch, warm_up=rounds)
     core.start()
-    assert len(core.warm_up_batches) == 4  # the long prompt, one row twice, then two rows
+    # One row at each prompt length (8, 16, 32, 60), one row greedy and at top-p, then the
+    # round of two rows, which failed: the last one run.
+    assert len(core.warm_up_rounds) == 7
     assert "warm-up stopped: generation failed: out of memory for a batch of 2" in caplog.text
     assert not core.has_work and core.stats == CoreStats()
     seq = sequence([1, 2, 3], max_tokens=4)
