@@ -76,7 +76,7 @@ def run(
         directory,
         port,
         workdir,
-        model_options={"context_length": args.context_length},
+        model_options={"context_length": args.context_length, "warm_up": True},
         server_options={"cache_dir": str(cache_dir)},
     )
     print(f"== {title}", flush=True)
@@ -84,6 +84,12 @@ def run(
     log_path = workdir / f"{cache_dir.name}.log"
     with compare.running_server(cmd, port, env, log_path, args.startup_timeout) as url:
         print(f"ready after {time.perf_counter() - start:6.1f} s", flush=True)
+        warm_up = httpx.get(f"{url}/v1/status", trust_env=False).json()["models"][
+            compare.MODEL_NAME
+        ]["warm_up"]
+        if warm_up:
+            rounds = ", ".join(f"{r['rows']}:{r['seconds']:.1f}" for r in warm_up["rounds"])
+            print(f"  warm-up {warm_up['seconds']:.1f} s; rounds (rows:s) {rounds}", flush=True)
         prompts = story_prompts()
         for name, concurrency, label in PROBES:
             line = asyncio.run(probe(url, concurrency, label, args.max_tokens, prompts))
@@ -100,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--context-length", type=int, default=2048)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--fresh-only", action="store_true", help="skip the second start")
     args = parser.parse_args(argv)
     backend = backend_name()
-    print(f"backend: {backend}" + (" (compiles nothing: no warm-up)" if backend == "cpu" else ""))
+    print(f"backend: {backend}" + (" (compiles nothing)" if backend == "cpu" else ""))
     directory = args.model_dir or model_dir(args.workdir, args.shape)
     env = {k: v for k, v in compare.server_env().items() if k != PTX_ENV}
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  kept {count} compiled kernel files under cache_dir/mlx-jit", flush=True)
     if kernels.is_dir():
         shutil.copytree(kernels, kept / "mlx-jit")
-    run(directory, kept, args, env, "a new cache_dir holding only the kept kernels")
+    if not args.fresh_only:
+        run(directory, kept, args, env, "a new cache_dir holding only the kept kernels")
     print(f"daemon logs and caches: {root}")
     return 0
 
