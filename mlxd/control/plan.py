@@ -46,6 +46,7 @@ ROUTING_FIELDS = (
     "chat_template_kwargs",
     "rate_limit",  # read from the route entry per request (api/middleware/ratelimit.py)
     "stream_interval",  # applied to the event stream at the API edge (api/common/event_flow.py)
+    "warm_up",  # what a load runs before it serves: the next load reads it, no new engine
 )
 # Cache settings a loaded engine can take in place; the others change what a block holds.
 CACHE_BUDGET_FIELDS = ("ram", "ssd", "ssd_ttl")

@@ -77,6 +77,7 @@ ROUTING_CHANGES: dict[str, Any] = {
     "chat_template_kwargs": {"enable_thinking": False},
     "rate_limit": {"requests_per_minute": 5},
     "stream_interval": 4,
+    "warm_up": True,
 }
 
 
