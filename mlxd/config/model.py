@@ -82,14 +82,16 @@ class ModelConfig(Section):
         "Metal/CUDA as stored. keep leaves the weights as stored (e.g. quantized, on MLX's own "
         "kernels).",
     )
-    cpu_activations: Literal["precise", "int8"] = Field(
-        "precise",
+    cpu_activations: Literal["auto", "precise", "int8"] = Field(
+        "auto",
         description="CPU, dtype auto: how the kernels' integer dot products round the "
         "activations, per block of 32. precise: two int8 terms (within 1/64,516 of the "
         "block's largest value: the tokens mlx-lm's float matmul gives). int8: one term, as "
         "llama.cpp does (1/254; the matmuls up to 1.7x faster, answers may part from "
-        "mlx-lm's after a few tokens). The load times this layout against the float one and "
-        "runs the faster (`cpu_path.activations` in /v1/status).",
+        "mlx-lm's after a few tokens). auto: int8 for models of 1B quantized weights and "
+        "more, precise below (a small model's answers are fragile, and its second term costs "
+        "less). The load times this layout against the float one and runs the faster "
+        "(`cpu_path.activations` in /v1/status).",
     )
     warm_up: bool | None = Field(
         None,

@@ -16,8 +16,8 @@ prefill chunk, and `decide` picks the plan that is fastest over those phases:
   kernels.share_cores), so mixed is judged with the kernels timed on one thread.
 
 A plan is a candidate only when its weights (and the model's KV budget) fit the memory budget:
-when float32 does not fit, packed is the only choice, and nothing is timed unless
-`cpu_activations: int8` asks for x as one int8 term (then the two packed layouts are). The
+when float32 does not fit, packed is the only choice, and nothing is timed unless x is taken
+as one int8 term (`cpu_activations`, `precise_activations`: then the two packed layouts are). The
 timings are cached per CPU, kernel build, BLAS, shape set and `cpu_activations`
 (`TimingCache`), so only a first load pays for them; the decision itself is recomputed from
 them at each load (the budget may change).
@@ -41,6 +41,21 @@ MORE_BYTES_MARGIN = 1.05
 # step is the weights' bytes, which every core reads faster (a Llama-3.2-1B shape's one-row
 # step: 25.6 ms on two cores against 36 on one).
 SMALL_STEP_MS = 10.0
+# cpu_activations auto: x as one int8 term, llama.cpp's rounding, from this many weights on.
+# There the matmuls are most of a step and two terms cost much: a Llama-3.2-1B shape (1.24B)
+# served 1 / 8 streams at 14.6 / 28.7 tok/s with two terms against 20.4 / 45.3 with one on an
+# AVX2 EPYC, 39–40 / 86–87 against 44 / 124 on an AVX-512 one. Below it two terms cost less
+# (SmolLM2-135M: 62.8 / 192.4 against 73.8 / 223.3) and keep mlx-lm's tokens, which a small
+# model's answers hang on (SmolLM2 misses "Paris" with one term, as it does under llama.cpp).
+ONE_TERM_PARAMETERS = 1_000_000_000
+
+
+def precise_activations(setting: str, parameters: int) -> bool:
+    """Whether the int8 dot products take x as two int8 terms, for `cpu_activations` and a
+    model of `parameters` quantized weights."""
+    if setting == "auto":
+        return parameters < ONE_TERM_PARAMETERS
+    return setting == "precise"
 
 
 @dataclass(frozen=True)

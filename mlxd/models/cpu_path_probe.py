@@ -51,6 +51,13 @@ class ModelShapes:
     head: Shape | None  # the output projection (lm_head, or the tied embedding), if quantized
     layers: int
 
+    @property
+    def parameters(self) -> int:
+        """The weights of these matmuls: the model's size as the kernels see it."""
+        per_layer = sum(out * inputs for out, inputs, _, _ in self.layer)
+        head = self.head[0] * self.head[1] if self.head else 0
+        return self.layers * per_layer + head
+
 
 @dataclass
 class _Matrix:

@@ -26,7 +26,14 @@ from typing import Any
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
+from mlxd.models.cpu_path import (
+    Choice,
+    Phases,
+    TimingCache,
+    Timings,
+    decide,
+    precise_activations,
+)
 from mlxd.models.cpu_path_probe import ModelShapes
 from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
 from mlxd.models.packability import why_not_packable
@@ -185,7 +192,7 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
             precise=precise,
         )
 
-    precise = config.cpu_activations == "precise"
+    precise = precise_activations(config.cpu_activations, shapes.parameters)
     float32 = float32_bytes + config.cache.ram <= budget
     # Packed is then the only plan; with x as one int8 term the two packed layouts are timed
     # (with two, the float layout runs: the same bytes, and no timing lengthens the load).

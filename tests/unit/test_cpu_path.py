@@ -375,6 +375,25 @@ def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
     assert timed[-1] == (False, True)
 
 
+def test_auto_activations_take_one_int8_term_from_a_billion_weights(smol_packed):
+    from mlxd.models.cpu_path import precise_activations
+    from mlxd.models.cpu_path_probe import ModelShapes
+    from mlxd.models.cpu_path_timing import model_shapes
+
+    smol = model_shapes(smol_packed.path)
+    assert smol is not None and 130e6 < smol.parameters < 140e6  # SmolLM2-135M
+    hidden, kv, ffn = 2048, 512, 8192  # Llama-3.2-1B: 16 layers, a 128,256-token head
+    layer = [(hidden, hidden, 64, 4), (kv, hidden, 64, 4), (kv, hidden, 64, 4)]
+    layer += [(hidden, hidden, 64, 4), (ffn, hidden, 64, 4), (ffn, hidden, 64, 4)]
+    llama = ModelShapes((*layer, (hidden, ffn, 64, 4)), (128256, hidden, 64, 4), 16)
+    assert 1.2e9 < llama.parameters < 1.3e9
+    assert precise_activations("auto", smol.parameters)
+    assert not precise_activations("auto", llama.parameters)
+    for parameters in (smol.parameters, llama.parameters):  # a setting is kept as it is
+        assert precise_activations("precise", parameters)
+        assert not precise_activations("int8", parameters)
+
+
 def test_time_paths_without_float32_times_the_packed_layouts_alone():
     from mlxd import kernels
     from mlxd.models.cpu_path_probe import ModelShapes
