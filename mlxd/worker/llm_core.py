@@ -93,6 +93,7 @@ class LLMCore:
             kernels.parallelize_this_thread()
         self._executor = self._new_executor()
         self._run_warm_up(self._warm_up)
+        self._warm_up = []
 
     def _run_warm_up(self, rounds: list[list[GenerationRequest]]) -> None:
         """Each round through the scheduler and the executor, as requests would go, to its
