@@ -419,10 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cpu-activations",
-        choices=["precise", "int8"],
-        default="precise",
+        choices=["auto", "precise", "int8"],
+        default="auto",
         help="mlxd's cpu_activations: int8 rounds x to one int8 term per block of 32 in the "
-        "integer dot products, as llama.cpp does (default: precise, two terms)",
+        "integer dot products, as llama.cpp does, precise to two terms (default: auto, "
+        "mlxd's own: one term from 0.8 billion weights on)",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     args = parser.parse_args(argv)

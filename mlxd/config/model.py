@@ -88,18 +88,20 @@ class ModelConfig(Section):
         "activations, per block of 32. precise: two int8 terms (within 1/64,516 of the "
         "block's largest value: the tokens mlx-lm's float matmul gives). int8: one term, as "
         "llama.cpp does (1/254; the matmuls up to 1.7x faster, answers may part from "
-        "mlx-lm's after a few tokens). auto: int8 for models of 1B quantized weights and "
-        "more, precise below (a small model's answers are fragile, and its second term costs "
-        "less). The load times this layout against the float one and runs the faster "
-        "(`cpu_path.activations` in /v1/status).",
+        "mlx-lm's after a few tokens). auto: int8 for models of 0.8 billion quantized weights "
+        "and more (1B models), precise below (a small model's answers are fragile, and its "
+        "second term costs less). The load times this layout against the float one and runs "
+        "the faster (`cpu_path.activations` in /v1/status).",
     )
     warm_up: bool | None = Field(
         None,
         description="llm/vlm models: run the common request shapes once while loading (one "
         "row at prompt lengths 8, 16, … one prefill step; then 1, 2, 4, … max_batch_size "
         "rows of mixed lengths, greedy and at top-p), so a GPU compiles their kernels before "
-        "the first request rather than during it (minutes on a fresh machine, once: MLX keeps "
-        "them under cache_dir/mlx-jit). null: on GPU backends only (`warm_up` in /v1/status).",
+        "the first request rather than during it (minutes on a fresh machine, once: on CUDA "
+        "a worker keeps them under cache_dir/mlx-jit; a lazy model's first request may meet "
+        "server.load_timeout meanwhile and get 503 with Retry-After). null: on GPU backends "
+        "only (`warm_up` in /v1/status).",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Reject prompts longer than this; null means the context length."

@@ -41,13 +41,14 @@ MORE_BYTES_MARGIN = 1.05
 # step is the weights' bytes, which every core reads faster (a Llama-3.2-1B shape's one-row
 # step: 25.6 ms on two cores against 36 on one).
 SMALL_STEP_MS = 10.0
-# cpu_activations auto: x as one int8 term, llama.cpp's rounding, from this many weights on.
+# cpu_activations auto: x as one int8 term, llama.cpp's rounding, from this many weights on
+# (the kernels' matmuls: a 1B model's layers alone hold 0.97 billion, its quantized head 0.26).
 # There the matmuls are most of a step and two terms cost much: a Llama-3.2-1B shape (1.24B)
 # served 1 / 8 streams at 14.6 / 28.7 tok/s with two terms against 20.4 / 45.3 with one on an
 # AVX2 EPYC, 39–40 / 86–87 against 44 / 124 on an AVX-512 one. Below it two terms cost less
 # (SmolLM2-135M: 62.8 / 192.4 against 73.8 / 223.3) and keep mlx-lm's tokens, which a small
 # model's answers hang on (SmolLM2 misses "Paris" with one term, as it does under llama.cpp).
-ONE_TERM_PARAMETERS = 1_000_000_000
+ONE_TERM_PARAMETERS = 800_000_000
 
 
 def precise_activations(setting: str, parameters: int) -> bool:

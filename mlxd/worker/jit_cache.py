@@ -29,13 +29,13 @@ def keep_jit_cache(cache_dir: Path) -> Path | None:
     the first compile (MLX reads the variable once). Returns the folder, or None."""
     if backend_name() != "cuda" or ENV in os.environ:
         return None
-    info = mx.device_info()
-    device = str(info.get("architecture") or info.get("device_name") or "gpu")
-    folder = cache_dir / "mlx-jit" / re.sub(r"[^\w.-]+", "_", f"{version('mlx')}-{device}")
     try:
+        info = mx.device_info()
+        device = str(info.get("architecture") or info.get("device_name") or "gpu")
+        folder = cache_dir / "mlx-jit" / re.sub(r"[^\w.-]+", "_", f"{version('mlx')}-{device}")
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        log.warning("MLX keeps its compiled kernels in /tmp: %s is not writable (%s)", folder, exc)
+    except Exception as exc:  # the load goes on; only the kept kernels are lost
+        log.warning("MLX keeps its compiled kernels in /tmp: none under %s (%s)", cache_dir, exc)
         return None
     os.environ[ENV] = str(folder)
     return folder

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -86,7 +87,9 @@ class LLMEngine(RequestPreparation):
             config.batch,
             config.speculative,
             draft.model if draft else None,
-            warm_up.rounds(loaded.tokenizer, config.batch, self.context_length, name)
+            functools.partial(
+                warm_up.rounds, loaded.tokenizer, config.batch, self.context_length, name
+            )
             if warm
             else None,
         )
@@ -135,10 +138,15 @@ class LLMEngine(RequestPreparation):
         return await cls(name, config, loaded, prefix_cache, draft=draft).started()
 
     async def started(self) -> Self:
-        """Once the model thread started: its warm-up, where it has one, is done."""
-        await asyncio.to_thread(self.loop.started.wait)
-        if self.loop.failure is not None:
-            raise ModelLoadError(f"model '{self.name}': {self.loop.failure}")
+        """Once the model thread started: its warm-up, where it has one, is done. A load
+        cancelled meanwhile (or a thread that died starting) closes the engine."""
+        try:
+            await asyncio.to_thread(self.loop.started.wait)
+            if self.loop.failure is not None:
+                raise ModelLoadError(f"model '{self.name}': {self.loop.failure}")
+        except BaseException:
+            await asyncio.shield(self.close())
+            raise
         warmed = self._warm_up_stats()
         if warmed is not None:
             log.info(
@@ -291,6 +299,7 @@ class LLMEngine(RequestPreparation):
         return {"mode": speculator.config.mode, **speculator.counters.as_dict()}
 
     async def close(self) -> None:
+        self.core.stop_warm_up()  # a close during the load's warm-up waits one round at most
         await asyncio.to_thread(self.loop.close)
         if self.prefix_cache is not None:
             await asyncio.to_thread(self.prefix_cache.close)  # finishes queued SSD writes

@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -29,7 +31,7 @@ from mlxd.executor.sampling import (
     make_sequence_sampler,
     token_logprob,
 )
-from mlxd.executor.speculative import make_speculator
+from mlxd.executor.speculative import SpeculativeCounters, make_speculator
 from mlxd.models.lora import MultiLoRA
 from mlxd.scheduler import Budget, Running, StepPlan, Waiting, schedule
 from mlxd.types import Delta, Finished, FinishReason, GenerationRequest
@@ -54,10 +56,11 @@ class LLMCore:
         batch: BatchConfig,
         speculative: SpeculativeConfig | None = None,
         draft_model: Any = None,
-        warm_up: list[list[GenerationRequest]] | None = None,
+        warm_up: Callable[[], list[list[GenerationRequest]]] | None = None,
     ):
         """`draft_model`: speculative mode draft's model (the same vocabulary as `model`).
-        `warm_up`: rounds of requests `start` runs to their end and forgets (worker/warm_up.py)."""
+        `warm_up`: makes the rounds of requests `start` runs to their end and forgets
+        (worker/warm_up.py; made on the model thread: it tokenizes)."""
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -79,7 +82,8 @@ class LLMCore:
         # A failed step fails its batch and the core goes on, unless the step was collective
         # (a distributed group: a lost rank leaves nothing to go on with; worker/rank_cores.py).
         self.step_errors_are_fatal = False
-        self._warm_up = warm_up or []
+        self._warm_up = warm_up
+        self._stop_warm_up = threading.Event()  # set by a close during the warm-up
         # Each round run: the most rows a step of it ran, and its seconds (what compiled).
         self.warm_up_rounds: list[tuple[int, float]] = []
 
@@ -92,14 +96,20 @@ class LLMCore:
         if self._stream.device == mx.cpu:
             kernels.parallelize_this_thread()
         self._executor = self._new_executor()
-        self._run_warm_up(self._warm_up)
-        self._warm_up = []
+        if self._warm_up is not None:
+            self._run_warm_up(self._warm_up())
+
+    def stop_warm_up(self) -> None:
+        """From any thread: no further warm-up round (the model is being closed)."""
+        self._stop_warm_up.set()
 
     def _run_warm_up(self, rounds: list[list[GenerationRequest]]) -> None:
         """Each round through the scheduler and the executor, as requests would go, to its
         end; what they produced is dropped and the counters start at zero after them. They
         hold no prefix-cache lease, so the cache never sees them."""
         for requests in rounds:
+            if self._stop_warm_up.is_set():
+                break
             started = time.perf_counter()
             error = self._run_to_end(requests)
             self.warm_up_rounds.append((self.stats.max_batch_seen, time.perf_counter() - started))
@@ -107,6 +117,8 @@ class LLMCore:
             if error is not None:  # what a request would meet too: said, and the model serves
                 log.warning("model '%s': warm-up stopped: %s", self.name, error)
                 break
+        if self.speculator is not None:
+            self.speculator.counters = SpeculativeCounters()
 
     def _run_to_end(self, requests: list[GenerationRequest]) -> str | None:
         """Step until `requests` are done; the first failure's error ends them all."""
@@ -117,6 +129,7 @@ class LLMCore:
             for _, event in self.step():
                 if isinstance(event, Finished) and event.error is not None:
                     self.fail_all("warm-up stopped")
+                    self._executor = self._new_executor()  # rows fail_all left in it go
                     return event.error
         return None
 

@@ -125,16 +125,18 @@ class ModelLoop(Generic[Item, Output]):
                     self._deliver(outputs)
         except BaseException as exc:
             log.critical("model '%s': engine thread died", self.name, exc_info=True)
-            with self._lock:
-                self.failure = f"engine thread died: {type(exc).__name__}: {exc}"
-                # What was submitted before the death fails too (aborts no longer matter).
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        command, item = self._inbox.get_nowait()
-                        if command == "add":
-                            core.add(item)
-                self._in_inbox = 0
-            self.started.set()  # after `failure`: a load waiting on it reads why
+            try:
+                with self._lock:
+                    self.failure = f"engine thread died: {type(exc).__name__}: {exc}"
+                    # What was submitted before the death fails too (aborts no longer matter).
+                    with contextlib.suppress(queue.Empty):
+                        while True:
+                            command, item = self._inbox.get_nowait()
+                            if command == "add":
+                                core.add(item)
+                    self._in_inbox = 0
+            finally:
+                self.started.set()  # after `failure`: a load waiting on it reads why
             message = f"model '{self.name}' failed ({self.failure}); it is being restarted"
             self._deliver_quietly(core.fail_all(message, status=503))
             return

@@ -4,8 +4,8 @@ MLX's CUDA backend compiles a kernel the first time it meets a new shape class: 
 H200 the first request waited 45–50 s for its first token, and the first batch of 8 and the
 first top-p draw stalled another 30–35 s each (docs/performance.md). Those waits belong to the
 load, where the model is not yet routed to: the engine runs these rounds through its own core
-before it reports ready, and MLX keeps what it compiled on disk (`accel.keep_jit_cache`), so a
-later load of any model on the machine compiles little or nothing. The CPU backend compiles
+before it reports ready, and MLX keeps what it compiled on disk (on CUDA, `worker/jit_cache.py`),
+so a later load of any model on the machine compiles little or nothing. The CPU backend compiles
 nothing worth a warm-up.
 """
 
@@ -48,27 +48,28 @@ def rounds(
     row greedy at each of `prompt_lengths`, then, greedy and at top-p, `batch_sizes` rows at
     once whose prompts differ in length (8, 16, … 128 tokens: padded rows, as requests are)."""
     step = max(1, min(batch.prefill_step_size, context_length - MAX_TOKENS - 1))
-    words = tokenizer.encode(TEXT * (1 + step // 8))
+    words = tokenizer.encode(TEXT * (1 + step // 4))
     ids = itertools.count()
 
     def round_of(lengths: list[int], sampling: SamplingParams) -> list[GenerationRequest]:
-        lengths = [min(length, step) for length in lengths]
-        # The first rows decode while the last are prefilled, a step each: they must still
-        # run when the last joins, for a step of all of them.
-        tokens = MAX_TOKENS + -(-sum(lengths) // batch.prefill_step_size)
+        prompts = [words[: min(length, step)] for length in lengths]
+        # The first rows decode while the later ones are prefilled (a step each at most):
+        # they must still run when the last joins, for a step of all of them.
+        tokens = MAX_TOKENS + len(prompts)
         return [
             GenerationRequest(
                 request_id=f"warm-up-{next(ids)}",
                 model=model,
-                max_tokens=tokens,
+                max_tokens=max(1, min(tokens, context_length - len(prompt))),
                 sampling=sampling,
-                prompt=words[:length],
+                prompt=prompt,
             )
-            for length in lengths
+            for prompt in prompts
         ]
 
     plan = [round_of([length], GREEDY) for length in prompt_lengths(step)]
-    for size in batch_sizes(batch.max_batch_size):
+    # More than max_queue at once would be refused (429), as requests are.
+    for size in batch_sizes(min(batch.max_batch_size, batch.max_queue)):
         lengths = [SHORT_PROMPT << (row % 5) for row in range(size)]
         plan += [round_of(lengths, GREEDY), round_of(lengths, TOP_P)]
     return plan

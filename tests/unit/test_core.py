@@ -241,7 +241,8 @@ def test_a_warm_up_runs_each_batch_size_and_leaves_nothing_behind(model):
     assert [len(r[0].prompt) for r in rounds[:4]] == [8, 16, 32, 40]
     assert [len(row.prompt) for row in rounds[-1]] == [8, 16, 32, 40, 40, 8]
     assert {r[0].sampling.temperature for r in rounds[4:]} == {0.0, 0.7}
-    warmed = LLMCore("tiny", model, LetterTokenizer(), batch, warm_up=rounds)
+    assert [r.max_tokens for r in rounds[-1]] == [9] * 6  # 3 past the last row's admission
+    warmed = LLMCore("tiny", model, LetterTokenizer(), batch, warm_up=lambda: rounds)
     warmed.start()
     rows = [rows for rows, _ in warmed.warm_up_rounds]
     assert rows == [1, 1, 1, 1, 1, 1, 2, 2, 4, 4, 6, 6]
@@ -258,6 +259,23 @@ def test_a_warm_up_runs_each_batch_size_and_leaves_nothing_behind(model):
     assert warmed.stats.finished == 1 and warmed.stats.prompt_tokens == 5
 
 
+def test_warm_up_rounds_keep_to_the_queue_and_the_context():
+    batch = BatchConfig(max_batch_size=32, max_queue=6, prefill_step_size=256)
+    rounds = warm_up.rounds(LetterTokenizer(), batch, context_length=40, model="tiny")
+    assert max(len(r) for r in rounds) == 6  # more at once would be refused (429)
+    assert all(len(q.prompt) + q.max_tokens <= 40 for r in rounds for q in r)
+
+
+def test_a_warm_up_stopped_by_a_close_runs_no_further_round(model):
+    rounds = warm_up.rounds(LetterTokenizer(), BatchConfig(max_batch_size=4), 64, "tiny")
+    core = LLMCore(
+        "tiny", model, LetterTokenizer(), BatchConfig(max_batch_size=4), warm_up=lambda: rounds
+    )
+    core.stop_warm_up()
+    core.start()
+    assert core.warm_up_rounds == [] and not core.has_work
+
+
 class TwoRowsFail(llama.Model):
     """Decoding two rows at once raises, as a GPU out of memory for that batch would."""
 
@@ -272,7 +290,7 @@ def test_a_warm_up_that_fails_is_said_and_the_core_serves_on(model, caplog):
     failing.update(model.parameters())
     batch = BatchConfig(max_batch_size=4)
     rounds = warm_up.rounds(LetterTokenizer(), batch, context_length=64, model="tiny")
-    core = LLMCore("tiny", failing, LetterTokenizer(), batch, warm_up=rounds)
+    core = LLMCore("tiny", failing, LetterTokenizer(), batch, warm_up=lambda: rounds)
     core.start()
     # One row at each prompt length (8, 16, 32, 60), one row greedy and at top-p, then the
     # round of two rows, which failed: the last one run.
