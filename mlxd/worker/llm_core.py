@@ -14,7 +14,6 @@ import functools
 import itertools
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +30,11 @@ from mlxd.executor.sampling import (
     make_sequence_sampler,
     token_logprob,
 )
-from mlxd.executor.speculative import SpeculativeCounters, make_speculator
+from mlxd.executor.speculative import make_speculator
 from mlxd.models.lora import MultiLoRA
 from mlxd.scheduler import Budget, Running, StepPlan, Waiting, schedule
 from mlxd.types import Delta, Finished, FinishReason, GenerationRequest
+from mlxd.worker import warm_up
 from mlxd.worker.sequence import (
     FINAL_STATUS,
     CoreStats,
@@ -97,41 +97,11 @@ class LLMCore:
             kernels.parallelize_this_thread()
         self._executor = self._new_executor()
         if self._warm_up is not None:
-            self._run_warm_up(self._warm_up())
+            self.warm_up_rounds = warm_up.run(self, self._warm_up(), self._stop_warm_up)
 
     def stop_warm_up(self) -> None:
         """From any thread: no further warm-up round (the model is being closed)."""
         self._stop_warm_up.set()
-
-    def _run_warm_up(self, rounds: list[list[GenerationRequest]]) -> None:
-        """Each round through the scheduler and the executor, as requests would go, to its
-        end; what they produced is dropped and the counters start at zero after them. They
-        hold no prefix-cache lease, so the cache never sees them."""
-        for requests in rounds:
-            if self._stop_warm_up.is_set():
-                break
-            started = time.perf_counter()
-            error = self._run_to_end(requests)
-            self.warm_up_rounds.append((self.stats.max_batch_seen, time.perf_counter() - started))
-            self.stats = CoreStats()
-            if error is not None:  # what a request would meet too: said, and the model serves
-                log.warning("model '%s': warm-up stopped: %s", self.name, error)
-                break
-        if self.speculator is not None:
-            self.speculator.counters = SpeculativeCounters()
-
-    def _run_to_end(self, requests: list[GenerationRequest]) -> str | None:
-        """Step until `requests` are done; the first failure's error ends them all."""
-        for request in requests:
-            assert isinstance(request.prompt, list), "warm-up prompts are token ids"
-            self.add(Sequence(request, request.prompt))
-        while self.has_work:
-            for _, event in self.step():
-                if isinstance(event, Finished) and event.error is not None:
-                    self.fail_all("warm-up stopped")
-                    self._executor = self._new_executor()  # rows fail_all left in it go
-                    return event.error
-        return None
 
     @property
     def executor(self) -> BatchExecutor:
@@ -197,6 +167,12 @@ class LLMCore:
                 error_status=status,
             )
             self._finish(sequence, event, outputs, in_executor=False)
+        return outputs
+
+    def fail_batch(self, message: str) -> list[Output]:
+        """`fail_all`, and a new executor: the failed rows stay in none."""
+        outputs = self.fail_all(message)
+        self._executor = self._new_executor()
         return outputs
 
     # -- admission ----------------------------------------------------------------------
@@ -299,8 +275,7 @@ class LLMCore:
             if self.step_errors_are_fatal:
                 raise
             log.exception("model '%s': batch step failed", self.name)
-            outputs.extend(self.fail_all(f"generation failed: {exc}"))
-            self._executor = self._new_executor()
+            outputs.extend(self.fail_batch(f"generation failed: {exc}"))
             return
         for chunk in chunks:
             sequence = self._running.get(chunk.id)

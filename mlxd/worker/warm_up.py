@@ -12,10 +12,20 @@ nothing worth a warm-up.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 from mlxd.config import BatchConfig
-from mlxd.types import GenerationRequest, SamplingParams
+from mlxd.executor.speculative import SpeculativeCounters
+from mlxd.types import Finished, GenerationRequest, SamplingParams
+from mlxd.worker.sequence import CoreStats, Sequence
+
+if TYPE_CHECKING:
+    from mlxd.worker.llm_core import LLMCore
+
+log = logging.getLogger("mlxd.scheduler")
 
 GREEDY = SamplingParams(temperature=0.0)
 # The common sampled request (OpenAI's and Ollama's clients send these): its top-p draw has
@@ -73,3 +83,39 @@ def rounds(
         lengths = [SHORT_PROMPT << (row % 5) for row in range(size)]
         plan += [round_of(lengths, GREEDY), round_of(lengths, TOP_P)]
     return plan
+
+
+def run(
+    core: LLMCore, plan: list[list[GenerationRequest]], stop: threading.Event
+) -> list[tuple[int, float]]:
+    """Each round through the core's scheduler and executor, as requests would go, to its end,
+    on the model thread; what they produced is dropped and the core's counters start at zero
+    after them. They hold no prefix-cache lease, so the cache never sees them. Returns each
+    round's most rows in a step and its seconds (what compiled)."""
+    done = []
+    for requests in plan:
+        if stop.is_set():
+            break
+        started = time.perf_counter()
+        error = _run_to_end(core, requests)
+        done.append((core.stats.max_batch_seen, time.perf_counter() - started))
+        core.stats = CoreStats()
+        if error is not None:  # what a request would meet too: said, and the model serves
+            log.warning("model '%s': warm-up stopped: %s", core.name, error)
+            break
+    if core.speculator is not None:
+        core.speculator.counters = SpeculativeCounters()
+    return done
+
+
+def _run_to_end(core: LLMCore, requests: list[GenerationRequest]) -> str | None:
+    """Step until `requests` are done; the first failure's error ends them all."""
+    for request in requests:
+        assert isinstance(request.prompt, list), "warm-up prompts are token ids"
+        core.add(Sequence(request, request.prompt))
+    while core.has_work:
+        for _, event in core.step():
+            if isinstance(event, Finished) and event.error is not None:
+                core.fail_batch("warm-up stopped")
+                return event.error
+    return None
