@@ -1,11 +1,14 @@
 // Python module mlxd.kernels._cpu (nanobind; arrays cross as mlx.core.array).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "assemble.h"
 #include "attention.h"
+#include "convert.h"
 #include "gather_qmatmul.h"
 #include "kernels.h"
 #include "qmatmul.h"
@@ -17,6 +20,73 @@
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+namespace {
+
+// numpy arrays, for the load-time conversions (convert.h): they run on Python's threads, without
+// the GIL, on memory numpy owns (a memory-mapped file's, a preallocated result's).
+template <typename T>
+using Buffer = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+
+void require(bool condition, const char* message) {
+  if (!condition) {
+    throw std::invalid_argument(message);
+  }
+}
+
+void repack_tiles(Buffer<const uint8_t> src, Buffer<uint8_t> dst, int bits, bool dot) {
+  require(src.ndim() == 3 && src.shape(1) == 16, "repack_tiles: src must be [tiles, 16, bytes]");
+  require(dst.size() == src.size(), "repack_tiles: dst must hold as many bytes as src");
+  require(bits == 4 || bits == 8, "repack_tiles: bits must be 4 or 8");
+  require(!dot || src.shape(2) % 4 == 0, "repack_tiles: rows of whole 32-bit words");
+  const int64_t tiles = src.shape(0), width = src.shape(2);
+  nb::gil_scoped_release release;
+  mlxd::repack_tiles(src.data(), dst.data(), tiles, width, bits, dot);
+}
+
+bool tile_scales(
+    Buffer<const float> scales, Buffer<const float> biases, Buffer<float> dst, int64_t repeats) {
+  require(
+      scales.ndim() == 2 && scales.shape(0) % 16 == 0,
+      "tile_scales: scales must be [rows (a multiple of 16), groups]");
+  require(
+      biases.ndim() == 2 && biases.shape(0) == scales.shape(0) &&
+          biases.shape(1) == scales.shape(1),
+      "tile_scales: biases must be shaped as scales");
+  require(repeats >= 1, "tile_scales: repeats must be positive");
+  require(dst.size() == 2 * scales.size() * repeats, "tile_scales: dst of the wrong size");
+  const int64_t rows = scales.shape(0), groups = scales.shape(1);
+  nb::gil_scoped_release release;
+  return mlxd::tile_scales(scales.data(), biases.data(), dst.data(), rows, groups, repeats);
+}
+
+std::pair<double, double> q6_k_to_affine8(
+    Buffer<const uint8_t> src, Buffer<uint8_t> codes, Buffer<float> scales, Buffer<float> biases) {
+  require(src.size() % 210 == 0, "q6_k_to_affine8: src must be whole Q6_K blocks of 210 bytes");
+  const int64_t blocks = static_cast<int64_t>(src.size() / 210);
+  require(
+      codes.size() == static_cast<size_t>(blocks) * 256 &&
+          scales.size() == static_cast<size_t>(blocks) * 8 &&
+          biases.size() == static_cast<size_t>(blocks) * 8,
+      "q6_k_to_affine8: codes must hold 256 values a block, scales and biases 8");
+  nb::gil_scoped_release release;
+  return mlxd::q6_k_to_affine8(src.data(), blocks, codes.data(), scales.data(), biases.data());
+}
+
+void q4_k_to_affine4(
+    Buffer<const uint8_t> src, Buffer<uint8_t> words, Buffer<float> scales, Buffer<float> biases) {
+  require(src.size() % 144 == 0, "q4_k_to_affine4: src must be whole Q4_K blocks of 144 bytes");
+  const int64_t blocks = static_cast<int64_t>(src.size() / 144);
+  require(
+      words.size() == static_cast<size_t>(blocks) * 128 &&
+          scales.size() == static_cast<size_t>(blocks) * 8 &&
+          biases.size() == static_cast<size_t>(blocks) * 8,
+      "q4_k_to_affine4: words must hold 128 bytes a block, scales and biases 8 values");
+  nb::gil_scoped_release release;
+  mlxd::q4_k_to_affine4(src.data(), blocks, words.data(), scales.data(), biases.data());
+}
+
+}  // namespace
 
 NB_MODULE(_cpu, m) {
   m.doc() = "mlxd's CPU kernels for MLX";
@@ -133,6 +203,42 @@ NB_MODULE(_cpu, m) {
       "untempered distribution (mlx-lm's rule; all at 1), weighted e^((x - max) * "
       "inv_temperature[i]), the first in index order whose cumulative weight passes u[i] of "
       "their total.");
+  m.def(
+      "repack_tiles",
+      &repack_tiles,
+      "src"_a,
+      "dst"_a,
+      "bits"_a,
+      "dot"_a,
+      "Tiles of MLX's quantized rows [tiles, 16, bytes] written into dst in the kernels' layout: "
+      "qmatmul's, or qdot's with dot.");
+  m.def(
+      "tile_scales",
+      &tile_scales,
+      "scales"_a,
+      "biases"_a,
+      "dst"_a,
+      "repeats"_a,
+      "float32 scales and biases [rows, groups] written into dst as [rows / 16, groups * repeats, "
+      "2, 16]; whether every value is a float16 exactly.");
+  m.def(
+      "q6_k_to_affine8",
+      &q6_k_to_affine8,
+      "src"_a,
+      "codes"_a,
+      "scales"_a,
+      "biases"_a,
+      "GGUF Q6_K blocks requantized into MLX 8-bit affine groups of 32 (codes, float32 scales and "
+      "biases written in place); (sum of squared errors, sum of squared values).");
+  m.def(
+      "q4_k_to_affine4",
+      &q4_k_to_affine4,
+      "src"_a,
+      "words"_a,
+      "scales"_a,
+      "biases"_a,
+      "GGUF Q4_K blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, float32 scales "
+      "and biases written in place).");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

@@ -19,6 +19,7 @@ import os
 from types import ModuleType
 
 import mlx.core as mx
+import numpy as np
 
 # The layouts (kernels/layout.py), under the names the kernels' callers use.
 from mlxd.kernels.layout import BLOCK as BLOCK
@@ -215,3 +216,22 @@ def sample(
     uniform of their total (CPU stream, lazy)."""
     result: mx.array = _module().sample(logits, inv_temperature, top_p, uniform)
     return result
+
+
+def q6_k_to_affine8(
+    blocks: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray
+) -> tuple[float, float]:
+    """GGUF Q6_K `blocks` (uint8, whole blocks of 210 bytes) requantized into MLX 8-bit affine
+    groups of 32, written into `codes` (uint8, 256 a block), `scales` and `biases` (float32, 8 a
+    block); returns (sum of squared errors, sum of squared values). Releases the GIL."""
+    error, norm = _module().q6_k_to_affine8(blocks, codes, scales, biases)
+    return float(error), float(norm)
+
+
+def q4_k_to_affine4(
+    blocks: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray
+) -> None:
+    """GGUF Q4_K `blocks` (uint8, whole blocks of 144 bytes) as MLX 4-bit affine groups of 32,
+    exactly, written into `words` (uint8, 128 a block), `scales` and `biases` (float32, 8 a
+    block). Releases the GIL."""
+    _module().q4_k_to_affine4(blocks, words, scales, biases)

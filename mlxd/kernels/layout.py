@@ -1,14 +1,15 @@
 """The kernels' weight layouts: `pack` (the float path's) and `pack_dot` (the int8 dot
-products'), the experts' stacks, and lookups from either (`take_rows`). Pure numpy and MLX: the
-layouts are laid out here, multiplied in csrc/.
+products'), the experts' stacks, and lookups from either (`take_rows`). Described here, written by
+csrc/convert.cpp and multiplied by the rest of csrc/.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
@@ -81,7 +82,7 @@ def pack(
     per tile and group of inputs (`scale_group`) 16 scales then 16 biases, in float16 when that
     holds them exactly (a GGUF's do), else float32.
     """
-    return _pack_rows(weight, scales, biases, group_size, bits, _float_layout)
+    return _pack_rows(weight, scales, biases, group_size, bits)
 
 
 def pack_dot(
@@ -100,7 +101,7 @@ def pack_dot(
     the block's largest |x|), or with `precise` to two int8 terms (1/64,516) for twice the
     dot products.
     """
-    return _pack_rows(weight, scales, biases, group_size, bits, _dot_layout, True, precise)
+    return _pack_rows(weight, scales, biases, group_size, bits, True, precise)
 
 
 def pack_experts(
@@ -122,8 +123,7 @@ def pack_experts(
     if weight.ndim != 3 or not packable(rows, group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit experts {weight.shape}, group size {group_size}")
     w, s, b = (a.reshape(experts * rows, -1) for a in (weight, scales, biases))
-    layout = _dot_layout if dot else _float_layout
-    flat = _pack_rows(w, s, b, group_size, bits, layout, dot, dot and precise)
+    flat = _pack_rows(w, s, b, group_size, bits, dot, dot and precise)
     return Packed(
         flat.weight.reshape(experts, rows, -1),
         flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
@@ -154,44 +154,52 @@ def take_rows(packed: Packed, ids: mx.array) -> mx.array:
     return out.reshape(*ids.shape, inputs)
 
 
-Layout = Callable[[np.ndarray, int], np.ndarray]
-
-
 def _pack_rows(
     weight: mx.array,
     scales: mx.array,
     biases: mx.array,
     group_size: int,
     bits: int,
-    layout: Layout,
     dot: bool = False,
     precise: bool = False,
 ) -> Packed:
-    """`PACK_ROWS` rows at a time into the result, on a thread per core, so the temporaries
-    are a few slices', not a whole tensor's (an 8B's output head: 0.5 GiB)."""
+    """`PACK_ROWS` rows at a time into the result, on a thread per core (the kernels' module
+    lays them out, csrc/convert.cpp, without the GIL), so the temporaries are a few slices',
+    not a whole tensor's (an 8B's output head: 0.5 GiB)."""
     if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
     rows, words = weight.shape
     inputs = words * 32 // bits
-    # MLX evaluates on this thread (the arrays belong to its stream); numpy on the packers.
+    # MLX evaluates on this thread (the arrays belong to its stream); the layout on the packers.
     raw = _row_bytes(weight)
-    scales32, biases32 = (np.asarray(a.astype(mx.float32)) for a in (scales, biases))
+    scales32, biases32 = (
+        np.ascontiguousarray(np.asarray(a.astype(mx.float32))) for a in (scales, biases)
+    )
+    repeats = group_size // scale_group(group_size)
     packed_weight = np.empty((rows, words * 4), np.uint8)
     both = np.empty((rows // LANES, inputs // scale_group(group_size), 2, LANES), np.float32)
+    native = _native()
 
-    def pack_slice(start: int) -> None:
+    def pack_slice(start: int) -> bool:
         stop = min(start + PACK_ROWS, rows)
         tiles = slice(start // LANES, stop // LANES)
-        packed_weight[start:stop] = layout(raw[tiles], bits).reshape(stop - start, -1)
-        both[tiles] = _scales_biases(scales32[start:stop], biases32[start:stop], group_size)
+        native.repack_tiles(raw[tiles], packed_weight[start:stop], bits, dot)
+        fits_half: bool = native.tile_scales(
+            scales32[start:stop], biases32[start:stop], both[tiles], repeats
+        )
+        return fits_half
 
-    for _ in _packers.map(pack_slice, range(0, rows, PACK_ROWS)):
-        pass  # raises what a slice raised
-    if np.array_equal(both.astype(np.float16).astype(np.float32), both):
+    # Every slice's result first: a slice's exception is raised, none is skipped.
+    if all(list(_packers.map(pack_slice, range(0, rows, PACK_ROWS)))):
         both = both.astype(np.float16)
     packed = Packed(mx.array(packed_weight), mx.array(both), bits, dot, precise)
     mx.eval(packed.weight, packed.scale_bias)
     return packed
+
+
+def _native() -> ModuleType:
+    """The built kernels' module (mlxd.kernels only packs where it is built)."""
+    return importlib.import_module("mlxd.kernels._cpu")
 
 
 def _row_bytes(weight: mx.array) -> np.ndarray:
@@ -199,43 +207,7 @@ def _row_bytes(weight: mx.array) -> np.ndarray:
     each byte holds one 8-bit value or two 4-bit ones, the earlier in the low nibble."""
     raw = np.asarray(weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32))
     rows = raw.shape[0]
-    return raw.view(np.uint8).reshape(rows // LANES, LANES, -1)
-
-
-def _float_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
-    # MLX's bytes already pair inputs k and k + 1 of a row as the kernel does (4 bits).
-    return np.ascontiguousarray(tiles.transpose(0, 2, 1))
-
-
-def _dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
-    count, _, width = tiles.shape
-    if bits == 4:
-        # Bytes b0..b3 hold inputs k..k+7 in pairs (b0 = q0 | q1 << 4, …); the kernel wants
-        # byte i = q[k+i] | q[k+4+i] << 4: nibbles moved between bytes, never split out.
-        b0, b1, b2, b3 = (tiles.reshape(count, LANES, width // 4, 4)[..., i] for i in range(4))
-        high = np.uint8(0xF0)
-        tiles = np.stack(
-            [
-                (b0 & 0xF) | (b2 << 4),
-                (b0 >> 4) | (b2 & high),
-                (b1 & 0xF) | (b3 << 4),
-                (b1 >> 4) | (b3 & high),
-            ],
-            axis=-1,
-        )
-    else:
-        tiles = tiles.reshape(count, LANES, width // 4, 4)
-    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
-
-
-def _scales_biases(scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
-    """[rows, K / group] → [tiles, K / scale_group, 2, 16]: each tile's 16 scales, then
-    biases."""
-    both = np.stack([scales, biases])
-    rows = both.shape[1]
-    repeats = group_size // scale_group(group_size)
-    both = np.repeat(both, repeats, axis=2).reshape(2, rows // LANES, LANES, -1)
-    return both.transpose(1, 3, 0, 2)
+    return np.ascontiguousarray(raw.view(np.uint8).reshape(rows // LANES, LANES, -1))
 
 
 _packers = ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="pack")

@@ -9,6 +9,11 @@ copied code for code ("exact": dequantized they equal the `gguf` package's own d
 Q6_K, Q3_K and Q2_K use sub-blocks of 16 and the IQ types non-linear codebooks, which MLX cannot
 express (its smallest group is 32): those are dequantized chunk by chunk with the `gguf` package and
 requantized to an MLX width above their own (REQUANT_BITS), and the error is measured.
+
+The two types of a Q4_K_M file (most of what people download), Q4_K and Q6_K (its output head, half
+its down projections), go through the kernels' module where it is built (csrc/convert.cpp): one
+pass each instead of a dozen numpy ones, the package's dequantization and MLX's quantize
+for an 8B Q4_K_M on two AVX2 cores: 37 → 14 s).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
+from mlxd import kernels
 from mlxd.models.gguf_errors import UnsupportedQuantType
 
 GROUP_SIZE = 32
@@ -209,6 +215,8 @@ def convert(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...
     block, size = GGML_QUANT_SIZES[qtype]
     cols = shape[-1]
     rows = data.reshape(-1, cols // block * size)
+    if qtype in (Q.Q4_K, Q.Q6_K) and kernels.available():
+        return _convert_on_kernels(rows, qtype, shape)
     if qtype in EXACT_TYPES:
         return _convert_exact(rows, qtype, shape)
     return _requantize(rows, qtype, shape)
@@ -272,3 +280,34 @@ def _requantize(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
         exact=False,
         rel_error=math.sqrt(error / norm) if norm else 0.0,
     )
+
+
+def _convert_on_kernels(
+    rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
+) -> Converted:
+    """Q4_K exactly or Q6_K into 8-bit groups, on the kernels' module, chunks of rows on the
+    decoding threads; a Q6_K's error is summed over every value."""
+    exact = qtype == Q.Q4_K
+    bits = 4 if exact else requant_bits(qtype)
+    count, row_bytes = rows.shape
+    blocks = row_bytes // GGML_QUANT_SIZES[qtype][1]
+    codes = np.empty((count, blocks * 32 * bits), np.uint8)
+    scales = np.empty((count, blocks * 8), np.float32)
+    biases = np.empty_like(scales)
+
+    def job(chunk: slice) -> tuple[float, float]:
+        arrays = (rows[chunk], codes[chunk], scales[chunk], biases[chunk])
+        if exact:
+            kernels.q4_k_to_affine4(*arrays)
+            return 0.0, 0.0
+        return kernels.q6_k_to_affine8(*arrays)
+
+    sums = list(_decoders.map(job, _row_chunks(count, row_bytes)))
+    error, norm = (sum(column) for column in zip(*sums, strict=True))
+    lead = shape[:-1]
+    # float32 scales and biases, unchecked: a Q4_K's are float16s times 6-bit integers.
+    weight, scale, bias = (
+        mx.array(a.reshape(*lead, -1)) for a in (codes.view(np.uint32), scales, biases)
+    )
+    rel_error = math.sqrt(error / norm) if norm else 0.0
+    return Converted(weight, scale, bias, bits, exact=exact, rel_error=rel_error)

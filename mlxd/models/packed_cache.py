@@ -11,8 +11,8 @@ The key says everything the arrays depend on, so a file is never stale:
 - the weights: the model directory's path and the size, mtime, ctime and inode of each file
   in it (a converted GGUF's directory is named by the file's hash and never rewritten; a
   rewritten or replaced file changes its mtime, ctime or inode);
-- the layout: the source of the code that writes it (mlxd/kernels/layout.py and
-  models/packed.py) and the ISA variant the kernels run, which reads it;
+- the layout: the source of the code that writes it (mlxd/kernels/layout.py, csrc/convert.cpp
+  and models/packed.py) and the ISA variant the kernels run, which reads it;
 - the packing options: the int8 dot-product layout (x as one or two int8 terms:
   `cpu_activations`) or the float one (the CPU path plan, models/cpu_path.py; "mixed" keeps
   the float layout beside float32 weights it dequantizes).
@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from mlxd import kernels
 from mlxd.kernels import Packed, layout
+from mlxd.kernels.build import SOURCE_DIR
 from mlxd.models.sources import exclusive
 from mlxd.process_exit import before_exit
 
@@ -51,6 +52,7 @@ FORMAT = "mlxd-packed-1"
 # width each stored width is packed at).
 _LAYOUT_SOURCES = (
     Path(layout.__file__),
+    SOURCE_DIR / "convert.cpp",  # which writes it
     Path(__file__).with_name("packed.py"),
     Path(__file__).with_name("packability.py"),
 )

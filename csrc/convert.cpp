@@ -1,0 +1,200 @@
+#include "convert.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace mlxd {
+
+namespace {
+
+constexpr int kLanes = 16;  // output rows per tile (mlxd/kernels/layout.py: LANES)
+
+// Bytes b0..b3 hold 4-bit inputs k..k+7 in pairs (b0 = q0 | q1 << 4, …); the integer dot product
+// wants byte i = q[k+i] | q[k+4+i] << 4.
+inline uint32_t dot_nibbles(uint32_t word) {
+  const uint32_t b0 = word & 0xFF, b1 = (word >> 8) & 0xFF;
+  const uint32_t b2 = (word >> 16) & 0xFF, b3 = word >> 24;
+  const uint32_t o0 = (b0 & 0xF) | ((b2 << 4) & 0xF0), o1 = (b0 >> 4) | (b2 & 0xF0);
+  const uint32_t o2 = (b1 & 0xF) | ((b3 << 4) & 0xF0), o3 = (b1 >> 4) | (b3 & 0xF0);
+  return o0 | o1 << 8 | o2 << 16 | o3 << 24;
+}
+
+inline bool is_half(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const int exponent = static_cast<int>((bits >> 23) & 0xFF) - 127;
+  const uint32_t mantissa = bits & 0x7FFFFF;
+  if ((bits & 0x7FFFFFFF) == 0) {
+    return true;
+  }
+  if (exponent > 15 || exponent < -24) {  // beyond float16's range, or below its least value
+    return false;
+  }
+  // float16 keeps 10 mantissa bits at normal exponents, fewer below 2^-14.
+  const int dropped = 13 + std::max(0, -14 - exponent);
+  return (mantissa & ((1u << dropped) - 1)) == 0;
+}
+
+// The float16 at `at` as a float32.
+inline float half_at(const uint8_t* at) {
+  uint16_t half;
+  std::memcpy(&half, at, 2);
+  const uint32_t sign = (half & 0x8000u) << 16, exponent = (half >> 10) & 0x1F;
+  const uint32_t mantissa = half & 0x3FF;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float value = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -value : value;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0xFFu << 23 : (exponent + 112) << 23) |
+      mantissa << 13;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+}  // namespace
+
+void repack_tiles(const uint8_t* src, uint8_t* dst, int64_t tiles, int64_t width, int bits, bool dot) {
+  const int64_t tile_bytes = kLanes * width;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* in = src + t * tile_bytes;
+    uint8_t* out = dst + t * tile_bytes;
+    if (!dot) {
+      for (int64_t b = 0; b < width; ++b) {
+        for (int lane = 0; lane < kLanes; ++lane) {
+          out[b * kLanes + lane] = in[lane * width + b];
+        }
+      }
+      continue;
+    }
+    const int64_t words = width / 4;
+    for (int64_t w = 0; w < words; ++w) {
+      for (int lane = 0; lane < kLanes; ++lane) {
+        uint32_t word;
+        std::memcpy(&word, in + lane * width + 4 * w, 4);
+        if (bits == 4) {
+          word = dot_nibbles(word);
+        }
+        std::memcpy(out + (w * kLanes + lane) * 4, &word, 4);
+      }
+    }
+  }
+}
+
+bool tile_scales(
+    const float* scales,
+    const float* biases,
+    float* dst,
+    int64_t rows,
+    int64_t groups,
+    int64_t repeats) {
+  bool half = true;
+  for (int64_t tile = 0; tile < rows / kLanes; ++tile) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t r = 0; r < repeats; ++r) {
+        float* out = dst + ((tile * groups + g) * repeats + r) * 2 * kLanes;
+        for (int lane = 0; lane < kLanes; ++lane) {
+          const int64_t at = (tile * kLanes + lane) * groups + g;
+          out[lane] = scales[at];
+          out[kLanes + lane] = biases[at];
+          half = half && is_half(scales[at]) && is_half(biases[at]);
+        }
+      }
+    }
+  }
+  return half;
+}
+
+std::pair<double, double> q6_k_to_affine8(
+    const uint8_t* src, int64_t blocks, uint8_t* codes, float* scales, float* biases) {
+  constexpr int kBlock = 256, kBlockBytes = 210, kGroup = 32;
+  double error = 0, norm = 0;
+  float values[kBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: ql [128] low nibbles, qh [64] high bit pairs, int8 scales [16], float16 d.
+    const uint8_t* block = src + b * kBlockBytes;
+    const uint8_t* ql = block;
+    const uint8_t* qh = block + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_at(block + 208);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* l = ql + 64 * half;
+      const uint8_t* h = qh + 32 * half;
+      const int8_t* s = sc + 8 * half;
+      float* y = values + 128 * half;
+      for (int i = 0; i < 32; ++i) {
+        const int is = i / 16;
+        const int q1 = ((l[i] & 0xF) | ((h[i] & 3) << 4)) - 32;
+        const int q2 = ((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
+        y[i] = d * s[is] * q1;
+        y[i + 32] = d * s[is + 2] * q2;
+        y[i + 64] = d * s[is + 4] * q3;
+        y[i + 96] = d * s[is + 6] * q4;
+      }
+    }
+    for (int g = 0; g < kBlock / kGroup; ++g) {
+      const float* v = values + g * kGroup;
+      float lo = v[0], hi = v[0];
+      for (int i = 1; i < kGroup; ++i) {
+        lo = std::min(lo, v[i]);
+        hi = std::max(hi, v[i]);
+      }
+      const float scale = (hi - lo) / 255.0f;
+      const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+      uint8_t* q = codes + (b * kBlock + g * kGroup);
+      float group_error = 0, group_norm = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        // Round half up (the argument is at least 0): a conversion, not a libm call, on the
+        // baseline ISA this file is compiled for.
+        const int code = std::min(255, static_cast<int>((v[i] - lo) * inverse + 0.5f));
+        q[i] = static_cast<uint8_t>(code);
+        const float back = static_cast<float>(code) * scale + lo - v[i];
+        group_error += back * back;
+        group_norm += v[i] * v[i];
+      }
+      error += group_error;
+      norm += group_norm;
+      scales[b * 8 + g] = scale;
+      biases[b * 8 + g] = lo;
+    }
+  }
+  return {error, norm};
+}
+
+void q4_k_to_affine4(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  constexpr int kBlockBytes = 144;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d, dmin (float16), 12 bytes of 6-bit scales and mins, qs [128].
+    const uint8_t* block = src + b * kBlockBytes;
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t* packed = block + 4;
+    const uint8_t* qs = block + 16;
+    for (int j = 0; j < 8; ++j) {
+      int scale, min;
+      if (j < 4) {
+        scale = packed[j] & 63;
+        min = packed[j + 4] & 63;
+      } else {
+        scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
+        min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+      }
+      scales[b * 8 + j] = d * static_cast<float>(scale);
+      biases[b * 8 + j] = -(dmin * static_cast<float>(min));
+      // Sub-block j: the low (even j) or high (odd j) nibbles of 32 bytes; MLX's byte t holds
+      // values 2t and 2t + 1, the earlier in the low nibble.
+      const uint8_t* in = qs + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      uint8_t* out = words + b * 128 + 16 * j;
+      for (int t = 0; t < 16; ++t) {
+        out[t] = static_cast<uint8_t>(
+            ((in[2 * t] >> shift) & 0xF) | (((in[2 * t + 1] >> shift) & 0xF) << 4));
+      }
+    }
+  }
+}
+
+}  // namespace mlxd
