@@ -23,8 +23,8 @@ using namespace nb::literals;
 
 namespace {
 
-// numpy arrays, for the load-time conversions (convert.h): they run on Python's threads, without
-// the GIL, on memory numpy owns (a memory-mapped file's, a preallocated result's).
+// numpy arrays, for the GGUF conversions (convert.h): they run on Python's threads, without the
+// GIL, on memory numpy owns (a memory-mapped file's, a preallocated result's).
 template <typename T>
 using Buffer = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
 
@@ -32,32 +32,6 @@ void require(bool condition, const char* message) {
   if (!condition) {
     throw std::invalid_argument(message);
   }
-}
-
-void repack_tiles(Buffer<const uint8_t> src, Buffer<uint8_t> dst, int bits, bool dot) {
-  require(src.ndim() == 3 && src.shape(1) == 16, "repack_tiles: src must be [tiles, 16, bytes]");
-  require(dst.size() == src.size(), "repack_tiles: dst must hold as many bytes as src");
-  require(bits == 4 || bits == 8, "repack_tiles: bits must be 4 or 8");
-  require(!dot || src.shape(2) % 4 == 0, "repack_tiles: rows of whole 32-bit words");
-  const int64_t tiles = src.shape(0), width = src.shape(2);
-  nb::gil_scoped_release release;
-  mlxd::repack_tiles(src.data(), dst.data(), tiles, width, bits, dot);
-}
-
-bool tile_scales(
-    Buffer<const float> scales, Buffer<const float> biases, Buffer<float> dst, int64_t repeats) {
-  require(
-      scales.ndim() == 2 && scales.shape(0) % 16 == 0,
-      "tile_scales: scales must be [rows (a multiple of 16), groups]");
-  require(
-      biases.ndim() == 2 && biases.shape(0) == scales.shape(0) &&
-          biases.shape(1) == scales.shape(1),
-      "tile_scales: biases must be shaped as scales");
-  require(repeats >= 1, "tile_scales: repeats must be positive");
-  require(dst.size() == 2 * scales.size() * repeats, "tile_scales: dst of the wrong size");
-  const int64_t rows = scales.shape(0), groups = scales.shape(1);
-  nb::gil_scoped_release release;
-  return mlxd::tile_scales(scales.data(), biases.data(), dst.data(), rows, groups, repeats);
 }
 
 std::pair<double, double> q6_k_to_affine8(
@@ -204,23 +178,23 @@ NB_MODULE(_cpu, m) {
       "inv_temperature[i]), the first in index order whose cumulative weight passes u[i] of "
       "their total.");
   m.def(
-      "repack_tiles",
-      &repack_tiles,
-      "src"_a,
-      "dst"_a,
+      "tile_weights",
+      &mlxd::tile_weights,
+      "weight"_a,
       "bits"_a,
       "dot"_a,
-      "Tiles of MLX's quantized rows [tiles, 16, bytes] written into dst in the kernels' layout: "
-      "qmatmul's, or qdot's with dot.");
+      "threads"_a,
+      "MLX's quantized weights uint32 [rows, words] in the kernels' layout, uint8 [rows, words * "
+      "4]: qmatmul's, or qdot's with dot.");
   m.def(
       "tile_scales",
-      &tile_scales,
+      &mlxd::tile_scales,
       "scales"_a,
       "biases"_a,
-      "dst"_a,
       "repeats"_a,
-      "float32 scales and biases [rows, groups] written into dst as [rows / 16, groups * repeats, "
-      "2, 16]; whether every value is a float16 exactly.");
+      "threads"_a,
+      "float32 scales and biases [rows, groups] as [rows / 16, groups * repeats, 2, 16], and "
+      "whether every value is a float16 exactly (a bool scalar).");
   m.def(
       "q6_k_to_affine8",
       &q6_k_to_affine8,

@@ -1,8 +1,15 @@
 #include "convert.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+
+#include "mlx/ops.h"
+#include "parallel.h"
+
+namespace mx = mlx::core;
 
 namespace mlxd {
 
@@ -53,9 +60,9 @@ inline float half_at(const uint8_t* at) {
   return value;
 }
 
-}  // namespace
-
-void repack_tiles(const uint8_t* src, uint8_t* dst, int64_t tiles, int64_t width, int bits, bool dot) {
+// `tiles` tiles of 16 rows × `width` bytes into the layout tile_weights describes.
+void tile_range(
+    const uint8_t* src, uint8_t* dst, int64_t tiles, int64_t width, int bits, bool dot) {
   const int64_t tile_bytes = kLanes * width;
   for (int64_t t = 0; t < tiles; ++t) {
     const uint8_t* in = src + t * tile_bytes;
@@ -82,7 +89,8 @@ void repack_tiles(const uint8_t* src, uint8_t* dst, int64_t tiles, int64_t width
   }
 }
 
-bool tile_scales(
+// `rows` rows of scales and biases as tile_scales lays them out; whether all are float16s.
+bool scale_range(
     const float* scales,
     const float* biases,
     float* dst,
@@ -104,6 +112,84 @@ bool tile_scales(
     }
   }
   return half;
+}
+
+}  // namespace
+
+mx::array tile_weights(const mx::array& weight, int bits, bool dot, int threads) {
+  if (weight.dtype() != mx::uint32 || weight.ndim() != 2 || weight.shape(0) % kLanes) {
+    throw std::invalid_argument("tile_weights: uint32 weights [rows (a multiple of 16), words]");
+  }
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("tile_weights: bits must be 4 or 8");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      {weight.shape(0), weight.shape(1) * 4},
+      mx::uint8,
+      std::make_shared<TileWeights>(stream, bits, dot, threads),
+      {weight});
+}
+
+void TileWeights::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = prepare(inputs, outputs);
+  const int64_t width = inputs[0].shape(1) * 4;
+  encoder.dispatch([src = rows<uint8_t>(inputs[0], encoder),
+                    dst = outputs[0].data<uint8_t>(),
+                    tiles = int64_t{inputs[0].shape(0)} / kLanes,
+                    width,
+                    bits = bits_,
+                    dot = dot_,
+                    threads = threads_]() {
+    parallel_for(threads, tiles, [&](int64_t begin, int64_t end) {
+      const int64_t at = begin * kLanes * width;
+      tile_range(src + at, dst + at, end - begin, width, bits, dot);
+    });
+  });
+}
+
+std::vector<mx::array> tile_scales(
+    const mx::array& scales, const mx::array& biases, int repeats, int threads) {
+  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32 || scales.ndim() != 2 ||
+      scales.shape() != biases.shape() || scales.shape(0) % kLanes || repeats < 1) {
+    throw std::invalid_argument(
+        "tile_scales: float32 scales and biases [rows (a multiple of 16), groups], repeats >= 1");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  const int tiles = scales.shape(0) / kLanes, groups = scales.shape(1) * repeats;
+  return mx::array::make_arrays(
+      {{tiles, groups, 2, kLanes}, {}},
+      {mx::float32, mx::bool_},
+      std::make_shared<TileScales>(stream, repeats, threads),
+      {scales, biases});
+}
+
+void TileScales::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = prepare(inputs, outputs);
+  const int64_t groups = inputs[0].shape(1);
+  encoder.dispatch([scales = rows<float>(inputs[0], encoder),
+                    biases = rows<float>(inputs[1], encoder),
+                    dst = outputs[0].data<float>(),
+                    half = outputs[1].data<bool>(),
+                    tiles = int64_t{inputs[0].shape(0)} / kLanes,
+                    groups,
+                    repeats = int64_t{repeats_},
+                    threads = threads_]() {
+    std::atomic<bool> all_half{true};
+    parallel_for(threads, tiles, [&](int64_t begin, int64_t end) {
+      const int64_t from = begin * kLanes * groups;
+      if (!scale_range(
+              scales + from,
+              biases + from,
+              dst + begin * groups * repeats * 2 * kLanes,
+              (end - begin) * kLanes,
+              groups,
+              repeats)) {
+        all_half.store(false, std::memory_order_relaxed);
+      }
+    });
+    *half = all_half.load();
+  });
 }
 
 std::pair<double, double> q6_k_to_affine8(

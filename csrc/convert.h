@@ -1,32 +1,76 @@
-// Weight conversions that run once per load, each over a slice of a tensor so that Python's
-// threads split a tensor between cores (the bindings release the GIL): MLX's quantized rows into
-// the kernels' tiles (mlxd/kernels/layout.py), and GGUF's Q6_K blocks into MLX's 8-bit groups
-// and Q4_K blocks into MLX's groups (mlxd/models/gguf_quants.py). numpy did both in a dozen passes over every byte: 42 s of an 8B
-// Q4_K_M's first load for the first, 21 s for the second, on two AVX2 cores.
+// Weight conversions that run once per load: MLX's quantized rows into the kernels' tiles
+// (mlxd/kernels/layout.py), as MLX primitives that write their outputs once, on several threads;
+// GGUF's Q4_K and Q6_K blocks into MLX's affine groups (mlxd/models/gguf_quants.py), over numpy
+// buffers that Python's threads split between cores (the bindings release the GIL). numpy did both
+// in a dozen passes over every byte and a copy into MLX: 42 s of an 8B Q4_K_M's first load for the
+// first, 37 s for the second, on two AVX2 cores.
 #pragma once
 
 #include <cstdint>
 #include <utility>
+#include <vector>
+
+#include "cpu_primitive.h"
+#include "mlx/array.h"
 
 namespace mlxd {
 
-// `tiles` tiles of 16 rows × `width` bytes of MLX's quantized rows (little-endian words: a byte
-// holds one 8-bit value, or two 4-bit ones, the earlier in the low nibble) → the kernels' layout,
-// tile after tile: qmatmul's (`dot` false: the tile's 16 bytes of each byte column in a row) or
+// MLX's quantized weights uint32 [rows, words] (little-endian words: a byte holds one 8-bit value,
+// or two 4-bit ones, the earlier in the low nibble) → the kernels' layout, uint8 [rows, words * 4]
+// in tiles of 16 rows: qmatmul's (`dot` false: the tile's 16 bytes of each byte column in a row) or
 // qdot's (`dot`: each row's 4 bytes of a column of 32-bit words side by side; 4-bit bytes
-// regrouped so that byte i of a word holds inputs i and i + 4 of its 8).
-void repack_tiles(const uint8_t* src, uint8_t* dst, int64_t tiles, int64_t width, int bits, bool dot);
+// regrouped so that byte i of a word holds inputs i and i + 4 of its 8). On `threads` threads.
+mlx::core::array tile_weights(const mlx::core::array& weight, int bits, bool dot, int threads);
 
-// Scales and biases [rows, groups] → [rows / 16, groups * repeats, 2, 16]: per tile and packed
-// group its 16 scales then its 16 biases, each group's pair repeated `repeats` times (a group the
-// kernels step as several). Returns whether every value is a float16 exactly.
-bool tile_scales(
-    const float* scales,
-    const float* biases,
-    float* dst,
-    int64_t rows,
-    int64_t groups,
-    int64_t repeats);
+// float32 scales and biases [rows, groups] → float32 [rows / 16, groups * repeats, 2, 16]: per tile
+// and packed group its 16 scales then its 16 biases, each group's pair repeated `repeats` times (a
+// group the kernels step as several); and a bool scalar: whether every value is a float16 exactly.
+std::vector<mlx::core::array> tile_scales(
+    const mlx::core::array& scales, const mlx::core::array& biases, int repeats, int threads);
+
+class TileWeights : public CpuPrimitive {
+ public:
+  TileWeights(mlx::core::Stream stream, int bits, bool dot, int threads)
+      : CpuPrimitive(stream), bits_(bits), dot_(dot), threads_(threads) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  const char* name() const override {
+    return "TileWeightsCPU";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    const auto& o = static_cast<const TileWeights&>(other);
+    return bits_ == o.bits_ && dot_ == o.dot_;
+  }
+
+ private:
+  int bits_;
+  bool dot_;
+  int threads_;
+};
+
+class TileScales : public CpuPrimitive {
+ public:
+  TileScales(mlx::core::Stream stream, int repeats, int threads)
+      : CpuPrimitive(stream), repeats_(repeats), threads_(threads) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  const char* name() const override {
+    return "TileScalesCPU";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    return repeats_ == static_cast<const TileScales&>(other).repeats_;
+  }
+
+ private:
+  int repeats_;
+  int threads_;
+};
 
 // `blocks` GGUF Q6_K blocks (256 values: 6-bit codes in 16 sub-blocks of 16, each with an int8
 // scale, and a float16 scale over all) → MLX 8-bit affine groups of 32: `codes` [blocks * 256],

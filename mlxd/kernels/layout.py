@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import importlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import ModuleType
 
 import mlx.core as mx
-import numpy as np
 
 BLOCK = 32  # inputs per step of the kernels' loops; a scale and bias serve one or more
 LANES = 16  # output rows per tile
-PACK_ROWS = 1024  # rows `pack` repacks at a time, a slice per packing thread (a multiple of LANES)
 # The width the kernels run each width MLX stores at: a 2- or 3-bit value fits a nibble and a
 # 5- or 6-bit one a byte, with the same scale and bias, so widening is exact (a Q5_K GGUF
 # imports at 5 bits; mlx-community's 3- and 6-bit recipes). Memory: 4 or 8 bits a weight.
@@ -163,51 +159,20 @@ def _pack_rows(
     dot: bool = False,
     precise: bool = False,
 ) -> Packed:
-    """`PACK_ROWS` rows at a time into the result, on a thread per core (the kernels' module
-    lays them out, csrc/convert.cpp, without the GIL), so the temporaries are a few slices',
-    not a whole tensor's (an 8B's output head: 0.5 GiB)."""
+    """The layout written by the kernels' module (csrc/convert.cpp) on every core, straight into
+    the arrays the model keeps: no temporaries but the float32 scales."""
     if weight.ndim != 2 or not packable(weight.shape[0], group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit weights {weight.shape}, group size {group_size}")
-    rows, words = weight.shape
-    inputs = words * 32 // bits
-    # MLX evaluates on this thread (the arrays belong to its stream); the layout on the packers.
-    raw = _row_bytes(weight)
-    scales32, biases32 = (
-        np.ascontiguousarray(np.asarray(a.astype(mx.float32))) for a in (scales, biases)
-    )
+    native = importlib.import_module("mlxd.kernels._cpu")  # only built modules pack
+    threads = len(os.sched_getaffinity(0))
+    words = weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32)
+    tiled = native.tile_weights(words, bits, dot, threads)
     repeats = group_size // scale_group(group_size)
-    packed_weight = np.empty((rows, words * 4), np.uint8)
-    both = np.empty((rows // LANES, inputs // scale_group(group_size), 2, LANES), np.float32)
-    native = _native()
-
-    def pack_slice(start: int) -> bool:
-        stop = min(start + PACK_ROWS, rows)
-        tiles = slice(start // LANES, stop // LANES)
-        native.repack_tiles(raw[tiles], packed_weight[start:stop], bits, dot)
-        fits_half: bool = native.tile_scales(
-            scales32[start:stop], biases32[start:stop], both[tiles], repeats
-        )
-        return fits_half
-
-    # Every slice's result first: a slice's exception is raised, none is skipped.
-    if all(list(_packers.map(pack_slice, range(0, rows, PACK_ROWS)))):
-        both = both.astype(np.float16)
-    packed = Packed(mx.array(packed_weight), mx.array(both), bits, dot, precise)
-    mx.eval(packed.weight, packed.scale_bias)
-    return packed
-
-
-def _native() -> ModuleType:
-    """The built kernels' module (mlxd.kernels only packs where it is built)."""
-    return importlib.import_module("mlxd.kernels._cpu")
-
-
-def _row_bytes(weight: mx.array) -> np.ndarray:
-    """MLX's packed rows as bytes, [N / 16 tiles, 16, K * bits / 8]: little-endian words, so
-    each byte holds one 8-bit value or two 4-bit ones, the earlier in the low nibble."""
-    raw = np.asarray(weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32))
-    rows = raw.shape[0]
-    return np.ascontiguousarray(raw.view(np.uint8).reshape(rows // LANES, LANES, -1))
-
-
-_packers = ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="pack")
+    both, fits_half = native.tile_scales(
+        scales.astype(mx.float32), biases.astype(mx.float32), repeats, threads
+    )
+    mx.eval(tiled, both, fits_half)
+    if fits_half.item():
+        both = both.astype(mx.float16)
+        mx.eval(both)
+    return Packed(tiled, both, bits, dot, precise)

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from mlxd import kernels
-from mlxd.kernels import LANES, layout
+from mlxd.kernels import LANES
 from mlxd.models import gguf_quants
 from tests.tiny_gguf import random_blocks
 
@@ -44,8 +44,8 @@ def dot_layout(tiles: np.ndarray, bits: int) -> np.ndarray:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dot", [False, True])
 def test_weights_are_tiled_as_the_layout_says(bits: int, dot: bool) -> None:
-    # Rows above one packing slice (layout.PACK_ROWS), so that several threads write it.
-    rows, inputs = layout.PACK_ROWS + 64, 256
+    # Enough tiles for every packing thread to write some.
+    rows, inputs = 1088, 256
     weight, scales, biases = mx.quantize(mx.random.normal((rows, inputs)), 32, bits)
     packed = (kernels.pack_dot if dot else kernels.pack)(weight, scales, biases, 32, bits)
     tiles = np.asarray(weight).view(np.uint8).reshape(rows // LANES, LANES, -1)
