@@ -6,6 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <string>
+
 #include "assemble.h"
 #include "attention.h"
 #include "convert.h"
@@ -47,17 +49,25 @@ std::pair<double, double> q6_k_to_affine8(
   return mlxd::q6_k_to_affine8(src.data(), blocks, codes.data(), scales.data(), biases.data());
 }
 
-void q4_k_to_affine4(
-    Buffer<const uint8_t> src, Buffer<uint8_t> words, Buffer<float> scales, Buffer<float> biases) {
-  require(src.size() % 144 == 0, "q4_k_to_affine4: src must be whole Q4_K blocks of 144 bytes");
-  const int64_t blocks = static_cast<int64_t>(src.size() / 144);
-  require(
-      words.size() == static_cast<size_t>(blocks) * 128 &&
-          scales.size() == static_cast<size_t>(blocks) * 8 &&
-          biases.size() == static_cast<size_t>(blocks) * 8,
-      "q4_k_to_affine4: words must hold 128 bytes a block, scales and biases 8 values");
+// GGUF blocks of `block_bytes` bytes holding `values` weights each → MLX 4-bit groups of 32.
+template <void (*convert)(const uint8_t*, int64_t, uint8_t*, float*, float*)>
+void to_affine4(
+    Buffer<const uint8_t> src,
+    Buffer<uint8_t> words,
+    Buffer<float> scales,
+    Buffer<float> biases,
+    size_t block_bytes,
+    size_t values,
+    const char* name) {
+  const size_t blocks = src.size() / block_bytes;
+  if (src.size() % block_bytes || words.size() != blocks * values / 2 ||
+      scales.size() != blocks * values / 32 || biases.size() != scales.size()) {
+    throw std::invalid_argument(
+        std::string(name) + ": whole blocks, with room for their words, scales and biases");
+  }
   nb::gil_scoped_release release;
-  mlxd::q4_k_to_affine4(src.data(), blocks, words.data(), scales.data(), biases.data());
+  convert(
+      src.data(), static_cast<int64_t>(blocks), words.data(), scales.data(), biases.data());
 }
 
 }  // namespace
@@ -205,8 +215,21 @@ NB_MODULE(_cpu, m) {
       "GGUF Q6_K blocks requantized into MLX 8-bit affine groups of 32 (codes, float32 scales and "
       "biases written in place); (sum of squared errors, sum of squared values).");
   m.def(
+      "q4_0_to_affine4",
+      [](Buffer<const uint8_t> src, Buffer<uint8_t> words, Buffer<float> scales, Buffer<float> biases) {
+        to_affine4<mlxd::q4_0_to_affine4>(src, words, scales, biases, 18, 32, "q4_0_to_affine4");
+      },
+      "src"_a,
+      "words"_a,
+      "scales"_a,
+      "biases"_a,
+      "GGUF Q4_0 blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, float32 scales "
+      "and biases written in place).");
+  m.def(
       "q4_k_to_affine4",
-      &q4_k_to_affine4,
+      [](Buffer<const uint8_t> src, Buffer<uint8_t> words, Buffer<float> scales, Buffer<float> biases) {
+        to_affine4<mlxd::q4_k_to_affine4>(src, words, scales, biases, 144, 256, "q4_k_to_affine4");
+      },
       "src"_a,
       "words"_a,
       "scales"_a,

@@ -283,4 +283,22 @@ void q4_k_to_affine4(
   }
 }
 
+void q4_0_to_affine4(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  constexpr int kBlockBytes = 18;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d (float16), qs [16]: values j in the low nibbles, j + 16 in the high ones.
+    const uint8_t* block = src + b * kBlockBytes;
+    const float d = half_at(block);
+    const uint8_t* qs = block + 2;
+    scales[b] = d;
+    biases[b] = -8.0f * d;
+    uint8_t* out = words + b * 16;
+    for (int t = 0; t < 8; ++t) {
+      out[t] = static_cast<uint8_t>((qs[2 * t] & 0xF) | (qs[2 * t + 1] << 4));
+      out[t + 8] = static_cast<uint8_t>((qs[2 * t] >> 4) | (qs[2 * t + 1] & 0xF0));
+    }
+  }
+}
+
 }  // namespace mlxd

@@ -1,6 +1,6 @@
 // Weight conversions that run once per load: MLX's quantized rows into the kernels' tiles
 // (mlxd/kernels/layout.py), as MLX primitives that write their outputs once, on several threads;
-// GGUF's Q4_K and Q6_K blocks into MLX's affine groups (mlxd/models/gguf_quants.py), over numpy
+// GGUF's Q4_0, Q4_K and Q6_K blocks into MLX's affine groups (mlxd/models/gguf_quants.py), over numpy
 // buffers that Python's threads split between cores (the bindings release the GIL). numpy did both
 // in a dozen passes over every byte and a copy into MLX: 42 s of an 8B Q4_K_M's first load for the
 // first, 37 s for the second, on two AVX2 cores.
@@ -83,6 +83,12 @@ std::pair<double, double> q6_k_to_affine8(
 // scale and min under two float16 ones) → MLX 4-bit affine groups of 32, exactly: `words` [blocks *
 // 128 bytes], `scales` and `biases` [blocks * 8] (d * scale, -(dmin * min), as float32).
 void q4_k_to_affine4(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
+
+// `blocks` GGUF Q4_0 blocks (32 4-bit codes under one float16 scale d, w = d * (q - 8)) as MLX
+// 4-bit affine groups of 32, exactly: `words` [blocks * 16 bytes], `scales` d and `biases` -8 d
+// [blocks] (float32; both are float16s but where 8 d overflows one).
+void q4_0_to_affine4(
     const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
 
 }  // namespace mlxd

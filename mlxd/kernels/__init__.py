@@ -228,10 +228,10 @@ def q6_k_to_affine8(
     return float(error), float(norm)
 
 
-def q4_k_to_affine4(
-    blocks: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray
+def q4_to_affine4(
+    qtype: str, blocks: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray
 ) -> None:
-    """GGUF Q4_K `blocks` (uint8, whole blocks of 144 bytes) as MLX 4-bit affine groups of 32,
-    exactly, written into `words` (uint8, 128 a block), `scales` and `biases` (float32, 8 a
-    block). Releases the GIL."""
-    _module().q4_k_to_affine4(blocks, words, scales, biases)
+    """GGUF `qtype` ("Q4_0" or "Q4_K") `blocks` (uint8, whole blocks) as MLX 4-bit affine groups
+    of 32, exactly, written into `words` (uint8, half a byte a value), `scales` and `biases`
+    (float32, one a group). Releases the GIL."""
+    getattr(_module(), f"{qtype.lower()}_to_affine4")(blocks, words, scales, biases)

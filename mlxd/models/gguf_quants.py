@@ -11,9 +11,9 @@ express (its smallest group is 32): those are dequantized chunk by chunk with th
 requantized to an MLX width above their own (REQUANT_BITS), and the error is measured.
 
 The two types of a Q4_K_M file (most of what people download), Q4_K and Q6_K (its output head, half
-its down projections), go through the kernels' module where it is built (csrc/convert.cpp): one
-pass each instead of a dozen numpy ones, the package's dequantization and MLX's quantize
-for an 8B Q4_K_M on two AVX2 cores: 37 → 14 s).
+its down projections), and Q4_0 go through the kernels' module where it is built (csrc/convert.cpp):
+one pass each instead of a dozen numpy ones, the package's dequantization and MLX's quantize (an
+8B Q4_K_M on two AVX2 cores: 37 → 14 s).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ Q = GGMLQuantizationType
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}
 EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K})
 MLX_BITS = (2, 3, 4, 5, 6, 8)
+# Converted by the kernels' module where it is built (csrc/convert.cpp).
+ON_KERNELS = frozenset({Q.Q4_0, Q.Q4_K, Q.Q6_K})
 # Rows converted at once: bounds the temporary arrays of one large tensor (~8 MiB of blocks),
 # and splits it for the decoding threads.
 _CHUNK_BYTES = 8 << 20
@@ -215,7 +217,7 @@ def convert(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...
     block, size = GGML_QUANT_SIZES[qtype]
     cols = shape[-1]
     rows = data.reshape(-1, cols // block * size)
-    if qtype in (Q.Q4_K, Q.Q6_K) and kernels.available():
+    if qtype in ON_KERNELS and kernels.available():
         return _convert_on_kernels(rows, qtype, shape)
     if qtype in EXACT_TYPES:
         return _convert_exact(rows, qtype, shape)
@@ -285,29 +287,34 @@ def _requantize(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
 def _convert_on_kernels(
     rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
 ) -> Converted:
-    """Q4_K exactly or Q6_K into 8-bit groups, on the kernels' module, chunks of rows on the
-    decoding threads; a Q6_K's error is summed over every value."""
-    exact = qtype == Q.Q4_K
+    """Q4_0 and Q4_K exactly, Q6_K into 8-bit groups, on the kernels' module, chunks of rows on
+    the decoding threads; a Q6_K's error is summed over every value."""
+    exact = qtype != Q.Q6_K
     bits = 4 if exact else requant_bits(qtype)
     count, row_bytes = rows.shape
-    blocks = row_bytes // GGML_QUANT_SIZES[qtype][1]
-    codes = np.empty((count, blocks * 32 * bits), np.uint8)
-    scales = np.empty((count, blocks * 8), np.float32)
+    block, size = GGML_QUANT_SIZES[qtype]
+    values = row_bytes // size * block
+    codes = np.empty((count, values * bits // 8), np.uint8)
+    scales = np.empty((count, values // GROUP_SIZE), np.float32)
     biases = np.empty_like(scales)
 
     def job(chunk: slice) -> tuple[float, float]:
         arrays = (rows[chunk], codes[chunk], scales[chunk], biases[chunk])
         if exact:
-            kernels.q4_k_to_affine4(*arrays)
+            kernels.q4_to_affine4(qtype.name, *arrays)
             return 0.0, 0.0
         return kernels.q6_k_to_affine8(*arrays)
 
     sums = list(_decoders.map(job, _row_chunks(count, row_bytes)))
     error, norm = (sum(column) for column in zip(*sums, strict=True))
     lead = shape[:-1]
-    # float32 scales and biases, unchecked: a Q4_K's are float16s times 6-bit integers.
     weight, scale, bias = (
         mx.array(a.reshape(*lead, -1)) for a in (codes.view(np.uint32), scales, biases)
     )
+    # A Q4_0's scale d is a float16, and so is its bias -8 d unless that overflows one (MLX's
+    # cast: numpy's, without F16C, took 0.7 s of a 1B's conversion). A Q4_K's are float16s times
+    # 6-bit integers: float32.
+    if qtype == Q.Q4_0 and np.abs(scales).max(initial=0.0) <= np.finfo(np.float16).max / 8:
+        scale, bias = scale.astype(mx.float16), bias.astype(mx.float16)
     rel_error = math.sqrt(error / norm) if norm else 0.0
     return Converted(weight, scale, bias, bits, exact=exact, rel_error=rel_error)

@@ -1,6 +1,7 @@
 """The load-time conversions the kernels' module does (csrc/convert.cpp) against numpy's
 statements of the same layouts: MLX's quantized rows into the kernels' tiles, scales and biases
-into theirs, GGUF Q4_K blocks into MLX's affine groups. Any byte out of place fails."""
+into theirs, GGUF Q4_0 and Q4_K blocks into MLX's affine groups (the numpy path's). Any byte out
+of place fails."""
 
 from __future__ import annotations
 
@@ -76,17 +77,19 @@ def test_scales_stay_float16_only_where_every_value_is_one() -> None:
     assert kernels.pack(weight, scales, halves[1], 32, 4).scale_bias.dtype == mx.float32
 
 
-def test_q4_k_on_the_kernels_equals_numpy_bit_for_bit() -> None:
-    raw = random_blocks(Q.Q4_K, 32, 1024, seed=3)
-    native = gguf_quants.convert(raw, Q.Q4_K, (32, 1024))
-    numpy = gguf_quants._convert_exact(raw, Q.Q4_K, (32, 1024))
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+def test_exact_types_on_the_kernels_equal_numpy_bit_for_bit(qtype: Q) -> None:
+    raw = random_blocks(qtype, 32, 1024, seed=3)
+    native = gguf_quants.convert(raw, qtype, (32, 1024))
+    numpy = gguf_quants._convert_exact(raw, qtype, (32, 1024))
     for ours, theirs in zip(
         (native.weight, native.scales, native.biases),
         (numpy.weight, numpy.scales, numpy.biases),
         strict=True,
     ):
         assert ours is not None and theirs is not None
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs.astype(ours.dtype)))
+        assert ours.dtype == theirs.dtype
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert native.exact and native.bits == 4
 
 
