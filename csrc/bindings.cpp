@@ -49,24 +49,23 @@ std::pair<double, double> q6_k_to_affine8(
   return mlxd::q6_k_to_affine8(src.data(), blocks, codes.data(), scales.data(), biases.data());
 }
 
-// GGUF blocks of `block_bytes` bytes holding `values` weights each → MLX 4-bit groups of 32.
-template <void (*convert)(const uint8_t*, int64_t, uint8_t*, float*, float*)>
-void to_affine4(
+// GGUF Q4_0 or Q4_K blocks → MLX 4-bit groups of 32.
+void q4_to_affine4(
+    const std::string& qtype,
     Buffer<const uint8_t> src,
     Buffer<uint8_t> words,
     Buffer<float> scales,
-    Buffer<float> biases,
-    size_t block_bytes,
-    size_t values,
-    const char* name) {
+    Buffer<float> biases) {
+  const bool k = qtype == "Q4_K";
+  require(k || qtype == "Q4_0", "q4_to_affine4: qtype must be Q4_0 or Q4_K");
+  const size_t block_bytes = k ? 144 : 18, values = k ? 256 : 32;
   const size_t blocks = src.size() / block_bytes;
-  if (src.size() % block_bytes || words.size() != blocks * values / 2 ||
-      scales.size() != blocks * values / 32 || biases.size() != scales.size()) {
-    throw std::invalid_argument(
-        std::string(name) + ": whole blocks, with room for their words, scales and biases");
-  }
+  require(
+      src.size() % block_bytes == 0 && words.size() == blocks * values / 2 &&
+          scales.size() == blocks * values / 32 && biases.size() == scales.size(),
+      "q4_to_affine4: whole blocks, with room for their words, scales and biases");
   nb::gil_scoped_release release;
-  convert(
+  (k ? mlxd::q4_k_to_affine4 : mlxd::q4_0_to_affine4)(
       src.data(), static_cast<int64_t>(blocks), words.data(), scales.data(), biases.data());
 }
 
@@ -215,27 +214,15 @@ NB_MODULE(_cpu, m) {
       "GGUF Q6_K blocks requantized into MLX 8-bit affine groups of 32 (codes, float32 scales and "
       "biases written in place); (sum of squared errors, sum of squared values).");
   m.def(
-      "q4_0_to_affine4",
-      [](Buffer<const uint8_t> src, Buffer<uint8_t> words, Buffer<float> scales, Buffer<float> biases) {
-        to_affine4<mlxd::q4_0_to_affine4>(src, words, scales, biases, 18, 32, "q4_0_to_affine4");
-      },
+      "q4_to_affine4",
+      &q4_to_affine4,
+      "qtype"_a,
       "src"_a,
       "words"_a,
       "scales"_a,
       "biases"_a,
-      "GGUF Q4_0 blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, float32 scales "
-      "and biases written in place).");
-  m.def(
-      "q4_k_to_affine4",
-      [](Buffer<const uint8_t> src, Buffer<uint8_t> words, Buffer<float> scales, Buffer<float> biases) {
-        to_affine4<mlxd::q4_k_to_affine4>(src, words, scales, biases, 144, 256, "q4_k_to_affine4");
-      },
-      "src"_a,
-      "words"_a,
-      "scales"_a,
-      "biases"_a,
-      "GGUF Q4_K blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, float32 scales "
-      "and biases written in place).");
+      "GGUF Q4_0 or Q4_K blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, "
+      "float32 scales and biases written in place).");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

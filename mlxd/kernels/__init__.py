@@ -234,4 +234,4 @@ def q4_to_affine4(
     """GGUF `qtype` ("Q4_0" or "Q4_K") `blocks` (uint8, whole blocks) as MLX 4-bit affine groups
     of 32, exactly, written into `words` (uint8, half a byte a value), `scales` and `biases`
     (float32, one a group). Releases the GIL."""
-    getattr(_module(), f"{qtype.lower()}_to_affine4")(blocks, words, scales, biases)
+    _module().q4_to_affine4(qtype, blocks, words, scales, biases)
