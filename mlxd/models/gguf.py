@@ -153,11 +153,13 @@ class _ShardWriter:
         self.pending: dict[str, mx.array] = {}
         self.pending_bytes = 0
         self.files: list[tuple[Path, list[str]]] = []
+        self.written: dict[str, mx.array] = {}  # every array added, by name
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="gguf-shards")
         self._writing: Future[None] | None = None
 
     def add(self, name: str, array: mx.array) -> None:
         """Add an evaluated array (the writing thread only reads it)."""
+        self.written[name] = array
         self.pending[name] = array
         self.pending_bytes += array.nbytes
         if self.pending_bytes >= _SHARD_BYTES:
@@ -222,8 +224,9 @@ def _converted(
 
 def _write_weights(
     reader: GGUFFile, arch: Architecture, config: dict[str, Any], out_dir: Path, bar: tqdm
-) -> dict[str, int]:
-    """Convert and write every tensor; returns the bit width of each quantized module."""
+) -> tuple[dict[str, mx.array], dict[str, int]]:
+    """Convert and write every tensor; returns the arrays written, by name, and the bit width
+    of each quantized module."""
     bits: dict[str, int] = {}
     requantized: dict[tuple[str, int | None], list[float]] = defaultdict(list)
     writer = _ShardWriter(out_dir)
@@ -263,7 +266,7 @@ def _write_weights(
             float(np.mean(errors)),
             max(errors),
         )
-    return bits
+    return writer.written, bits
 
 
 def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
@@ -285,8 +288,10 @@ def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
     return config
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, safetensors weights and tokenizer files for `gguf_path` into `out_dir`.
+def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, mx.array]:
+    """Write config.json, safetensors weights and tokenizer files for `gguf_path` into `out_dir`;
+    returns the weights written, by name (evaluated: a load may take them instead of reading the
+    files, models/fresh_weights.py).
 
     Raises GGUFError for unreadable files, its subclass UnsupportedGGUF (as UnsupportedArchitecture,
     UnsupportedQuantType or UnsupportedTokenizer) for files it cannot import.
@@ -318,7 +323,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     with tqdm(
         total=total, desc=f"converting {gguf_path.name}", unit="B", unit_scale=True, disable=None
     ) as bar:
-        bits = _write_weights(reader, arch, config, out_dir, bar)
+        arrays, bits = _write_weights(reader, arch, config, out_dir, bar)
     if quantization := quantization_config(bits):
         config["quantization"] = quantization
     _write_json(out_dir / "config.json", config)
+    return arrays

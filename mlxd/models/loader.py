@@ -25,6 +25,7 @@ from mlx_lm.utils import dequantize_model, load, load_adapters
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
+from mlxd.models import fresh_weights
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
@@ -122,6 +123,19 @@ def _with_adapter(model: nn.Module, adapter: Path, dtype: str | None, model_name
     return model
 
 
+def _use_fresh(model: nn.Module, fresh: dict[str, mx.array]) -> None:
+    """Put the arrays a conversion just wrote in place of the model's lazy ones of the same name,
+    shape and dtype (the same values: the files hold them)."""
+    current = dict(flat_parameters(model))
+    same = [
+        (name, array)
+        for name, array in fresh.items()
+        if (lazy := current.get(name)) is not None
+        and (lazy.shape, lazy.dtype) == (array.shape, array.dtype)
+    ]
+    model.load_weights(same, strict=False)
+
+
 def _pack_model_kept(
     model: nn.Module,
     path: Path,
@@ -178,6 +192,8 @@ def load_llm(
         # load's return type also covers return_config=False (no config).
         assert len(loaded) == 3
         model, tokenizer, config = loaded
+        # What this process just converted into `path`, if anything (models/fresh_weights.py).
+        fresh = fresh_weights.take(path)
         target = _target_dtype(dtype)
         # Distributed shards (before_eval) slice quantized layers with mlx-lm's own code,
         # which knows only its own layer types.
@@ -203,6 +219,9 @@ def load_llm(
             log.info("model '%s': %s", model_name, experts)
         compute = "float32" if packed else target  # the activations' dtype (None: as stored)
         half_kv = stores_half_kv(str(config.get("model_type", "")), compute, kv_dtype)
+        if packed:
+            _use_fresh(model, fresh)  # packing then reads memory, not the files just written
+        del fresh
         if packed:
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None

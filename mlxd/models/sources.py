@@ -15,17 +15,19 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 from huggingface_hub import snapshot_download
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from tqdm import tqdm
 
 from mlxd import ollama_store
 from mlxd.errors import ModelLoadError, TransientLoadError
+from mlxd.models import fresh_weights
 from mlxd.models.ctranslate2 import CTranslate2Error
 from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
 from mlxd.models.gguf import GGUFError, convert_gguf
@@ -170,10 +172,12 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 @dataclass(frozen=True)
 class Importer:
     """A foreign format imported into the cache: under cache_dir/<folder>/, by `convert(path,
-    into)`, at a `version` that is part of the key (a new importer never reuses an old output)."""
+    into)`, at a `version` that is part of the key (a new importer never reuses an old output).
+    `convert` may return the arrays it wrote: they are held for this process's load
+    (models/fresh_weights.py)."""
 
     folder: str
-    convert: Callable[[Path, Path], None]
+    convert: Callable[[Path, Path], Mapping[str, mx.array] | None]
     version: int
 
 
@@ -211,8 +215,10 @@ def _converted(
             partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
             try:
                 started = time.perf_counter()
-                importer.convert(path, partial)
+                arrays = importer.convert(path, partial)
                 os.rename(partial, final)
+                if arrays:
+                    fresh_weights.hold(final, arrays)
                 log.info(
                     "converted %s into %s in %.1fs", path, final, time.perf_counter() - started
                 )
