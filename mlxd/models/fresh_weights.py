@@ -7,15 +7,25 @@ the conversion hands its arrays here and the load takes them (models/loader.py) 
 directory's. One directory's at a time: another conversion (a GGUF draft model) replaces them,
 and a load of another directory leaves them, so at worst one model's copy waits for a load
 that reads its files instead.
+
+Holding them costs memory the conversion did not use before (it kept two ~1 GiB shards), at the
+moment the daemon may still hold another model it is about to evict for this one: a conversion
+holds arrays only while the machine keeps `FREE_SHARE` of its memory available
+(`room_to_hold`), else it lets them go as they are written and the load reads the files.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 
 import mlx.core as mx
+
+# The share of physical memory a conversion leaves available (the budget's default is the rest).
+FREE_SHARE = 0.25
+_MEMINFO = Path("/proc/meminfo")
 
 _held: tuple[Path, dict[str, mx.array]] | None = None
 _lock = threading.Lock()
@@ -37,3 +47,16 @@ def take(model_dir: Path) -> dict[str, mx.array]:
             return {}
         arrays, _held = _held[1], None
     return arrays
+
+
+def room_to_hold() -> bool:
+    """Whether the machine has more than FREE_SHARE of its memory available (Linux's
+    MemAvailable: free and reclaimable); False where that is not known."""
+    fields: dict[str, int] = {}
+    with suppress(OSError, ValueError):
+        for line in _MEMINFO.read_text().splitlines():
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0])
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
+        return False
+    return fields["MemAvailable"] > FREE_SHARE * fields["MemTotal"]

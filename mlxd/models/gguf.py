@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from mlxd.models import fresh_weights
 from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta, architecture_of
 from mlxd.models.gguf_errors import (
     GGUFError,
@@ -153,13 +154,19 @@ class _ShardWriter:
         self.pending: dict[str, mx.array] = {}
         self.pending_bytes = 0
         self.files: list[tuple[Path, list[str]]] = []
-        self.written: dict[str, mx.array] = {}  # every array added, by name
+        # Every array added, by name, while there is room to hold them (models/fresh_weights.py).
+        self.written: dict[str, mx.array] = {}
+        self.holding = True
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="gguf-shards")
         self._writing: Future[None] | None = None
 
     def add(self, name: str, array: mx.array) -> None:
         """Add an evaluated array (the writing thread only reads it)."""
-        self.written[name] = array
+        self.holding = self.holding and fresh_weights.room_to_hold()
+        if self.holding:
+            self.written[name] = array
+        else:
+            self.written.clear()
         self.pending[name] = array
         self.pending_bytes += array.nbytes
         if self.pending_bytes >= _SHARD_BYTES:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType as Q
 
 from mlxd.models import fresh_weights
+from mlxd.models.gguf import convert_gguf
 from mlxd.models.loader import load_llm
 from mlxd.models.sources import resolve_source
 from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
@@ -33,7 +35,10 @@ def _scribble(model_dir: Path) -> None:
         file.write_bytes(bytes(data))
 
 
-def test_a_load_packs_what_this_process_just_converted(tmp_path: Path) -> None:
+def test_a_load_packs_what_this_process_just_converted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fresh_weights, "room_to_hold", lambda: True)  # whatever this machine has
     config = tiny_config("llama", num_hidden_layers=1)
     gguf = tmp_path / "tiny.gguf"
     write_gguf(gguf, config, tiny_weights(config), Q.Q8_0)
@@ -51,3 +56,20 @@ def test_held_arrays_are_for_their_directory_only(tmp_path: Path) -> None:
     assert fresh_weights.take(tmp_path / "b") == {}
     assert list(fresh_weights.take(tmp_path / "a")) == ["w"]
     assert fresh_weights.take(tmp_path / "a") == {}
+
+
+def test_a_conversion_holds_arrays_only_with_a_quarter_of_memory_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(fresh_weights, "_MEMINFO", meminfo)
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    6100000 kB\n")
+    assert fresh_weights.room_to_hold()
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    5900000 kB\n")
+    assert not fresh_weights.room_to_hold()
+    config = tiny_config("llama", num_hidden_layers=1)
+    write_gguf(tmp_path / "tiny.gguf", config, tiny_weights(config), Q.Q8_0)
+    (tmp_path / "out").mkdir()
+    assert convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out") == {}
+    meminfo.unlink()  # unknown: nothing is held
+    assert not fresh_weights.room_to_hold()
