@@ -134,7 +134,8 @@ mx::array tile_weights(const mx::array& weight, int bits, bool dot, int threads)
 void TileWeights::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = prepare(inputs, outputs);
   const int64_t width = inputs[0].shape(1) * 4;
-  encoder.dispatch([src = rows<uint8_t>(inputs[0], encoder),
+  // Whole words: a strided input is copied word by word, then read as its bytes.
+  encoder.dispatch([src = reinterpret_cast<const uint8_t*>(rows<uint32_t>(inputs[0], encoder)),
                     dst = outputs[0].data<uint8_t>(),
                     tiles = int64_t{inputs[0].shape(0)} / kLanes,
                     width,

@@ -103,3 +103,15 @@ def test_q6_k_on_the_kernels_states_the_error_of_every_value() -> None:
     assert converted.rel_error == pytest.approx(error, rel=1e-4)
     # Half a step of 255 over each group's range: well under the 6-bit grid's own.
     assert 0 < converted.rel_error < 0.006
+
+
+def test_a_strided_weight_is_tiled_as_its_copy() -> None:
+    weight, scales, biases = mx.quantize(mx.random.normal((64, 512)), 32, 4)
+    # The first 256 inputs: a view whose rows are 64 words apart, not 32.
+    view, s, b = weight[:, :32], scales[:, :8], biases[:, :8]
+    copy = mx.array(np.asarray(view))
+    for dot in (False, True):
+        pack = kernels.pack_dot if dot else kernels.pack
+        np.testing.assert_array_equal(
+            np.asarray(pack(view, s, b, 32, 4).weight), np.asarray(pack(copy, s, b, 32, 4).weight)
+        )
