@@ -208,9 +208,9 @@ NB_MODULE(_cpu, m) {
       "q6_k_to_affine8",
       &q6_k_to_affine8,
       "src"_a,
-      "codes"_a,
-      "scales"_a,
-      "biases"_a,
+      "codes"_a.noconvert(),
+      "scales"_a.noconvert(),
+      "biases"_a.noconvert(),
       "GGUF Q6_K blocks requantized into MLX 8-bit affine groups of 32 (codes, float32 scales and "
       "biases written in place); (sum of squared errors, sum of squared values).");
   m.def(
@@ -218,9 +218,9 @@ NB_MODULE(_cpu, m) {
       &q4_to_affine4,
       "qtype"_a,
       "src"_a,
-      "words"_a,
-      "scales"_a,
-      "biases"_a,
+      "words"_a.noconvert(),
+      "scales"_a.noconvert(),
+      "biases"_a.noconvert(),
       "GGUF Q4_0 or Q4_K blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, "
       "float32 scales and biases written in place).");
   m.def(

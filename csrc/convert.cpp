@@ -234,9 +234,10 @@ std::pair<double, double> q6_k_to_affine8(
       uint8_t* q = codes + (b * kBlock + g * kGroup);
       float group_error = 0, group_norm = 0;
       for (int i = 0; i < kGroup; ++i) {
-        // Round half up (the argument is at least 0): a conversion, not a libm call, on the
-        // baseline ISA this file is compiled for.
-        const int code = std::min(255, static_cast<int>((v[i] - lo) * inverse + 0.5f));
+        // Round half up (x is at least 0.5): a conversion, not a libm call, on the baseline ISA
+        // this file is compiled for; clamped before it (a corrupt block's NaN or infinity).
+        const float x = (v[i] - lo) * inverse + 0.5f;
+        const int code = x < 255.0f ? (x > 0.0f ? static_cast<int>(x) : 0) : 255;
         q[i] = static_cast<uint8_t>(code);
         const float back = static_cast<float>(code) * scale + lo - v[i];
         group_error += back * back;

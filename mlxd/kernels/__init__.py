@@ -15,6 +15,7 @@ on x86-64; generic, neon, neondot on aarch64) and runs the best one the CPU supp
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from types import ModuleType
 
@@ -63,6 +64,13 @@ def _load() -> ModuleType | None:
         expected = x @ mx.dequantize(weight, scales, biases, group_size=32, bits=8).T
         if not mx.allclose(y, expected, atol=1e-4).item():
             return None
+    except AttributeError as error:  # a module built from older sources
+        logging.getLogger(__name__).warning(
+            "mlxd's CPU kernels were built from older sources (%s): rebuild them with make or "
+            "python -m mlxd.kernels.build",
+            error,
+        )
+        return None
     except Exception:  # ImportError, a TypeError from a foreign array type, a kernel bug
         return None
     return module

@@ -76,7 +76,7 @@ def pack(
     The kernel's layout (see csrc/qmatmul.cpp): output rows in tiles of 16, each tile's values
     for one input (8 bits) or two inputs (4 bits, low and high nibble) in 16 consecutive bytes;
     per tile and group of inputs (`scale_group`) 16 scales then 16 biases, in float16 when that
-    holds them exactly (a GGUF's do), else float32.
+    holds them exactly (a Q4_0 or Q8_0 GGUF's do), else float32.
     """
     return _pack_rows(weight, scales, biases, group_size, bits)
 

@@ -3,8 +3,9 @@
 A GGUF's first load converts it into an MLX directory (models/gguf.py) that the load then reads
 back, all of it when the CPU path packs the quantized layers: 6.4 GiB for an 8B Q4_K_M, from a
 page cache that the conversion's own writes crowd. A worker loads the model it converted, so
-the conversion hands its arrays here and the load takes them (models/loader.py) in place of the
-directory's. One directory's at a time: another conversion (a GGUF draft model) replaces them,
+the conversion hands its arrays here and the packed load takes them (models/loader.py) in place
+of the directory's; the worker lets go of what no load took (`discard`). One directory's at a
+time: another conversion (a GGUF draft model) replaces them,
 and a load of another directory leaves them, so at worst one model's copy waits for a load
 that reads its files instead.
 
@@ -22,6 +23,9 @@ from contextlib import suppress
 from pathlib import Path
 
 import mlx.core as mx
+
+from mlxd import kernels
+from mlxd.accel import backend_name
 
 # The share of physical memory a conversion leaves available (the budget's default is the rest).
 FREE_SHARE = 0.25
@@ -49,9 +53,20 @@ def take(model_dir: Path) -> dict[str, mx.array]:
     return arrays
 
 
+def discard() -> None:
+    """Let go of whatever is held: a load that failed, or one of a kind that reads its files."""
+    global _held
+    with _lock:
+        _held = None
+
+
 def room_to_hold() -> bool:
-    """Whether the machine has more than FREE_SHARE of its memory available (Linux's
-    MemAvailable: free and reclaimable); False where that is not known."""
+    """Whether a conversion's arrays are worth holding: the load that takes them is the CPU's
+    packed path (the kernels built, the CPU backend), and the machine has more than FREE_SHARE of
+    its physical memory available (Linux's MemAvailable: free and reclaimable; as the memory
+    budget's default, a cgroup's limit is not read). False where that is not known."""
+    if backend_name() != "cpu" or not kernels.available():
+        return False
     fields: dict[str, int] = {}
     with suppress(OSError, ValueError):
         for line in _MEMINFO.read_text().splitlines():

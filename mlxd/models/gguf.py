@@ -2,8 +2,9 @@
 
 The file is memory-mapped (models/gguf_header.py reads its header); each tensor is converted
 straight into MLX's layout (models/gguf_quants.py), renamed by its architecture's table
-(models/gguf_arch.py) and written into safetensors shards of about 1 GiB, so the peak memory is one
-shard, never the whole model as floats. config.json describes the mlx-lm model of that family and
+(models/gguf_arch.py) and written into safetensors shards of about 1 GiB (one written while the next
+fills), never the whole model as floats; the arrays written are kept for this process's load where
+there is room (models/fresh_weights.py). config.json describes the mlx-lm model of that family and
 the tokenizer is rebuilt with the `tokenizers` library (models/gguf_tokenizer.py).
 (transformers' own GGUF import needs torch, which mlxd does not install.)
 
@@ -50,7 +51,7 @@ from mlxd.models.gguf_tokenizer import (
 log = logging.getLogger(__name__)
 
 # Part of the conversion cache key: bump it whenever the directory this writes changes.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: Q6_K requantized by csrc/convert.cpp's rule
 _REQUIRED_METADATA = ("embedding_length", "feed_forward_length", "block_count")
 _SHARD_BYTES = 1 << 30
 
@@ -265,7 +266,7 @@ def _write_weights(
     for (qtype, width), errors in requantized.items():
         log.warning(
             "%d %s tensors requantized to %d-bit groups of %d (MLX has no exact equivalent): "
-            "relative RMS error mean %.2e, max %.2e",
+            "relative RMS error mean %.2e, max %.2e (over every value, or a tensor's first 4 MiB)",
             len(errors),
             qtype,
             width,

@@ -192,8 +192,6 @@ def load_llm(
         # load's return type also covers return_config=False (no config).
         assert len(loaded) == 3
         model, tokenizer, config = loaded
-        # What this process just converted into `path`, if anything (models/fresh_weights.py).
-        fresh = fresh_weights.take(path)
         target = _target_dtype(dtype)
         # Distributed shards (before_eval) slice quantized layers with mlx-lm's own code,
         # which knows only its own layer types.
@@ -220,9 +218,9 @@ def load_llm(
         compute = "float32" if packed else target  # the activations' dtype (None: as stored)
         half_kv = stores_half_kv(str(config.get("model_type", "")), compute, kv_dtype)
         if packed:
-            _use_fresh(model, fresh)  # packing then reads memory, not the files just written
-        del fresh
-        if packed:
+            # What this process just converted into `path`, if anything: packing then reads
+            # memory, not the files just written (models/fresh_weights.py).
+            _use_fresh(model, fresh_weights.take(path))
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
             dequantize_layers(model, unpackable)

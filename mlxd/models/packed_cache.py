@@ -53,6 +53,7 @@ FORMAT = "mlxd-packed-1"
 _LAYOUT_SOURCES = (
     Path(layout.__file__),
     SOURCE_DIR / "convert.cpp",  # which writes it
+    SOURCE_DIR / "convert.h",
     Path(__file__).with_name("packed.py"),
     Path(__file__).with_name("packability.py"),
 )

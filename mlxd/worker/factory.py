@@ -11,6 +11,7 @@ from mlxd import ollama_store
 from mlxd.config import DraftWeights, ModelConfig, ServerConfig
 from mlxd.errors import ModelLoadError
 from mlxd.memory_need import MemoryNeed
+from mlxd.models import fresh_weights
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.estimate import estimate_model_bytes, estimate_weight_bytes
@@ -115,6 +116,9 @@ async def start_inline(
     make_room: Callable[[MemoryNeed], Awaitable[None]],
 ) -> Engine:
     """An `EngineStarter` that loads the model into the calling process (`workers: inline`)."""
-    path, need = await locate(name, config, server())
-    await make_room(need)
-    return await load_engine(name, config, path, server)
+    try:
+        path, need = await locate(name, config, server())
+        await make_room(need)
+        return await load_engine(name, config, path, server)
+    finally:
+        fresh_weights.discard()  # converted arrays no load took

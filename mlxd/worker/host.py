@@ -31,6 +31,7 @@ from typing import Any
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.errors import MlxdError
 from mlxd.logs import setup_logging
+from mlxd.models import fresh_weights
 from mlxd.process_exit import exit_process
 from mlxd.runtime.engine import Engine
 from mlxd.runtime.wire import WorkerSpec, read_message, write_message
@@ -240,6 +241,8 @@ async def _start(
         write_message(writer, ("load_failed", portable(exc)))
         await writer.drain()
         return 1
+    finally:
+        fresh_weights.discard()  # converted arrays no load took
     _restore_priority(nice)
     host = EngineHost(engine, writer, server)
     write_message(writer, ("ready", {**host.describe(), **extra}))
