@@ -5,9 +5,8 @@ back, all of it when the CPU path packs the quantized layers: 6.4 GiB for an 8B 
 page cache that the conversion's own writes crowd. A worker loads the model it converted, so
 the conversion hands its arrays here and the packed load takes them (models/loader.py) in place
 of the directory's; the worker lets go of what no load took (`discard`). One directory's at a
-time: another conversion (a GGUF draft model) replaces them,
-and a load of another directory leaves them, so at worst one model's copy waits for a load
-that reads its files instead.
+time: another conversion (a GGUF draft model) replaces them, and a load of another directory
+leaves them, so at worst one model's copy waits for a load that reads its files instead.
 
 Holding them costs memory the conversion did not use before (it kept two ~1 GiB shards), at the
 moment the daemon may still hold another model it is about to evict for this one: a conversion

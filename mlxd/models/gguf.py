@@ -155,19 +155,18 @@ class _ShardWriter:
         self.pending: dict[str, mx.array] = {}
         self.pending_bytes = 0
         self.files: list[tuple[Path, list[str]]] = []
-        # Every array added, by name, while there is room to hold them (models/fresh_weights.py).
-        self.written: dict[str, mx.array] = {}
-        self.holding = True
+        # Every array added, by name; None once there was no room to hold them
+        # (models/fresh_weights.py).
+        self.written: dict[str, mx.array] | None = {}
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="gguf-shards")
         self._writing: Future[None] | None = None
 
     def add(self, name: str, array: mx.array) -> None:
         """Add an evaluated array (the writing thread only reads it)."""
-        self.holding = self.holding and fresh_weights.room_to_hold()
-        if self.holding:
+        if self.written is not None and not fresh_weights.room_to_hold():
+            self.written = None  # those held go once their shards are written
+        if self.written is not None:
             self.written[name] = array
-        else:
-            self.written.clear()
         self.pending[name] = array
         self.pending_bytes += array.nbytes
         if self.pending_bytes >= _SHARD_BYTES:
@@ -274,7 +273,7 @@ def _write_weights(
             float(np.mean(errors)),
             max(errors),
         )
-    return writer.written, bits
+    return writer.written or {}, bits
 
 
 def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
