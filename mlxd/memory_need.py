@@ -39,7 +39,11 @@ class MemoryNeed:
         budget = server.budget_bytes
         if self.total <= budget:
             return None
-        unset = " (unset: 75% of physical memory)" if server.memory_budget is None else ""
+        unset = (
+            " (unset: 75% of the memory this machine or its cgroup allows)"
+            if server.memory_budget is None
+            else ""
+        )
         return (
             f"model '{model}' needs {gib(self.total)} ({self.describe()}) but "
             f"server.memory_budget is {gib(budget)}{unset}: lower batch.max_batch_size, "

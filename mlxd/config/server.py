@@ -5,15 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import psutil
 from pydantic import Field, field_validator
 
+from mlxd import host_memory
 from mlxd.config.fields import ApiKeys, Section
 from mlxd.config.stores import BatchStoreConfig, ResponseStoreConfig
 from mlxd.config.units import ByteSize, Duration
 
-# An unset server.memory_budget: this share of physical memory (the rest for the OS, the
-# daemon and whatever else the machine runs).
+# An unset server.memory_budget: this share of the memory the process may use (physical
+# memory, or its cgroup's limit: mlxd/host_memory.py), the rest for the OS, the daemon and
+# whatever else the machine runs.
 DEFAULT_BUDGET_SHARE = 0.75
 
 
@@ -102,7 +103,7 @@ class ServerConfig(Section):
         "batch.max_batch_size sequences at the full context, and cache.ram. Idle models "
         "beyond it are unloaded least recently used first; a model that cannot fit is refused "
         f"with the numbers before it is read. Unset: {DEFAULT_BUDGET_SHARE:.0%} of physical "
-        "memory.",
+        "memory, or of a container's or cgroup's memory limit where that is lower.",
     )
     request_timeout: Duration = Field(
         600.0,
@@ -185,10 +186,10 @@ class ServerConfig(Section):
 
     @property
     def budget_bytes(self) -> int:
-        """`memory_budget`, or the default share of physical memory when unset."""
+        """`memory_budget`, or the default share of the memory the process may use when unset."""
         if self.memory_budget is not None:
             return self.memory_budget
-        return int(psutil.virtual_memory().total * DEFAULT_BUDGET_SHARE)
+        return int(host_memory.memory().total * DEFAULT_BUDGET_SHARE)
 
     @field_validator("cache_dir")
     @classmethod

@@ -178,7 +178,7 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
         return None
     phases = Phases(prefill=config.batch.prefill_step_size)
     float32_bytes = estimate_weight_bytes(model_dir, "float32")
-    budget = server.budget_bytes  # unset: the default share of physical memory
+    budget = server.budget_bytes  # unset: the default share of memory (host_memory.py)
 
     def decided(timings: Timings | None, cached: bool = False) -> Choice:
         return decide(

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from contextlib import suppress
 from pathlib import Path
 
 import mlx.core as mx
 
-from mlxd import kernels
+from mlxd import host_memory, kernels
 from mlxd.accel import backend_name
 
-# The share of physical memory a conversion leaves available (the budget's default is the rest).
+# The share of the process's memory a conversion leaves available (the budget's default is the
+# rest).
 FREE_SHARE = 0.25
-_MEMINFO = Path("/proc/meminfo")
 
 _held: tuple[Path, dict[str, mx.array]] | None = None
 _lock = threading.Lock()
@@ -61,16 +60,10 @@ def discard() -> None:
 
 def room_to_hold() -> bool:
     """Whether a conversion's arrays are worth holding: the load that takes them is the CPU's
-    packed path (the kernels built, the CPU backend), and the machine has more than FREE_SHARE of
-    its physical memory available (Linux's MemAvailable: free and reclaimable; as the memory
-    budget's default, a cgroup's limit is not read). False where that is not known."""
+    packed path (the kernels built, the CPU backend), and more than FREE_SHARE of the memory the
+    process may use is available (free and reclaimable, under any cgroup limit:
+    mlxd/host_memory.py)."""
     if backend_name() != "cpu" or not kernels.available():
         return False
-    fields: dict[str, int] = {}
-    with suppress(OSError, ValueError):
-        for line in _MEMINFO.read_text().splitlines():
-            key, value = line.split(":", 1)
-            fields[key] = int(value.split()[0])
-    if "MemTotal" not in fields or "MemAvailable" not in fields:
-        return False
-    return fields["MemAvailable"] > FREE_SHARE * fields["MemTotal"]
+    memory = host_memory.memory()
+    return memory.available > FREE_SHARE * memory.total

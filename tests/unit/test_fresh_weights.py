@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from mlxd import host_memory
 from mlxd.models import fresh_weights
 from mlxd.models.gguf import convert_gguf
 from mlxd.models.loader import load_llm
@@ -61,15 +62,12 @@ def test_held_arrays_are_for_their_directory_only(tmp_path: Path) -> None:
 def test_a_conversion_holds_arrays_only_with_a_quarter_of_memory_available(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    meminfo = tmp_path / "meminfo"
-    monkeypatch.setattr(fresh_weights, "_MEMINFO", meminfo)
-    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    6100000 kB\n")
+    gib = 2**30
+    monkeypatch.setattr(host_memory, "memory", lambda: host_memory.Memory(24 * gib, 7 * gib))
     assert fresh_weights.room_to_hold()
-    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    5900000 kB\n")
+    monkeypatch.setattr(host_memory, "memory", lambda: host_memory.Memory(24 * gib, 5 * gib))
     assert not fresh_weights.room_to_hold()
     config = tiny_config("llama", num_hidden_layers=1)
     write_gguf(tmp_path / "tiny.gguf", config, tiny_weights(config), Q.Q8_0)
     (tmp_path / "out").mkdir()
     assert convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out") == {}
-    meminfo.unlink()  # unknown: nothing is held
-    assert not fresh_weights.room_to_hold()

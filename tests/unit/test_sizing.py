@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import psutil
 import pytest
 
+from mlxd import host_memory
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.models.estimate import estimate_weight_bytes
 from mlxd.models.gguf_header import GGUFFile
@@ -53,8 +53,8 @@ def test_the_need_counts_kv_at_full_batch_and_context_and_the_prefix_cache(smol)
     assert model_need(encoder, weights, geometry).total == weights  # no KV, no prefix cache
 
 
-def test_an_unset_budget_is_three_quarters_of_physical_memory():
-    assert ServerConfig().budget_bytes == int(psutil.virtual_memory().total * 0.75)
+def test_an_unset_budget_is_three_quarters_of_the_memory_the_process_may_use():
+    assert ServerConfig().budget_bytes == int(host_memory.memory().total * 0.75)
     assert ServerConfig(memory_budget="2GiB").budget_bytes == 2 * 2**30
 
 
