@@ -49,23 +49,39 @@ std::pair<double, double> q6_k_to_affine8(
   return mlxd::q6_k_to_affine8(src.data(), blocks, codes.data(), scales.data(), biases.data());
 }
 
-// GGUF Q4_0 or Q4_K blocks → MLX 4-bit groups of 32.
-void q4_to_affine4(
+// GGUF blocks of a type MLX's affine groups of 32 hold exactly → those groups.
+void to_affine(
     const std::string& qtype,
     Buffer<const uint8_t> src,
     Buffer<uint8_t> words,
     Buffer<float> scales,
     Buffer<float> biases) {
-  const bool k = qtype == "Q4_K";
-  require(k || qtype == "Q4_0", "q4_to_affine4: qtype must be Q4_0 or Q4_K");
-  const size_t block_bytes = k ? 144 : 18, values = k ? 256 : 32;
-  const size_t blocks = src.size() / block_bytes;
+  struct Format {
+    const char* name;
+    size_t block_bytes, values, bits;
+    void (*convert)(const uint8_t*, int64_t, uint8_t*, float*, float*);
+  };
+  static constexpr Format kFormats[] = {
+      {"Q4_0", 18, 32, 4, mlxd::q4_0_to_affine4},
+      {"Q4_1", 20, 32, 4, mlxd::q4_1_to_affine4},
+      {"Q8_0", 34, 32, 8, mlxd::q8_0_to_affine8},
+      {"Q4_K", 144, 256, 4, mlxd::q4_k_to_affine4},
+  };
+  const Format* format = nullptr;
+  for (const Format& candidate : kFormats) {
+    if (qtype == candidate.name) {
+      format = &candidate;
+    }
+  }
+  require(format != nullptr, "to_affine: qtype must be Q4_0, Q4_1, Q8_0 or Q4_K");
+  const size_t blocks = src.size() / format->block_bytes;
   require(
-      src.size() % block_bytes == 0 && words.size() == blocks * values / 2 &&
-          scales.size() == blocks * values / 32 && biases.size() == scales.size(),
-      "q4_to_affine4: whole blocks, with room for their words, scales and biases");
+      src.size() % format->block_bytes == 0 &&
+          words.size() == blocks * format->values * format->bits / 8 &&
+          scales.size() == blocks * format->values / 32 && biases.size() == scales.size(),
+      "to_affine: whole blocks, with room for their words, scales and biases");
   nb::gil_scoped_release release;
-  (k ? mlxd::q4_k_to_affine4 : mlxd::q4_0_to_affine4)(
+  format->convert(
       src.data(), static_cast<int64_t>(blocks), words.data(), scales.data(), biases.data());
 }
 
@@ -214,15 +230,15 @@ NB_MODULE(_cpu, m) {
       "GGUF Q6_K blocks requantized into MLX 8-bit affine groups of 32 (codes, float32 scales and "
       "biases written in place); (sum of squared errors, sum of squared values).");
   m.def(
-      "q4_to_affine4",
-      &q4_to_affine4,
+      "to_affine",
+      &to_affine,
       "qtype"_a,
       "src"_a,
       "words"_a.noconvert(),
       "scales"_a.noconvert(),
       "biases"_a.noconvert(),
-      "GGUF Q4_0 or Q4_K blocks as MLX 4-bit affine groups of 32, exactly (words as bytes, "
-      "float32 scales and biases written in place).");
+      "GGUF Q4_0, Q4_1, Q8_0 or Q4_K blocks as MLX affine groups of 32 (4 or 8 bits), exactly "
+      "(words as bytes, float32 scales and biases written in place).");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

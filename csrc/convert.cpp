@@ -60,6 +60,15 @@ inline float half_at(const uint8_t* at) {
   return value;
 }
 
+// A legacy 4-bit block's 16 bytes (values j in the low nibbles, j + 16 in the high ones) as MLX's
+// (byte t holds values 2t and 2t + 1, the earlier in the low nibble).
+void split_nibbles(const uint8_t* qs, uint8_t* out) {
+  for (int t = 0; t < 8; ++t) {
+    out[t] = static_cast<uint8_t>((qs[2 * t] & 0xF) | (qs[2 * t + 1] << 4));
+    out[t + 8] = static_cast<uint8_t>((qs[2 * t] >> 4) | (qs[2 * t + 1] & 0xF0));
+  }
+}
+
 // `tiles` tiles of 16 rows × `width` bytes into the layout tile_weights describes.
 void tile_range(
     const uint8_t* src, uint8_t* dst, int64_t tiles, int64_t width, int bits, bool dot) {
@@ -289,16 +298,39 @@ void q4_0_to_affine4(
     const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
   constexpr int kBlockBytes = 18;
   for (int64_t b = 0; b < blocks; ++b) {
-    // ggml's layout: d (float16), qs [16]: values j in the low nibbles, j + 16 in the high ones.
+    // ggml's layout: d (float16), qs [16].
     const uint8_t* block = src + b * kBlockBytes;
     const float d = half_at(block);
-    const uint8_t* qs = block + 2;
     scales[b] = d;
     biases[b] = -8.0f * d;
-    uint8_t* out = words + b * 16;
-    for (int t = 0; t < 8; ++t) {
-      out[t] = static_cast<uint8_t>((qs[2 * t] & 0xF) | (qs[2 * t + 1] << 4));
-      out[t + 8] = static_cast<uint8_t>((qs[2 * t] >> 4) | (qs[2 * t + 1] & 0xF0));
+    split_nibbles(block + 2, words + b * 16);
+  }
+}
+
+void q4_1_to_affine4(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  constexpr int kBlockBytes = 20;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d, m (float16), qs [16].
+    const uint8_t* block = src + b * kBlockBytes;
+    scales[b] = half_at(block);
+    biases[b] = half_at(block + 2);
+    split_nibbles(block + 4, words + b * 16);
+  }
+}
+
+void q8_0_to_affine8(
+    const uint8_t* src, int64_t blocks, uint8_t* codes, float* scales, float* biases) {
+  constexpr int kBlockBytes = 34;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d (float16), qs [32] int8; q + 128 as a byte is q with its sign bit flipped.
+    const uint8_t* block = src + b * kBlockBytes;
+    const float d = half_at(block);
+    scales[b] = d;
+    biases[b] = -128.0f * d;
+    uint8_t* out = codes + b * 32;
+    for (int t = 0; t < 32; ++t) {
+      out[t] = block[2 + t] ^ 0x80;
     }
   }
 }

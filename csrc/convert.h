@@ -1,6 +1,6 @@
 // Weight conversions that run once per load: MLX's quantized rows into the kernels' tiles
 // (mlxd/kernels/layout.py), as MLX primitives that write their outputs once, on several threads;
-// GGUF's Q4_0, Q4_K and Q6_K blocks into MLX's affine groups (mlxd/models/gguf_quants.py), over numpy
+// GGUF's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks into MLX's affine groups (mlxd/models/gguf_quants.py), over numpy
 // buffers that Python's threads split between cores (the bindings release the GIL). numpy did both
 // in a dozen passes over every byte and a copy into MLX: 42 s of an 8B Q4_K_M's first load for the
 // first, 37 s for the second, on two AVX2 cores.
@@ -90,5 +90,15 @@ void q4_k_to_affine4(
 // [blocks] (float32; both are float16s but where 8 d overflows one).
 void q4_0_to_affine4(
     const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
+
+// `blocks` GGUF Q4_1 blocks (32 4-bit codes under a float16 scale d and min m, w = d * q + m) as
+// MLX 4-bit affine groups of 32, exactly: `words` [blocks * 16 bytes], `scales` d and `biases` m.
+void q4_1_to_affine4(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
+
+// `blocks` GGUF Q8_0 blocks (32 int8 codes under a float16 scale d) as MLX 8-bit affine groups of
+// 32, exactly: `codes` [blocks * 32] (q + 128), `scales` d and `biases` -128 d [blocks].
+void q8_0_to_affine8(
+    const uint8_t* src, int64_t blocks, uint8_t* codes, float* scales, float* biases);
 
 }  // namespace mlxd

@@ -236,10 +236,10 @@ def q6_k_to_affine8(
     return float(error), float(norm)
 
 
-def q4_to_affine4(
+def to_affine(
     qtype: str, blocks: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray
 ) -> None:
-    """GGUF `qtype` ("Q4_0" or "Q4_K") `blocks` (uint8, whole blocks) as MLX 4-bit affine groups
-    of 32, exactly, written into `words` (uint8, half a byte a value), `scales` and `biases`
-    (float32, one a group). Releases the GIL."""
-    _module().q4_to_affine4(qtype, blocks, words, scales, biases)
+    """GGUF `qtype` ("Q4_0", "Q4_1", "Q8_0" or "Q4_K") `blocks` (uint8, whole blocks) as MLX
+    affine groups of 32 (8 bits for Q8_0, else 4), exactly, written into `words` (uint8),
+    `scales` and `biases` (float32, one a group). Releases the GIL."""
+    _module().to_affine(qtype, blocks, words, scales, biases)

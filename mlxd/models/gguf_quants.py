@@ -11,9 +11,10 @@ express (its smallest group is 32): those are dequantized chunk by chunk with th
 requantized to an MLX width above their own (REQUANT_BITS), and the error is measured.
 
 The two types of a Q4_K_M file (most of what people download), Q4_K and Q6_K (its output head, half
-its down projections), and Q4_0 go through the kernels' module where it is built (csrc/convert.cpp):
-one pass each instead of a dozen numpy ones, the package's dequantization and MLX's quantize (an
-8B Q4_K_M on two AVX2 cores: 37 → 14 s).
+its down projections), and Q4_0, Q4_1 and Q8_0 go through the kernels' module where it is built
+(csrc/convert.cpp): one pass each instead of a dozen numpy ones, the package's dequantization and
+MLX's quantize (on two AVX2 cores: an 8B Q4_K_M 37 → 14 s, a 1B Q8_0's whole conversion 8.5–10 →
+2.7–3.3 s).
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ Q = GGMLQuantizationType
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}
 EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K})
 MLX_BITS = (2, 3, 4, 5, 6, 8)
-# Converted by the kernels' module where it is built (csrc/convert.cpp).
-ON_KERNELS = frozenset({Q.Q4_0, Q.Q4_K, Q.Q6_K})
+# Converted by the kernels' module where it is built (csrc/convert.cpp): exactly, at these widths
+# (Q6_K: requantized).
+ON_KERNELS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q6_K: 8}
+# Their scales are a block's float16 d, and their biases a float16 (Q4_1's m) or -8 d or -128 d:
+# float16s themselves unless that overflows one.
+_HALF_SCALES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})
 # Rows converted at once: bounds the temporary arrays of one large tensor (~8 MiB of blocks),
 # and splits it for the decoding threads.
 _CHUNK_BYTES = 8 << 20
@@ -287,10 +292,10 @@ def _requantize(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
 def _convert_on_kernels(
     rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
 ) -> Converted:
-    """Q4_0 and Q4_K exactly, Q6_K into 8-bit groups, on the kernels' module, chunks of rows on
-    the decoding threads; a Q6_K's error is summed over every value."""
+    """Q4_0, Q4_1, Q8_0 and Q4_K exactly, Q6_K into 8-bit groups, on the kernels' module,
+    chunks of rows on the decoding threads; a Q6_K's error is summed over every value."""
     exact = qtype != Q.Q6_K
-    bits = 4 if exact else requant_bits(qtype)
+    bits = ON_KERNELS[qtype]
     count, row_bytes = rows.shape
     block, size = GGML_QUANT_SIZES[qtype]
     values = row_bytes // size * block
@@ -301,7 +306,7 @@ def _convert_on_kernels(
     def job(chunk: slice) -> tuple[float, float]:
         arrays = (rows[chunk], codes[chunk], scales[chunk], biases[chunk])
         if exact:
-            kernels.q4_to_affine4(qtype.name, *arrays)
+            kernels.to_affine(qtype.name, *arrays)
             return 0.0, 0.0
         return kernels.q6_k_to_affine8(*arrays)
 
@@ -311,10 +316,9 @@ def _convert_on_kernels(
     weight, scale, bias = (
         mx.array(a.reshape(*lead, -1)) for a in (codes.view(np.uint32), scales, biases)
     )
-    # A Q4_0's scale d is a float16, and so is its bias -8 d unless that overflows one (MLX's
-    # cast: numpy's, without F16C, took 0.7 s of a 1B's conversion). A Q4_K's are float16s times
-    # 6-bit integers: float32.
-    if qtype == Q.Q4_0 and np.abs(scales).max(initial=0.0) <= np.finfo(np.float16).max / 8:
+    # Cast by MLX: numpy's, without F16C, took 0.7 s of a 1B's conversion. A Q4_K's scales and
+    # biases are float16s times 6-bit integers: float32.
+    if qtype in _HALF_SCALES and np.abs(biases).max(initial=0.0) <= np.finfo(np.float16).max:
         scale, bias = scale.astype(mx.float16), bias.astype(mx.float16)
     rel_error = math.sqrt(error / norm) if norm else 0.0
     return Converted(weight, scale, bias, bits, exact=exact, rel_error=rel_error)

@@ -1,7 +1,7 @@
 """The load-time conversions the kernels' module does (csrc/convert.cpp) against numpy's
 statements of the same layouts: MLX's quantized rows into the kernels' tiles, scales and biases
-into theirs, GGUF Q4_0 and Q4_K blocks into MLX's affine groups (the numpy path's). Any byte out
-of place fails."""
+into theirs, GGUF Q4_0, Q4_1, Q8_0 and Q4_K blocks into MLX's affine groups (the numpy path's).
+Any byte out of place fails."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_scales_stay_float16_only_where_every_value_is_one() -> None:
     assert kernels.pack(weight, scales, halves[1], 32, 4).scale_bias.dtype == mx.float32
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_exact_types_on_the_kernels_equal_numpy_bit_for_bit(qtype: Q) -> None:
     raw = random_blocks(qtype, 32, 1024, seed=3)
     native = gguf_quants.convert(raw, qtype, (32, 1024))
@@ -90,7 +90,7 @@ def test_exact_types_on_the_kernels_equal_numpy_bit_for_bit(qtype: Q) -> None:
         assert ours is not None and theirs is not None
         assert ours.dtype == theirs.dtype
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-    assert native.exact and native.bits == 4
+    assert native.exact and native.bits == numpy.bits
 
 
 def test_q6_k_on_the_kernels_states_the_error_of_every_value() -> None:
