@@ -64,8 +64,11 @@ void to_affine(
   static constexpr Format kFormats[] = {
       {"Q4_0", 18, 32, 4, mlxd::q4_0_to_affine4},
       {"Q4_1", 20, 32, 4, mlxd::q4_1_to_affine4},
+      {"Q5_0", 22, 32, 5, mlxd::q5_0_to_affine5},
+      {"Q5_1", 24, 32, 5, mlxd::q5_1_to_affine5},
       {"Q8_0", 34, 32, 8, mlxd::q8_0_to_affine8},
       {"Q4_K", 144, 256, 4, mlxd::q4_k_to_affine4},
+      {"Q5_K", 176, 256, 5, mlxd::q5_k_to_affine5},
   };
   const Format* format = nullptr;
   for (const Format& candidate : kFormats) {
@@ -73,7 +76,7 @@ void to_affine(
       format = &candidate;
     }
   }
-  require(format != nullptr, "to_affine: qtype must be Q4_0, Q4_1, Q8_0 or Q4_K");
+  require(format != nullptr, "to_affine: qtype must be Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q5_K");
   const size_t blocks = src.size() / format->block_bytes;
   require(
       src.size() % format->block_bytes == 0 &&
@@ -237,7 +240,8 @@ NB_MODULE(_cpu, m) {
       "words"_a.noconvert(),
       "scales"_a.noconvert(),
       "biases"_a.noconvert(),
-      "GGUF Q4_0, Q4_1, Q8_0 or Q4_K blocks as MLX affine groups of 32 (4 or 8 bits), exactly "
+      "GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q5_K blocks as MLX affine groups of 32 (4, 5 or "
+      "8 bits), exactly "
       "(words as bytes, float32 scales and biases written in place).");
   m.def(
       "assemble_kv",

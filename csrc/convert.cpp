@@ -60,6 +60,52 @@ inline float half_at(const uint8_t* at) {
   return value;
 }
 
+// A Q4_K or Q5_K block's (d, dmin, then 12 bytes of 6-bit scales and mins) 8 sub-blocks' MLX
+// scales d * scale and biases -(dmin * min), as float32.
+void k_scales(const uint8_t* block, float* scales, float* biases) {
+  const float d = half_at(block), dmin = half_at(block + 2);
+  const uint8_t* packed = block + 4;
+  for (int j = 0; j < 8; ++j) {
+    int scale, min;
+    if (j < 4) {
+      scale = packed[j] & 63;
+      min = packed[j + 4] & 63;
+    } else {
+      scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
+      min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+    }
+    scales[j] = d * static_cast<float>(scale);
+    biases[j] = -(dmin * static_cast<float>(min));
+  }
+}
+
+// 32 codes below 32 as MLX stores 5-bit values: a little-endian bit stream, every 8 codes in 5
+// bytes.
+void pack_fives(const uint8_t* codes, uint8_t* out) {
+  for (int eight = 0; eight < 4; ++eight) {
+    uint64_t word = 0;
+    for (int i = 0; i < 8; ++i) {
+      word |= static_cast<uint64_t>(codes[8 * eight + i]) << (5 * i);
+    }
+    for (int byte = 0; byte < 5; ++byte) {
+      out[5 * eight + byte] = static_cast<uint8_t>(word >> (8 * byte));
+    }
+  }
+}
+
+// A legacy 5-bit block's codes: qs' low nibbles are values 0-15 and its high ones 16-31, bit j of
+// the little-endian qh each value's fifth.
+void legacy_fives(const uint8_t* qh_bytes, const uint8_t* qs, uint8_t* out) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  uint8_t codes[32];
+  for (int j = 0; j < 16; ++j) {
+    codes[j] = static_cast<uint8_t>((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
+    codes[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+  }
+  pack_fives(codes, out);
+}
+
 // A legacy 4-bit block's 16 bytes (values j in the low nibbles, j + 16 in the high ones) as MLX's
 // (byte t holds values 2t and 2t + 1, the earlier in the low nibble).
 void split_nibbles(const uint8_t* qs, uint8_t* out) {
@@ -267,20 +313,9 @@ void q4_k_to_affine4(
   for (int64_t b = 0; b < blocks; ++b) {
     // ggml's layout: d, dmin (float16), 12 bytes of 6-bit scales and mins, qs [128].
     const uint8_t* block = src + b * kBlockBytes;
-    const float d = half_at(block), dmin = half_at(block + 2);
-    const uint8_t* packed = block + 4;
+    k_scales(block, scales + b * 8, biases + b * 8);
     const uint8_t* qs = block + 16;
     for (int j = 0; j < 8; ++j) {
-      int scale, min;
-      if (j < 4) {
-        scale = packed[j] & 63;
-        min = packed[j + 4] & 63;
-      } else {
-        scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
-        min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
-      }
-      scales[b * 8 + j] = d * static_cast<float>(scale);
-      biases[b * 8 + j] = -(dmin * static_cast<float>(min));
       // Sub-block j: the low (even j) or high (odd j) nibbles of 32 bytes; MLX's byte t holds
       // values 2t and 2t + 1, the earlier in the low nibble.
       const uint8_t* in = qs + 32 * (j / 2);
@@ -290,6 +325,28 @@ void q4_k_to_affine4(
         out[t] = static_cast<uint8_t>(
             ((in[2 * t] >> shift) & 0xF) | (((in[2 * t + 1] >> shift) & 0xF) << 4));
       }
+    }
+  }
+}
+
+void q5_k_to_affine5(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  constexpr int kBlockBytes = 176;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d, dmin (float16), 12 bytes of 6-bit scales and mins, qh [32], qs [128].
+    const uint8_t* block = src + b * kBlockBytes;
+    k_scales(block, scales + b * 8, biases + b * 8);
+    const uint8_t* qh = block + 16;
+    const uint8_t* qs = block + 48;
+    for (int j = 0; j < 8; ++j) {
+      // Sub-block j: Q4_K's nibbles, and bit j of qh[l] the fifth bit of its value l.
+      const uint8_t* in = qs + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      uint8_t codes[32];
+      for (int l = 0; l < 32; ++l) {
+        codes[l] = static_cast<uint8_t>(((in[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4));
+      }
+      pack_fives(codes, words + b * 160 + 20 * j);
     }
   }
 }
@@ -316,6 +373,31 @@ void q4_1_to_affine4(
     scales[b] = half_at(block);
     biases[b] = half_at(block + 2);
     split_nibbles(block + 4, words + b * 16);
+  }
+}
+
+void q5_0_to_affine5(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  constexpr int kBlockBytes = 22;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d (float16), qh [4], qs [16].
+    const uint8_t* block = src + b * kBlockBytes;
+    const float d = half_at(block);
+    scales[b] = d;
+    biases[b] = -16.0f * d;
+    legacy_fives(block + 2, block + 6, words + b * 20);
+  }
+}
+
+void q5_1_to_affine5(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  constexpr int kBlockBytes = 24;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // ggml's layout: d, m (float16), qh [4], qs [16].
+    const uint8_t* block = src + b * kBlockBytes;
+    scales[b] = half_at(block);
+    biases[b] = half_at(block + 2);
+    legacy_fives(block + 4, block + 8, words + b * 20);
   }
 }
 

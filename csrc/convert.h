@@ -96,6 +96,18 @@ void q4_0_to_affine4(
 void q4_1_to_affine4(
     const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
 
+// `blocks` GGUF Q5_K blocks (Q4_K's with a fifth bit a value) → MLX 5-bit affine groups of 32,
+// exactly: `words` [blocks * 160 bytes], `scales` and `biases` [blocks * 8] as Q4_K's.
+void q5_k_to_affine5(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
+
+// `blocks` GGUF Q5_0 or Q5_1 blocks (32 5-bit codes; w = d * (q - 16), or d * q + m) as MLX 5-bit
+// affine groups of 32, exactly: `words` [blocks * 20 bytes], `scales` d and `biases` -16 d or m.
+void q5_0_to_affine5(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
+void q5_1_to_affine5(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
+
 // `blocks` GGUF Q8_0 blocks (32 int8 codes under a float16 scale d) as MLX 8-bit affine groups of
 // 32, exactly: `codes` [blocks * 32] (q + 128), `scales` d and `biases` -128 d [blocks].
 void q8_0_to_affine8(

@@ -239,7 +239,8 @@ def q6_k_to_affine8(
 def to_affine(
     qtype: str, blocks: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray
 ) -> None:
-    """GGUF `qtype` ("Q4_0", "Q4_1", "Q8_0" or "Q4_K") `blocks` (uint8, whole blocks) as MLX
-    affine groups of 32 (8 bits for Q8_0, else 4), exactly, written into `words` (uint8),
+    """GGUF `qtype` ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K" or "Q5_K") `blocks` (uint8,
+    whole blocks) as MLX affine groups of 32 at the type's width, exactly, written into `words`
+    (uint8),
     `scales` and `biases` (float32, one a group). Releases the GIL."""
     _module().to_affine(qtype, blocks, words, scales, biases)

@@ -11,10 +11,10 @@ express (its smallest group is 32): those are dequantized chunk by chunk with th
 requantized to an MLX width above their own (REQUANT_BITS), and the error is measured.
 
 The two types of a Q4_K_M file (most of what people download), Q4_K and Q6_K (its output head, half
-its down projections), and Q4_0, Q4_1 and Q8_0 go through the kernels' module where it is built
-(csrc/convert.cpp): one pass each instead of a dozen numpy ones, the package's dequantization and
-MLX's quantize (on two AVX2 cores: an 8B Q4_K_M 37 → 14 s, a 1B Q8_0's whole conversion 8.5–10 →
-2.7–3.3 s).
+its down projections), and Q5_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 go through the kernels' module
+where it is built (csrc/convert.cpp): one pass each instead of a dozen numpy ones, the package's
+dequantization and MLX's quantize (on two AVX2 cores: an 8B Q4_K_M 37 → 14 s; a 1B's whole
+conversion, Q8_0 8.5–10 → 2.7–3.3 s, Q5_K_M 14.3–16.3 → 6.9–7.4 s).
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K}
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 # Converted by the kernels' module where it is built (csrc/convert.cpp): exactly, at these widths
 # (Q6_K: requantized).
-ON_KERNELS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q6_K: 8}
-# Their scales are a block's float16 d, and their biases a float16 (Q4_1's m) or -8 d or -128 d:
-# float16s themselves unless that overflows one.
-_HALF_SCALES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})
+ON_KERNELS = {
+    **dict.fromkeys([Q.Q4_0, Q.Q4_1, Q.Q4_K], 4),
+    **dict.fromkeys([Q.Q5_0, Q.Q5_1, Q.Q5_K], 5),
+    Q.Q8_0: 8,
+    Q.Q6_K: 8,
+}
+# Their scales are a block's float16 d, and their biases a float16 (Q4_1's and Q5_1's m) or -8 d,
+# -16 d or -128 d: float16s themselves unless that overflows one.
+_HALF_SCALES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
 # Rows converted at once: bounds the temporary arrays of one large tensor (~8 MiB of blocks),
 # and splits it for the decoding threads.
 _CHUNK_BYTES = 8 << 20
@@ -292,7 +297,7 @@ def _requantize(rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
 def _convert_on_kernels(
     rows: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
 ) -> Converted:
-    """Q4_0, Q4_1, Q8_0 and Q4_K exactly, Q6_K into 8-bit groups, on the kernels' module,
+    """The exact types at their own widths, Q6_K into 8-bit groups, on the kernels' module,
     chunks of rows on the decoding threads; a Q6_K's error is summed over every value."""
     exact = qtype != Q.Q6_K
     bits = ON_KERNELS[qtype]
@@ -316,7 +321,7 @@ def _convert_on_kernels(
     weight, scale, bias = (
         mx.array(a.reshape(*lead, -1)) for a in (codes.view(np.uint32), scales, biases)
     )
-    # Cast by MLX: numpy's, without F16C, took 0.7 s of a 1B's conversion. A Q4_K's scales and
+    # Cast by MLX: numpy's, without F16C, took 0.7 s of a 1B's conversion. A K-quant's scales and
     # biases are float16s times 6-bit integers: float32.
     if qtype in _HALF_SCALES and np.abs(biases).max(initial=0.0) <= np.finfo(np.float16).max:
         scale, bias = scale.astype(mx.float16), bias.astype(mx.float16)

@@ -1,6 +1,6 @@
 """The load-time conversions the kernels' module does (csrc/convert.cpp) against numpy's
 statements of the same layouts: MLX's quantized rows into the kernels' tiles, scales and biases
-into theirs, GGUF Q4_0, Q4_1, Q8_0 and Q4_K blocks into MLX's affine groups (the numpy path's).
+into theirs, GGUF blocks of every exact type into MLX's affine groups (the numpy path's).
 Any byte out of place fails."""
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def test_scales_stay_float16_only_where_every_value_is_one() -> None:
     assert kernels.pack(weight, scales, halves[1], 32, 4).scale_bias.dtype == mx.float32
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K], ids=lambda q: q.name
+)
 def test_exact_types_on_the_kernels_equal_numpy_bit_for_bit(qtype: Q) -> None:
     raw = random_blocks(qtype, 32, 1024, seed=3)
     native = gguf_quants.convert(raw, qtype, (32, 1024))
