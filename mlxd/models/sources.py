@@ -9,13 +9,13 @@ GGUF in Ollama's store, ollama_store.py) and `hf://org/repo[@revision]`.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +23,10 @@ from pathlib import Path
 import mlx.core as mx
 from huggingface_hub import snapshot_download
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-from tqdm import tqdm
 
 from mlxd import ollama_store
 from mlxd.errors import ModelLoadError, TransientLoadError
-from mlxd.models import fresh_weights
+from mlxd.models import file_digest, fresh_weights
 from mlxd.models.ctranslate2 import CTranslate2Error
 from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
 from mlxd.models.gguf import GGUFError, convert_gguf
@@ -37,8 +36,9 @@ from mlxd.models.whisper_ct2 import convert_ct2_whisper, is_ct2_whisper
 
 log = logging.getLogger(__name__)
 
-_HASH_CHUNK = 8 << 20
 _TRUE = {"1", "on", "true", "yes"}
+# Hashes a file beside its conversion (_convert_hashing).
+_hasher = ThreadPoolExecutor(1, thread_name_prefix="file-digest")
 
 
 def resolve_source(source: str, *, model_name: str, cache_dir: Path) -> Path:
@@ -117,47 +117,6 @@ def _hf_snapshot(source: str, model_name: str) -> Path:
     ) from error
 
 
-def _file_digest(path: Path, cache_dir: Path) -> str:
-    """The sha256 of the file at `path`, remembered under cache_dir/digests/ by what changes
-    whenever the file does: device, inode, size, mtime and ctime (hashing a 4.6 GiB GGUF
-    takes ≈3 s, as long as llama.cpp's whole cached load). A copy is a new inode; a rewrite
-    changes the mtime and the ctime, and no program can set the ctime back (utime sets it
-    to now), so a remembered digest is only used for the very file it was computed from."""
-    stat = path.stat()
-    identity = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
-    memo = Path(cache_dir).expanduser() / "digests" / hashlib.sha256(identity.encode()).hexdigest()
-    with suppress(OSError, UnicodeDecodeError):
-        remembered = memo.read_text().strip()
-        if len(remembered) == 64 and all(c in "0123456789abcdef" for c in remembered):
-            return remembered
-    digest = _sha256(path)
-    with suppress(OSError):  # best effort: the next load hashes again
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(prefix=f".{memo.name}.", dir=memo.parent)
-        with os.fdopen(handle, "w") as out:
-            out.write(digest)
-        os.replace(partial, memo)
-    return digest
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with (
-        path.open("rb") as f,
-        tqdm(
-            total=path.stat().st_size,
-            desc=f"hashing {path.name}",
-            unit="B",
-            unit_scale=True,
-            disable=None,
-        ) as bar,
-    ):
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
-
-
 @contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
     """An flock held while converting; the kernel drops it if the process dies."""
@@ -197,33 +156,30 @@ def _converted(
     reuse it (`digest`: that sha256, when already known).
 
     The directory only ever appears by renaming a finished temp dir, so its existence means it is
-    complete; the lock makes concurrent importers of the same file wait for one conversion.
+    complete. A file whose digest is not remembered and whose probe no conversion recorded
+    (models/file_digest.py) is hashed beside its conversion; any other is hashed first, and its
+    directory reused. Locks (on the digest, or on the probe while the digest is not known) make
+    concurrent importers of the same content wait for one conversion.
     """
-    digest = f"{(digest or _file_digest(weights, cache_dir))[:16]}-v{importer.version}"
     root = Path(cache_dir).expanduser() / importer.folder
-    final = root / digest
-    if final.is_dir():
-        return final
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with exclusive(root / f".{digest}.lock"):
-            if final.is_dir():
-                return final
-            # Leftovers of a crashed conversion: nobody else can hold this digest's lock.
-            for stale in root.glob(f".{digest}.partial-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            partial = Path(tempfile.mkdtemp(prefix=f".{digest}.partial-", dir=root))
-            try:
-                started = time.perf_counter()
-                arrays = importer.convert(path, partial)
-                os.rename(partial, final)
-                if arrays:
-                    fresh_weights.hold(final, arrays)
-                log.info(
-                    "converted %s into %s in %.1fs", path, final, time.perf_counter() - started
-                )
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
+        digest = digest or file_digest.remembered(weights, cache_dir)
+        if digest is None:
+            probe = file_digest.probe(weights)
+            with exclusive(root / f".{probe}.lock"):
+                if not file_digest.probed(probe, cache_dir):
+                    return _convert_hashing(importer, path, weights, root, cache_dir, probe)
+            digest = file_digest.digest(weights, cache_dir)
+        final = root / _name(digest, importer)
+        if final.is_dir():
+            return final
+        with exclusive(root / f".{final.name}.lock"):
+            if not final.is_dir():
+                with _scratch(root, final.name) as partial:
+                    started = time.perf_counter()
+                    arrays = importer.convert(path, partial)
+                    _publish(partial, final, arrays, path, started)
     except (GGUFError, CTranslate2Error) as exc:
         raise ModelLoadError(f"model '{model_name}': {exc}") from exc
     except OSError as exc:  # a full disk: it may pass
@@ -236,3 +192,49 @@ def _converted(
             f"{type(exc).__name__}: {exc}"
         ) from exc
     return final
+
+
+def _convert_hashing(
+    importer: Importer, path: Path, weights: Path, root: Path, cache_dir: Path, probe: str
+) -> Path:
+    """Convert while another thread computes the digest that names the result (the caller holds
+    the probe's lock)."""
+    hashing = _hasher.submit(file_digest.digest, weights, cache_dir)
+    with _scratch(root, probe) as partial:
+        started = time.perf_counter()
+        arrays = importer.convert(path, partial)
+        digest = hashing.result()
+        final = root / _name(digest, importer)
+        with exclusive(root / f".{final.name}.lock"):
+            if not final.is_dir():  # else the same content, converted meanwhile as a known digest
+                _publish(partial, final, arrays, path, started)
+    file_digest.record(probe, digest, cache_dir)
+    return final
+
+
+def _name(digest: str, importer: Importer) -> str:
+    return f"{digest[:16]}-v{importer.version}"
+
+
+@contextmanager
+def _scratch(root: Path, stem: str) -> Iterator[Path]:
+    """A temp dir under `root` for a conversion, removed unless renamed. Named after `stem`,
+    whose lock the caller holds: leftovers of a crashed conversion of that stem go first."""
+    for stale in root.glob(f".{stem}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{stem}.partial-", dir=root))
+    try:
+        yield partial
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _publish(
+    partial: Path, final: Path, arrays: Mapping[str, mx.array] | None, path: Path, started: float
+) -> None:
+    """Rename a finished conversion into place; hold the arrays it wrote for this process's load
+    (models/fresh_weights.py)."""
+    os.rename(partial, final)
+    if arrays:
+        fresh_weights.hold(final, arrays)
+    log.info("converted %s into %s in %.1fs", path, final, time.perf_counter() - started)

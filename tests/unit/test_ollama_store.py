@@ -110,7 +110,7 @@ def test_resolve_source_converts_the_blob_without_hashing_it(
     store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     pull(store, "tiny", "latest", write_tiny_gguf(tmp_path / "importable.gguf"))
-    monkeypatch.setattr("mlxd.models.sources._sha256", lambda path: pytest.fail("hashed"))
+    monkeypatch.setattr("mlxd.models.file_digest.sha256", lambda path: pytest.fail("hashed"))
     converted = resolve_source("ollama://tiny", model_name="t", cache_dir=tmp_path / "cache")
     assert (converted / "config.json").is_file()
     assert converted.name.startswith(resolve("tiny").gguf.name.removeprefix("sha256-")[:16])

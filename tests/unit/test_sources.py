@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
+import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from mlxd.errors import ModelLoadError
-from mlxd.models import sources
+from mlxd.models import file_digest, sources
+from mlxd.models.gguf import FORMAT_VERSION as VERSION
 from mlxd.models.sources import resolve_source
 from tests.unit.test_gguf import write_tiny_gguf
 
@@ -75,7 +80,7 @@ def test_gguf_converted_once(tmp_path: Path, cache: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     converted = resolve(gguf, cache)
     assert converted.parent == cache / "gguf"
-    assert len(converted.name) == 16 + len("-v2")
+    assert converted.name == f"{hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]}-v{VERSION}"
     assert (converted / "config.json").is_file()
     assert (converted / "tokenizer.json").is_file()
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
@@ -92,8 +97,8 @@ def test_a_gguf_is_hashed_once_until_it_changes(
 ) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     hashed: list[Path] = []
-    sha256 = sources._sha256
-    monkeypatch.setattr(sources, "_sha256", lambda path: hashed.append(path) or sha256(path))
+    sha256 = file_digest.sha256
+    monkeypatch.setattr(file_digest, "sha256", lambda path: hashed.append(path) or sha256(path))
     converted = resolve(gguf, cache)
     assert resolve(gguf, cache) == converted and hashed == [gguf]
     # Rewritten in place, same size, the old mtime put back: its ctime still moved.
@@ -106,6 +111,56 @@ def test_a_gguf_is_hashed_once_until_it_changes(
     # A copy is another file: hashed, and the same content finds the same conversion.
     copy = shutil.copy2(gguf, tmp_path / "copy.gguf")
     assert resolve(copy, cache) == resolve(gguf, cache) and len(hashed) == 3
+
+
+def test_a_new_gguf_is_hashed_while_it_converts(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No content like it was converted (its probe is new): the conversion does not wait for the
+    hash. Seen here as the hash finishing only once the conversion has started."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    converting = threading.Event()
+    convert = sources.GGUF.convert
+
+    def converts(path: Path, into: Path) -> Mapping[str, mx.array] | None:
+        converting.set()
+        return convert(path, into)
+
+    def hashes(path: Path) -> str:
+        assert converting.wait(timeout=60), "the conversion waited for the hash"
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    monkeypatch.setattr(sources, "GGUF", replace(sources.GGUF, convert=converts))
+    monkeypatch.setattr(file_digest, "sha256", hashes)
+    converted = resolve(gguf, cache)
+    assert converted.name == f"{hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]}-v{VERSION}"
+    assert (converted / "model.safetensors").is_file()
+    assert entries(cache / "gguf") == [converted.name]
+
+
+def test_a_copy_of_a_converted_gguf_is_hashed_before_it_would_convert(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    converted = resolve(gguf, cache)
+    monkeypatch.setattr(
+        sources, "GGUF", replace(sources.GGUF, convert=lambda *_: pytest.fail("converted"))
+    )
+    assert resolve(shutil.copy(gguf, tmp_path / "copy.gguf"), cache) == converted
+
+
+def test_a_conversion_made_before_probes_were_recorded_is_reused(
+    tmp_path: Path, cache: Path
+) -> None:
+    """Same content converted again (nothing says it was), then renamed onto nothing: the
+    directory already there stays."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    converted = resolve(gguf, cache)
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    shutil.rmtree(cache / file_digest.FOLDER)  # no memo, no probe: as an older mlxd left it
+    assert resolve(shutil.copy(gguf, tmp_path / "copy.gguf"), cache) == converted
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    assert entries(cache / "gguf") == [converted.name]
 
 
 def test_concurrent_conversions_share_one_dir(tmp_path: Path, cache: Path) -> None:
