@@ -244,6 +244,23 @@ NB_MODULE(_cpu, m) {
       "8 bits), exactly "
       "(words as bytes, float32 scales and biases written in place).");
   m.def(
+      "empty",
+      [](const std::vector<int>& shape, mlx::core::Dtype dtype) {
+        size_t nbytes = dtype.size();
+        for (int dim : shape) {
+          require(dim >= 0, "empty: dimensions must not be negative");
+          nbytes *= static_cast<size_t>(dim);
+        }
+        return mlx::core::array(
+            mlx::core::allocator::malloc(nbytes),
+            mlx::core::Shape(shape.begin(), shape.end()),
+            dtype);
+      },
+      "shape"_a,
+      "dtype"_a,
+      "A new array whose memory is not written (MLX fills every array it makes): for a "
+      "conversion to write, each page faulted in by the thread that first writes it.");
+  m.def(
       "assemble_kv",
       &mlxd::assemble_kv,
       "blocks"_a,

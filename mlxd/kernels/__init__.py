@@ -236,6 +236,13 @@ def q6_k_to_affine8(
     return float(error), float(norm)
 
 
+def empty(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A new array whose memory is not written yet (MLX fills every array it makes), for a
+    conversion to write through a numpy view (`np.array(array, copy=False)`)."""
+    result: mx.array = _module().empty(list(shape), dtype)
+    return result
+
+
 def to_affine(
     qtype: str, blocks: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray
 ) -> None:

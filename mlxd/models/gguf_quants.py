@@ -304,9 +304,13 @@ def _convert_on_kernels(
     count, row_bytes = rows.shape
     block, size = GGML_QUANT_SIZES[qtype]
     values = row_bytes // size * block
-    codes = np.empty((count, values * bits // 8), np.uint8)
-    scales = np.empty((count, values // GROUP_SIZE), np.float32)
-    biases = np.empty_like(scales)
+    # Written in place by the decoding threads: MLX's own memory, through numpy views (a numpy
+    # array copied into MLX was most of an 8B's conversion, on one thread).
+    lead = shape[:-1]
+    weight = kernels.empty((*lead, values * bits // 32), mx.uint32)
+    scale, bias = (kernels.empty((*lead, values // GROUP_SIZE), mx.float32) for _ in range(2))
+    codes = np.array(weight, copy=False).reshape(count, -1).view(np.uint8)
+    scales, biases = (np.array(a, copy=False).reshape(count, -1) for a in (scale, bias))
 
     def job(chunk: slice) -> tuple[float, float]:
         arrays = (rows[chunk], codes[chunk], scales[chunk], biases[chunk])
@@ -317,10 +321,6 @@ def _convert_on_kernels(
 
     sums = list(_decoders.map(job, _row_chunks(count, row_bytes)))
     error, norm = (sum(column) for column in zip(*sums, strict=True))
-    lead = shape[:-1]
-    weight, scale, bias = (
-        mx.array(a.reshape(*lead, -1)) for a in (codes.view(np.uint32), scales, biases)
-    )
     # Cast by MLX: numpy's, without F16C, took 0.7 s of a 1B's conversion. A K-quant's scales and
     # biases are float16s times 6-bit integers: float32.
     if qtype in _HALF_SCALES and np.abs(biases).max(initial=0.0) <= np.finfo(np.float16).max:
