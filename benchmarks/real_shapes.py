@@ -3,8 +3,9 @@
 python -m benchmarks.real_shapes [--shape llama-3.2-1b|llama-3.1-8b] [--levels 1,4,16]
 
 Writes (once, under --workdir) an F16 GGUF shaped like Llama-3.2-1B or Llama-3.1-8B, the Q4_K_M
-that llama.cpp's own `llama-quantize` makes of it, and an MLX 4-bit directory of the same shape
-(benchmarks/random_llama.py). Then, one server at a time on the same machine:
+(or --quant Q4_0, Q5_K_M, Q8_0) that llama.cpp's own `llama-quantize` makes of it, and an MLX
+4-bit directory of the same shape (benchmarks/random_llama.py). Then, one server at a time on the
+same machine:
 
 - llama.cpp: `llama-server` on the Q4_K_M, one server per level C (`-np C`, 512 tokens a slot,
   as benchmarks.compare runs it), with -t/-tb set to the threads mlxd uses (every core);
@@ -247,8 +248,9 @@ def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
-    # Q4_0: issue 25's peer for an MLX 4-bit model (the same bits a weight as MLX's 4-bit).
-    parser.add_argument("--quant", choices=["Q4_K_M", "Q4_0"], default="Q4_K_M")
+    # Q4_0: issue 25's peer for an MLX 4-bit model (the same bits a weight as MLX's 4-bit);
+    # Q5_K_M and Q8_0: the other types people download most.
+    parser.add_argument("--quant", choices=["Q4_K_M", "Q4_0", "Q5_K_M", "Q8_0"], default="Q4_K_M")
     parser.add_argument(
         "--workdir",
         type=Path,
