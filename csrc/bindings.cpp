@@ -206,6 +206,15 @@ NB_MODULE(_cpu, m) {
       "inv_temperature[i]), the first in index order whose cumulative weight passes u[i] of "
       "their total.");
   m.def(
+      "widen_weights",
+      &mlxd::widen_weights,
+      "weight"_a,
+      "bits"_a,
+      "width"_a,
+      "threads"_a,
+      "MLX's packed 2/3-bit (5/6-bit) weights uint32 [rows, words] as the same values packed at "
+      "4 (8) bits, the width the kernels run.");
+  m.def(
       "tile_weights",
       &mlxd::tile_weights,
       "weight"_a,

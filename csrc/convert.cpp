@@ -186,6 +186,54 @@ mx::array tile_weights(const mx::array& weight, int bits, bool dot, int threads)
       {weight});
 }
 
+mx::array widen_weights(const mx::array& weight, int bits, int width, int threads) {
+  const bool valid = (width == 4 && (bits == 2 || bits == 3)) || (width == 8 && (bits == 5 || bits == 6));
+  if (!valid) {
+    throw std::invalid_argument("widen_weights: bits 2 or 3 to width 4, or 5 or 6 to width 8");
+  }
+  // Eight values fill `bits` bytes: a row of whole words holds whole eights when its values
+  // are a multiple of 32 (a quantization group's).
+  if (weight.dtype() != mx::uint32 || weight.ndim() != 2 || (weight.shape(1) * 4) % bits) {
+    throw std::invalid_argument("widen_weights: uint32 weights [rows, words], whole eights of values");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      {weight.shape(0), weight.shape(1) * width / bits},
+      mx::uint32,
+      std::make_shared<WidenWeights>(stream, bits, width, threads),
+      {weight});
+}
+
+void WidenWeights::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = prepare(inputs, outputs);
+  encoder.dispatch([src = reinterpret_cast<const uint8_t*>(rows<uint32_t>(inputs[0], encoder)),
+                    dst = reinterpret_cast<uint8_t*>(outputs[0].data<uint32_t>()),
+                    eights = int64_t{inputs[0].shape(0)} * inputs[0].shape(1) * 4 / bits_,
+                    bits = bits_,
+                    width = width_,
+                    threads = threads_]() {
+    // Rows hold whole eights, so the rows' streams are one stream of eights.
+    const uint64_t mask = (uint64_t{1} << bits) - 1;
+    parallel_for(threads, eights, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) {
+        uint64_t stream = 0;
+        std::memcpy(&stream, src + e * bits, bits);
+        uint8_t* out = dst + e * width;  // 8 values at `width` bits: `width` bytes
+        if (width == 8) {
+          for (int k = 0; k < 8; ++k) {
+            out[k] = static_cast<uint8_t>((stream >> (bits * k)) & mask);
+          }
+        } else {
+          for (int k = 0; k < 4; ++k) {
+            out[k] = static_cast<uint8_t>(
+                ((stream >> (bits * 2 * k)) & mask) | (((stream >> (bits * (2 * k + 1))) & mask) << 4));
+          }
+        }
+      }
+    });
+  });
+}
+
 void TileWeights::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = prepare(inputs, outputs);
   const int64_t width = inputs[0].shape(1) * 4;

@@ -22,11 +22,39 @@ namespace mlxd {
 // regrouped so that byte i of a word holds inputs i and i + 4 of its 8). On `threads` threads.
 mlx::core::array tile_weights(const mlx::core::array& weight, int bits, bool dot, int threads);
 
+// MLX's packed `bits`-bit values (2, 3, 5 or 6: a little-endian bit stream along each row of
+// uint32 [rows, words]) as the same values packed at `width` bits (4 for 2 and 3, 8 for 5 and 6),
+// the width the kernels run: uint32 [rows, words * width / bits]. On `threads` threads.
+mlx::core::array widen_weights(const mlx::core::array& weight, int bits, int width, int threads);
+
 // float32 scales and biases [rows, groups] → float32 [rows / 16, groups * repeats, 2, 16]: per tile
 // and packed group its 16 scales then its 16 biases, each group's pair repeated `repeats` times (a
 // group the kernels step as several); and a bool scalar: whether every value is a float16 exactly.
 std::vector<mlx::core::array> tile_scales(
     const mlx::core::array& scales, const mlx::core::array& biases, int repeats, int threads);
+
+class WidenWeights : public CpuPrimitive {
+ public:
+  WidenWeights(mlx::core::Stream stream, int bits, int width, int threads)
+      : CpuPrimitive(stream), bits_(bits), width_(width), threads_(threads) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  const char* name() const override {
+    return "WidenWeightsCPU";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    const auto& o = static_cast<const WidenWeights&>(other);
+    return bits_ == o.bits_ && width_ == o.width_;
+  }
+
+ private:
+  int bits_;
+  int width_;
+  int threads_;
+};
 
 class TileWeights : public CpuPrimitive {
  public:

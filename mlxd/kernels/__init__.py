@@ -236,6 +236,15 @@ def q6_k_to_affine8(
     return float(error), float(norm)
 
 
+def widen(weight: mx.array, bits: int, width: int) -> mx.array:
+    """MLX's packed `bits`-bit weights (uint32 [rows, words]; 2, 3, 5 or 6 bits) as the same
+    values packed at `width` bits (4, or 8 for 5 and 6), on every core."""
+    result: mx.array = _module().widen_weights(
+        weight.astype(mx.uint32), bits, width, len(os.sched_getaffinity(0))
+    )
+    return result
+
+
 def empty(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     """A new array whose memory is not written yet (MLX fills every array it makes), for a
     conversion to write through a numpy view (`np.array(array, copy=False)`)."""

@@ -25,7 +25,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
@@ -37,8 +36,6 @@ from mlxd.models.packability import (
     quantized_layers,
     why_layer_not_packable,
 )
-
-WIDEN_ROWS = 1024
 
 
 class PackedLinear(nn.Module):
@@ -159,7 +156,7 @@ def _pack_experts(module: QuantizedSwitchLinear, dot: bool, precise: bool) -> Pa
     weight, width = module.weight, KERNEL_BITS[module.bits]
     if width != module.bits:
         experts, rows, _ = weight.shape
-        flat = _widened(weight.reshape(experts * rows, -1), module.bits, width)
+        flat = kernels.widen(weight.reshape(experts * rows, -1), module.bits, width)
         weight = flat.reshape(experts, rows, -1)
     return kernels.pack_experts(
         weight, module.scales, module.biases, module.group_size, width, dot, dot and precise
@@ -187,27 +184,10 @@ def pack(
     `precise`) of any width MLX stores, at the width the kernels run it (KERNEL_BITS)."""
     width = KERNEL_BITS[bits]
     if width != bits:
-        weight = _widened(weight, bits, width)
+        weight = kernels.widen(weight, bits, width)
     if dot:
         return kernels.pack_dot(weight, scales, biases, group_size, width, precise=precise)
     return kernels.pack(weight, scales, biases, group_size, width)
-
-
-def _widened(weight: mx.array, bits: int, width: int) -> mx.array:
-    """MLX's packed `bits`-bit values (a little-endian bit stream along each row) as MLX's
-    packed `width`-bit words holding the same values. `WIDEN_ROWS` rows at a time: the bit
-    arrays are a byte per bit."""
-    raw = np.asarray(weight.astype(mx.uint32)).view(np.uint8)
-    rows, values = raw.shape[0], raw.shape[1] * 8 // bits
-    out = np.empty((rows, values * width // 8), np.uint8)
-    for start in range(0, rows, WIDEN_ROWS):
-        chunk = np.unpackbits(raw[start : start + WIDEN_ROWS], axis=1, bitorder="little")
-        chunk = chunk.reshape(chunk.shape[0], values, bits)
-        chunk = np.pad(chunk, ((0, 0), (0, 0), (0, width - bits)))  # zero high bits
-        out[start : start + WIDEN_ROWS] = np.packbits(
-            chunk.reshape(chunk.shape[0], -1), axis=1, bitorder="little"
-        )
-    return mx.array(out.view(np.uint32))
 
 
 def dequantize_layers(model: nn.Module, names: Iterable[str]) -> None:

@@ -117,3 +117,26 @@ def test_a_strided_weight_is_tiled_as_its_copy() -> None:
         np.testing.assert_array_equal(
             np.asarray(pack(view, s, b, 32, 4).weight), np.asarray(pack(copy, s, b, 32, 4).weight)
         )
+
+
+def widened(weight: np.ndarray, bits: int, width: int) -> np.ndarray:
+    """The numpy statement: each row's little-endian `bits`-bit stream, every value's bits
+    padded with zeros to `width`, packed again."""
+    rows, words = weight.shape
+    values = words * 32 // bits
+    stream = np.unpackbits(weight.view(np.uint8), axis=1, bitorder="little")
+    padded = np.pad(stream.reshape(rows, values, bits), ((0, 0), (0, 0), (0, width - bits)))
+    return np.packbits(padded.reshape(rows, -1), axis=1, bitorder="little").view(np.uint32)
+
+
+@pytest.mark.parametrize(("bits", "width"), [(2, 4), (3, 4), (5, 8), (6, 8)])
+def test_narrow_widths_widen_as_numpy_says(bits: int, width: int) -> None:
+    weight = np.random.default_rng(bits).integers(0, 2**32, (48, 3 * bits), dtype=np.uint32)
+    ours = kernels.widen(mx.array(weight), bits, width)
+    np.testing.assert_array_equal(np.asarray(ours), widened(weight, bits, width))
+    # A strided view: read in row order, as its copy.
+    view = mx.array(np.concatenate([weight, weight], axis=1))[:, ::2]
+    expected = widened(
+        np.ascontiguousarray(np.concatenate([weight, weight], axis=1)[:, ::2]), bits, width
+    )
+    np.testing.assert_array_equal(np.asarray(kernels.widen(view, bits, width)), expected)
