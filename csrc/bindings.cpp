@@ -59,9 +59,9 @@ void to_affine(
   struct Format {
     const char* name;
     size_t block_bytes, values, bits;
-    void (*convert)(const uint8_t*, int64_t, uint8_t*, float*, float*);
+    mlxd::Conversion convert;
   };
-  static constexpr Format kFormats[] = {
+  static const Format kFormats[] = {
       {"Q4_0", 18, 32, 4, mlxd::q4_0_to_affine4},
       {"Q4_1", 20, 32, 4, mlxd::q4_1_to_affine4},
       {"Q5_0", 22, 32, 5, mlxd::q5_0_to_affine5},

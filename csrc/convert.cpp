@@ -93,11 +93,12 @@ void pack_fives(const uint8_t* codes, uint8_t* out) {
   }
 }
 
-// A legacy 5-bit block's codes: qs' low nibbles are values 0-15 and its high ones 16-31, bit j of
-// the little-endian qh each value's fifth.
-void legacy_fives(const uint8_t* qh_bytes, const uint8_t* qs, uint8_t* out) {
+// A legacy 5-bit block's codes (qh [4], then qs [16]): qs' low nibbles are values 0-15 and its
+// high ones 16-31, bit j of the little-endian qh each value's fifth.
+void legacy_fives(const uint8_t* at, uint8_t* out) {
   uint32_t qh;
-  std::memcpy(&qh, qh_bytes, 4);
+  std::memcpy(&qh, at, 4);
+  const uint8_t* qs = at + 4;
   uint8_t codes[32];
   for (int j = 0; j < 16; ++j) {
     codes[j] = static_cast<uint8_t>((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
@@ -106,12 +107,39 @@ void legacy_fives(const uint8_t* qh_bytes, const uint8_t* qs, uint8_t* out) {
   pack_fives(codes, out);
 }
 
+// A Q8_0 block's 32 int8 codes as MLX's unsigned ones, q + 128: each with its sign bit flipped.
+void flip_signs(const uint8_t* at, uint8_t* out) {
+  for (int t = 0; t < 32; ++t) {
+    out[t] = at[t] ^ 0x80;
+  }
+}
+
 // A legacy 4-bit block's 16 bytes (values j in the low nibbles, j + 16 in the high ones) as MLX's
 // (byte t holds values 2t and 2t + 1, the earlier in the low nibble).
 void split_nibbles(const uint8_t* qs, uint8_t* out) {
   for (int t = 0; t < 8; ++t) {
     out[t] = static_cast<uint8_t>((qs[2 * t] & 0xF) | (qs[2 * t + 1] << 4));
     out[t + 8] = static_cast<uint8_t>((qs[2 * t] >> 4) | (qs[2 * t + 1] & 0xF0));
+  }
+}
+
+// ggml's legacy blocks: a float16 scale d, a float16 minimum m where the format has one, then
+// the codes, written as MLX's `kOutBytes` by `kCodes`. MLX's bias is m, or `kOffset` d (the
+// codes are unsigned offsets from it).
+template <
+    int kBlockBytes,
+    bool kMin,
+    int kOffset,
+    int kOutBytes,
+    void (*kCodes)(const uint8_t*, uint8_t*)>
+void legacy_to_affine(
+    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = src + b * kBlockBytes;
+    const float d = half_at(block);
+    scales[b] = d;
+    biases[b] = kMin ? half_at(block + 2) : static_cast<float>(kOffset) * d;
+    kCodes(block + (kMin ? 4 : 2), words + b * kOutBytes);
   }
 }
 
@@ -399,70 +427,10 @@ void q5_k_to_affine5(
   }
 }
 
-void q4_0_to_affine4(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
-  constexpr int kBlockBytes = 18;
-  for (int64_t b = 0; b < blocks; ++b) {
-    // ggml's layout: d (float16), qs [16].
-    const uint8_t* block = src + b * kBlockBytes;
-    const float d = half_at(block);
-    scales[b] = d;
-    biases[b] = -8.0f * d;
-    split_nibbles(block + 2, words + b * 16);
-  }
-}
-
-void q4_1_to_affine4(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
-  constexpr int kBlockBytes = 20;
-  for (int64_t b = 0; b < blocks; ++b) {
-    // ggml's layout: d, m (float16), qs [16].
-    const uint8_t* block = src + b * kBlockBytes;
-    scales[b] = half_at(block);
-    biases[b] = half_at(block + 2);
-    split_nibbles(block + 4, words + b * 16);
-  }
-}
-
-void q5_0_to_affine5(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
-  constexpr int kBlockBytes = 22;
-  for (int64_t b = 0; b < blocks; ++b) {
-    // ggml's layout: d (float16), qh [4], qs [16].
-    const uint8_t* block = src + b * kBlockBytes;
-    const float d = half_at(block);
-    scales[b] = d;
-    biases[b] = -16.0f * d;
-    legacy_fives(block + 2, block + 6, words + b * 20);
-  }
-}
-
-void q5_1_to_affine5(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases) {
-  constexpr int kBlockBytes = 24;
-  for (int64_t b = 0; b < blocks; ++b) {
-    // ggml's layout: d, m (float16), qh [4], qs [16].
-    const uint8_t* block = src + b * kBlockBytes;
-    scales[b] = half_at(block);
-    biases[b] = half_at(block + 2);
-    legacy_fives(block + 4, block + 8, words + b * 20);
-  }
-}
-
-void q8_0_to_affine8(
-    const uint8_t* src, int64_t blocks, uint8_t* codes, float* scales, float* biases) {
-  constexpr int kBlockBytes = 34;
-  for (int64_t b = 0; b < blocks; ++b) {
-    // ggml's layout: d (float16), qs [32] int8; q + 128 as a byte is q with its sign bit flipped.
-    const uint8_t* block = src + b * kBlockBytes;
-    const float d = half_at(block);
-    scales[b] = d;
-    biases[b] = -128.0f * d;
-    uint8_t* out = codes + b * 32;
-    for (int t = 0; t < 32; ++t) {
-      out[t] = block[2 + t] ^ 0x80;
-    }
-  }
-}
+const Conversion q4_0_to_affine4 = legacy_to_affine<18, false, -8, 16, split_nibbles>;
+const Conversion q4_1_to_affine4 = legacy_to_affine<20, true, 0, 16, split_nibbles>;
+const Conversion q5_0_to_affine5 = legacy_to_affine<22, false, -16, 20, legacy_fives>;
+const Conversion q5_1_to_affine5 = legacy_to_affine<24, true, 0, 20, legacy_fives>;
+const Conversion q8_0_to_affine8 = legacy_to_affine<34, false, -128, 32, flip_signs>;
 
 }  // namespace mlxd

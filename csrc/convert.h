@@ -107,38 +107,22 @@ class TileScales : public CpuPrimitive {
 std::pair<double, double> q6_k_to_affine8(
     const uint8_t* src, int64_t blocks, uint8_t* codes, float* scales, float* biases);
 
-// `blocks` GGUF Q4_K blocks (256 values: 4-bit codes in 8 sub-blocks of 32, each with a 6-bit
-// scale and min under two float16 ones) → MLX 4-bit affine groups of 32, exactly: `words` [blocks *
-// 128 bytes], `scales` and `biases` [blocks * 8] (d * scale, -(dmin * min), as float32).
+// GGUF blocks → MLX affine groups of 32, exactly: (src, blocks, words, scales, biases), writing
+// `words` (the codes as MLX packs them), `scales` and `biases` (float32, one a group).
+using Conversion = void (*)(const uint8_t*, int64_t, uint8_t*, float*, float*);
+
+// Q4_K (256 values: 4-bit codes in 8 sub-blocks of 32, each with a 6-bit scale and min under two
+// float16 ones): 128 bytes of words a block, scales d * scale and biases -(dmin * min). Q5_K: the
+// same with a fifth bit a value, 160 bytes of 5-bit words a block.
 void q4_k_to_affine4(
     const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
-
-// `blocks` GGUF Q4_0 blocks (32 4-bit codes under one float16 scale d, w = d * (q - 8)) as MLX
-// 4-bit affine groups of 32, exactly: `words` [blocks * 16 bytes], `scales` d and `biases` -8 d
-// [blocks] (float32; both are float16s but where 8 d overflows one).
-void q4_0_to_affine4(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
-
-// `blocks` GGUF Q4_1 blocks (32 4-bit codes under a float16 scale d and min m, w = d * q + m) as
-// MLX 4-bit affine groups of 32, exactly: `words` [blocks * 16 bytes], `scales` d and `biases` m.
-void q4_1_to_affine4(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
-
-// `blocks` GGUF Q5_K blocks (Q4_K's with a fifth bit a value) → MLX 5-bit affine groups of 32,
-// exactly: `words` [blocks * 160 bytes], `scales` and `biases` [blocks * 8] as Q4_K's.
 void q5_k_to_affine5(
     const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
 
-// `blocks` GGUF Q5_0 or Q5_1 blocks (32 5-bit codes; w = d * (q - 16), or d * q + m) as MLX 5-bit
-// affine groups of 32, exactly: `words` [blocks * 20 bytes], `scales` d and `biases` -16 d or m.
-void q5_0_to_affine5(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
-void q5_1_to_affine5(
-    const uint8_t* src, int64_t blocks, uint8_t* words, float* scales, float* biases);
-
-// `blocks` GGUF Q8_0 blocks (32 int8 codes under a float16 scale d) as MLX 8-bit affine groups of
-// 32, exactly: `codes` [blocks * 32] (q + 128), `scales` d and `biases` -128 d [blocks].
-void q8_0_to_affine8(
-    const uint8_t* src, int64_t blocks, uint8_t* codes, float* scales, float* biases);
+// The legacy formats, 32 values a block under a float16 scale d: Q4_0 (w = d * (q - 8)), Q4_1
+// (d * q + m, m a float16), Q5_0 (d * (q - 16)), Q5_1 (d * q + m), Q8_0 (d * q, q an int8). The
+// bias is -8 d, m, -16 d, m or -128 d; a float16 itself but where it overflows one.
+extern const Conversion q4_0_to_affine4, q4_1_to_affine4, q5_0_to_affine5, q5_1_to_affine5,
+    q8_0_to_affine8;
 
 }  // namespace mlxd
