@@ -7,9 +7,9 @@ Writes (once, under --workdir) an F16 GGUF shaped like Llama-3.2-1B or Llama-3.1
 4-bit directory of the same shape (benchmarks/random_llama.py). Then, one server at a time on the
 same machine:
 
-- llama.cpp: `llama-server` on the Q4_K_M, one server per level C (`-np C`, 512 tokens a slot,
+- llama.cpp: `llama-server` on the GGUF, one server per level C (`-np C`, 512 tokens a slot,
   as benchmarks.compare runs it), with -t/-tb set to the threads mlxd uses (every core);
-- mlxd on that Q4_K_M: a first start with an empty cache dir (conversion, CPU path timing,
+- mlxd on that GGUF: a first start with an empty cache dir (conversion, CPU path timing,
   load), then a cached start (the converted weights and timings reused) that serves the sweep;
 - mlxd on the MLX 4-bit directory: the same two starts;
 - mlxd-gguf-int8 / mlxd-mlx-int8 (asked for in --only): the same with `cpu_activations: int8`

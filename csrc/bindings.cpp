@@ -25,8 +25,8 @@ using namespace nb::literals;
 
 namespace {
 
-// numpy arrays, for the GGUF conversions (convert.h): they run on Python's threads, without the
-// GIL, on memory numpy owns (a memory-mapped file's, a preallocated result's).
+// Buffers, for the GGUF conversions (convert.h): they run on Python's threads, without the GIL,
+// over a memory-mapped file's blocks into numpy views of MLX arrays (`empty`).
 template <typename T>
 using Buffer = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
 
@@ -268,7 +268,7 @@ NB_MODULE(_cpu, m) {
       "shape"_a,
       "dtype"_a,
       "A new array whose memory is not written (MLX fills every array it makes): for a "
-      "conversion to write, each page faulted in by the thread that first writes it.");
+      "conversion to write, on the threads that convert.");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

@@ -1,7 +1,7 @@
 // Weight conversions that run once per load: MLX's quantized rows into the kernels' tiles
 // (mlxd/kernels/layout.py), as MLX primitives that write their outputs once, on several threads;
 // GGUF's blocks (every type MLX's affine groups hold exactly, and Q6_K) into MLX's affine groups
-// (mlxd/models/gguf_quants.py), over numpy buffers that Python's threads split between cores (the
+// (mlxd/models/gguf_quants.py), over buffers that Python's threads split between cores (the
 // bindings release the GIL). numpy did both in a dozen passes over every byte and a copy into MLX:
 // 42 s of an 8B Q4_K_M's first load for the first, 37 s for the second, on two AVX2 cores.
 #pragma once

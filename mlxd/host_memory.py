@@ -63,10 +63,11 @@ def _limited_cgroups(proc_cgroup: Path, root: Path) -> Iterator[_Cgroup]:
 
 def _walk(mount: Path, path: str, read: Callable[[Path], _Cgroup | None]) -> Iterator[_Cgroup]:
     # A container's cgroup namespace shows its own cgroup as the root of the mount, while a v1
-    # /proc/self/cgroup may still name the host's path: where that path is not under the
-    # mount, the mount's root is this process's cgroup.
+    # /proc/self/cgroup may still name the host's path, and a namespace names a cgroup outside
+    # it with "..": where the path is not under the mount, the mount's root is this process's
+    # cgroup (the nearest it can read; a limit above the namespace is not visible from inside).
     here = mount / path.strip("/")
-    if not here.is_dir():
+    if ".." in Path(path).parts or not here.is_dir():
         here = mount
     for directory in (here, *here.parents):
         if directory != mount and mount not in directory.parents:

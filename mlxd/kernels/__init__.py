@@ -247,9 +247,16 @@ def widen(weight: mx.array, bits: int, width: int) -> mx.array:
 
 def empty(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     """A new array whose memory is not written yet (MLX fills every array it makes), for a
-    conversion to write through a numpy view (`np.array(array, copy=False)`)."""
+    conversion to write through a numpy view (`numpy_view`)."""
     result: mx.array = _module().empty(list(shape), dtype)
     return result
+
+
+def numpy_view(array: mx.array) -> np.ndarray:
+    """An evaluated array's memory as a writable numpy array: through the buffer protocol,
+    which never copies (`np.array(array, copy=False)` may, under numpy 1)."""
+    # MLX arrays export the buffer protocol; their type stubs do not say so.
+    return np.asarray(memoryview(array))  # type: ignore[arg-type]
 
 
 def to_affine(
@@ -257,6 +264,5 @@ def to_affine(
 ) -> None:
     """GGUF `qtype` ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K" or "Q5_K") `blocks` (uint8,
     whole blocks) as MLX affine groups of 32 at the type's width, exactly, written into `words`
-    (uint8),
-    `scales` and `biases` (float32, one a group). Releases the GIL."""
+    (uint8), `scales` and `biases` (float32, one a group). Releases the GIL."""
     _module().to_affine(qtype, blocks, words, scales, biases)

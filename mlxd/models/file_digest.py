@@ -37,8 +37,10 @@ def digest(path: Path, cache_dir: Path) -> str:
     """The sha256 of the file at `path` (hex): remembered, or hashed and remembered."""
     if (known := remembered(path, cache_dir)) is not None:
         return known
+    memo = _memo(path, cache_dir)  # the file as it was before it was read
     hashed = sha256(path)
-    _write(_memo(path, cache_dir), hashed)
+    if _memo(path, cache_dir) == memo:  # not rewritten while it was read
+        _write(memo, hashed)
     return hashed
 
 
@@ -76,7 +78,8 @@ def probed(probe: str, cache_dir: Path) -> bool:
 
 def record(probe: str, digest: str, cache_dir: Path) -> None:
     """Note that a file with this probe, of this digest, was converted."""
-    _write(_probe_path(probe, cache_dir), digest)
+    if not probed(probe, cache_dir):
+        _write(_probe_path(probe, cache_dir), digest)
 
 
 def _memo(path: Path, cache_dir: Path) -> Path:

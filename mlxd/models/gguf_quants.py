@@ -309,8 +309,8 @@ def _convert_on_kernels(
     lead = shape[:-1]
     weight = kernels.empty((*lead, values * bits // 32), mx.uint32)
     scale, bias = (kernels.empty((*lead, values // GROUP_SIZE), mx.float32) for _ in range(2))
-    codes = np.array(weight, copy=False).reshape(count, -1).view(np.uint8)
-    scales, biases = (np.array(a, copy=False).reshape(count, -1) for a in (scale, bias))
+    codes = kernels.numpy_view(weight).reshape(count, -1).view(np.uint8)
+    scales, biases = (kernels.numpy_view(a).reshape(count, -1) for a in (scale, bias))
 
     def job(chunk: slice) -> tuple[float, float]:
         arrays = (rows[chunk], codes[chunk], scales[chunk], biases[chunk])

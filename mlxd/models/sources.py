@@ -172,14 +172,16 @@ def _converted(
                     return _convert_hashing(importer, path, weights, root, cache_dir, probe)
             digest = file_digest.digest(weights, cache_dir)
         final = root / _name(digest, importer)
-        if final.is_dir():
-            return final
-        with exclusive(root / f".{final.name}.lock"):
-            if not final.is_dir():
-                with _scratch(root, final.name) as partial:
-                    started = time.perf_counter()
-                    arrays = importer.convert(path, partial)
-                    _publish(partial, final, arrays, path, started)
+        if not final.is_dir():
+            with exclusive(root / f".{final.name}.lock"):
+                if not final.is_dir():
+                    with _scratch(root, final.name) as partial:
+                        started = time.perf_counter()
+                        arrays = importer.convert(path, partial)
+                        _publish(partial, final, arrays, path, started)
+        # Whichever way the digest came (an Ollama blob's name, a remembered one): a copy of
+        # this content must find its conversion, not convert it again beside its hash.
+        file_digest.record(file_digest.probe(weights), digest, cache_dir)
     except (GGUFError, CTranslate2Error) as exc:
         raise ModelLoadError(f"model '{model_name}': {exc}") from exc
     except OSError as exc:  # a full disk: it may pass

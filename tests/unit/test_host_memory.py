@@ -22,9 +22,12 @@ def _files(directory: Path, **files: str) -> None:
 
 @pytest.fixture
 def cgroups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty cgroup mount and /proc/self/cgroup for the test to fill."""
+    """An empty cgroup mount and /proc/self/cgroup for the test to fill, on a machine of 64 GiB
+    with 40 available."""
     monkeypatch.setattr(host_memory, "PROC_CGROUP", tmp_path / "proc-self-cgroup")
     monkeypatch.setattr(host_memory, "CGROUP_ROOT", tmp_path / "sys-fs-cgroup")
+    machine = psutil.virtual_memory()._replace(total=64 * GIB, available=40 * GIB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: machine)
     return tmp_path
 
 
@@ -46,7 +49,7 @@ def test_a_v2_container_limit_bounds_the_total_and_what_is_left_under_it(cgroups
     memory = host_memory.memory()
     assert memory.total == 8 * GIB
     # 3 GiB charged, of which 1 GiB page cache the kernel reclaims first.
-    assert memory.available == min(psutil.virtual_memory().available, 6 * GIB)
+    assert memory.available == 6 * GIB
     assert ServerConfig().budget_bytes == 6 * GIB  # 75% of the container's 8 GiB
     assert ServerConfig(memory_budget="20GiB").budget_bytes == 20 * GIB  # as configured
 
@@ -80,12 +83,17 @@ def test_v1_inside_a_container_reads_the_mounts_root(cgroups: Path) -> None:
     )
     memory = host_memory.memory()
     assert memory.total == 3 * GIB
-    assert memory.available == min(psutil.virtual_memory().available, 3 * GIB - GIB // 2)
+    assert memory.available == 3 * GIB - GIB // 2
 
 
 def test_no_cgroups_mounted_is_the_machine(cgroups: Path) -> None:
-    machine = psutil.virtual_memory().total
-    assert host_memory.memory().total == machine  # no /proc/self/cgroup at all
+    assert host_memory.memory() == host_memory.Memory(64 * GIB, 40 * GIB)  # no /proc/self/cgroup
     (cgroups / "proc-self-cgroup").write_text("0::/\n")  # v2 listed, nothing mounted
-    assert host_memory.memory().total == machine
-    assert ServerConfig().budget_bytes == int(machine * 0.75)
+    assert host_memory.memory() == host_memory.Memory(64 * GIB, 40 * GIB)
+    assert ServerConfig().budget_bytes == 48 * GIB
+
+
+def test_a_cgroup_outside_the_namespace_reads_the_mounts_root(cgroups: Path) -> None:
+    (cgroups / "proc-self-cgroup").write_text("0::/../../host.slice\n")
+    _files(cgroups / "sys-fs-cgroup", memory__max=str(5 * GIB), memory__current="0")
+    assert host_memory.memory().total == 5 * GIB

@@ -81,6 +81,7 @@ def test_scales_stay_float16_only_where_every_value_is_one() -> None:
     "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K], ids=lambda q: q.name
 )
 def test_exact_types_on_the_kernels_equal_numpy_bit_for_bit(qtype: Q) -> None:
+    assert kernels.available(), "the kernels' module did not build: python -m mlxd.kernels.build"
     raw = random_blocks(qtype, 32, 1024, seed=3)
     native = gguf_quants.convert(raw, qtype, (32, 1024))
     numpy = gguf_quants._convert_exact(raw, qtype, (32, 1024))
