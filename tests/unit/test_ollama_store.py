@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from mlxd import ollama_store
 from mlxd.config.loader import parse_config
 from mlxd.errors import ModelLoadError
+from mlxd.models import sources
 from mlxd.models.source_paths import source_stamp
 from mlxd.models.sources import resolve_source
 from mlxd.ollama_store import OllamaStoreError, resolve
@@ -104,6 +106,18 @@ def test_parameters_become_defaults_where_the_yaml_sets_none(store: Path, gguf: 
     assert (b.defaults.temperature, b.defaults.top_k, b.context_length) == (0.9, 20, 256)
     # Not pulled (yet): the config stays valid; the load (and mlxd check) say what is missing.
     assert parse_config("models:\n  c: {source: 'ollama://absent'}\n").models["c"].defaults
+
+
+def test_a_copy_of_a_converted_blob_reuses_its_conversion(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The blob's digest is its name; its probe is recorded all the same, so the same file
+    outside the store is hashed and finds the conversion instead of converting beside its hash."""
+    gguf = write_tiny_gguf(tmp_path / "importable.gguf")
+    pull(store, "tiny", "latest", gguf)
+    converted = resolve_source("ollama://tiny", model_name="t", cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(sources, "GGUF", replace(sources.GGUF, convert=lambda *_: pytest.fail()))
+    assert resolve_source(str(gguf), model_name="t", cache_dir=tmp_path / "cache") == converted
 
 
 def test_resolve_source_converts_the_blob_without_hashing_it(
