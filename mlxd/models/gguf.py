@@ -163,8 +163,6 @@ class _ShardWriter:
 
     def add(self, name: str, array: mx.array) -> None:
         """Add an evaluated array (the writing thread only reads it)."""
-        if self.written is not None and not fresh_weights.room_to_hold():
-            self.written = None  # those held go once their shards are written
         if self.written is not None:
             self.written[name] = array
         self.pending[name] = array
@@ -175,6 +173,10 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
+        # Asked once a shard (the most a writer holds anyway) has filled: the answer reads
+        # /proc and the cgroup's files.
+        if self.written is not None and not fresh_weights.room_to_hold():
+            self.written = None  # those held go once their shards are written
         path = self.out_dir / f"shard-{len(self.files):05d}.safetensors"
         self._wait()
         self._writing = self._disk.submit(
