@@ -179,9 +179,10 @@ def _converted(
                         started = time.perf_counter()
                         arrays = importer.convert(path, partial)
                         _publish(partial, final, arrays, path, started)
-        # Whichever way the digest came (an Ollama blob's name, a remembered one): a copy of
-        # this content must find its conversion, not convert it again beside its hash.
-        file_digest.record(file_digest.probe(weights), digest, cache_dir)
+                    # Whichever way the digest came (an Ollama blob's name, a remembered one):
+                    # a copy of this content must find this conversion, not make another
+                    # beside its hash. Recorded here, not at every load (a 16 MiB read).
+                    file_digest.record(file_digest.probe(weights), digest, cache_dir)
     except (GGUFError, CTranslate2Error) as exc:
         raise ModelLoadError(f"model '{model_name}': {exc}") from exc
     except OSError as exc:  # a full disk: it may pass
