@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxd.config import ServerConfig
+from mlxd.config.server import DEFAULT_BUDGET_SHARE
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class MemoryNeed:
         if self.total <= budget:
             return None
         unset = (
-            " (unset: 75% of the memory this machine or its cgroup allows)"
+            f" (unset: {DEFAULT_BUDGET_SHARE:.0%} of the memory this machine or its cgroup allows)"
             if server.memory_budget is None
             else ""
         )
