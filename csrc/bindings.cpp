@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
@@ -13,6 +14,7 @@
 #include "convert.h"
 #include "gather_qmatmul.h"
 #include "kernels.h"
+#include "mapped.h"
 #include "qmatmul.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -269,6 +271,23 @@ NB_MODULE(_cpu, m) {
       "dtype"_a,
       "A new array whose memory is not written (MLX fills every array it makes): for a "
       "conversion to write, on the threads that convert.");
+  m.def(
+      "map_arrays",
+      [](const std::string& path,
+         const std::vector<std::tuple<int64_t, std::vector<int>, mlx::core::Dtype>>& specs) {
+        std::vector<mlxd::FileArray> arrays;
+        arrays.reserve(specs.size());
+        for (const auto& [offset, shape, dtype] : specs) {
+          arrays.push_back({offset, shape, dtype});
+        }
+        nb::gil_scoped_release release;
+        return mlxd::map_arrays(path, arrays);
+      },
+      "path"_a,
+      "arrays"_a,
+      "The arrays (offset, shape, dtype) of the file at `path`, each preceded by its byte count "
+      "as a little-endian uint64; and whether they are the file's pages, mapped copy-on-write "
+      "(else copies: an MLX whose allocator is not the CPU one).");
   m.def(
       "assemble_kv",
       &mlxd::assemble_kv,

@@ -252,6 +252,18 @@ def empty(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return result
 
 
+def map_arrays(
+    path: str, arrays: list[tuple[int, tuple[int, ...], mx.Dtype]]
+) -> tuple[list[mx.array], bool]:
+    """The `arrays` (byte offset, shape, dtype; the 8 bytes before each its byte count, a
+    little-endian uint64) of the file at `path`, and whether they are its pages (mapped
+    copy-on-write, populated from the page cache) or copies (an MLX whose allocator's buffers
+    cannot be imitated). ValueError: the file does not hold them; RuntimeError: unreadable."""
+    specs = [(offset, list(shape), dtype) for offset, shape, dtype in arrays]
+    result: tuple[list[mx.array], bool] = _module().map_arrays(path, specs)
+    return result
+
+
 def numpy_view(array: mx.array) -> np.ndarray:
     """An evaluated array's memory as a writable numpy array: through the buffer protocol,
     which never copies (`np.array(array, copy=False)` may, under numpy 1)."""

@@ -3,9 +3,12 @@ later load reads it instead of repacking.
 
 Repacking MLX's quantized layout into the kernels' (models/packed.py) is numpy work over every
 weight: most of a cached load's time (≈7 of 9 s for a Llama-3.2-1B Q4_K_M on 2 cores). The
-packed arrays are written once, after a load packed them, into one safetensors file; MLX loads
-it lazily, so each array is read when the model is evaluated and the stored layers it replaces
-are never read at all.
+packed arrays are written once, after a load packed them, into one file that a later load maps
+(kernels.map_arrays): the arrays are the file's pages, taken from the page cache, not copies
+made in fresh memory (a Llama-3.1-8B's 6 GiB: 0.02 s mapped, 3–6 s read by `mx.load` on this
+project's 2-core VMs, whose fresh pages cost 4–9 µs each), and the stored layers they replace are
+never read at all. Like llama.cpp's mapped GGUF, pages the kernel reclaims under pressure are
+read again from the file, not lost.
 
 The key says everything the arrays depend on, so a file is never stale:
 - the weights: the model directory's path and the size, mtime, ctime and inode of each file
@@ -17,7 +20,12 @@ The key says everything the arrays depend on, so a file is never stale:
   `cpu_activations`) or the float one (the CPU path plan, models/cpu_path.py; "mixed" keeps
   the float layout beside float32 weights it dequantizes).
 
-Files live under `packed/<model directory key>/<key>.safetensors`: writing one removes the
+The file: a little-endian uint64 header length, the JSON header (format, layers, and each array's
+dtype, shape and offset from the data's start), then the arrays, each at a multiple of 64 bytes
+with its byte count in the 8 bytes before it: MLX's CPU allocator keeps a buffer's size there, so
+a mapped array is a buffer as it makes them (csrc/mapped.cpp).
+
+Files live under `packed/<model directory key>/<key>.packed`: writing one removes the
 others of the same directory (another layout, weights since rewritten), so the cache holds one
 packed copy per model, as the conversion cache holds one converted copy per GGUF. Writes are
 atomic (a temp file renamed into place) and happen beside the model's first requests, not
@@ -30,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxd import kernels
 from mlxd.kernels import Packed, layout
@@ -47,7 +57,11 @@ from mlxd.process_exit import before_exit
 log = logging.getLogger(__name__)
 
 FOLDER = "packed"
-FORMAT = "mlxd-packed-1"
+FORMAT = "mlxd-packed-2"
+SUFFIX = ".packed"
+_ALIGN = 64  # each array's offset: a cache line, and room for the byte count before it
+_DTYPES = {"uint8": mx.uint8, "uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
+_MAX_HEADER = 64 << 20  # a garbage length is not read as one
 # The code that writes the layout: any change to it is a new layout (packability.py holds the
 # width each stored width is packed at).
 _LAYOUT_SOURCES = (
@@ -71,6 +85,50 @@ def wait_for_writes() -> None:
                 return
             thread = _writes.pop()
         thread.join()
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def write_arrays(path: Path, arrays: Mapping[str, mx.array], header: dict[str, Any]) -> None:
+    """Write evaluated `arrays` and `header` (JSON) to `path` in the layout `read_arrays` maps."""
+    places: dict[str, list[Any]] = {}
+    end = 0
+    for name, array in arrays.items():
+        offset = _aligned(end + 8)
+        places[name] = [str(array.dtype).removeprefix("mlx.core."), list(array.shape), offset]
+        end = offset + array.nbytes
+    text = json.dumps({**header, "arrays": places}).encode()
+    start = _aligned(8 + len(text))
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(text)) + text)
+        for name, array in arrays.items():
+            file.seek(start + places[name][2] - 8)  # the gap before it stays a hole
+            file.write(struct.pack("<Q", array.nbytes))
+            file.write(np.ascontiguousarray(kernels.numpy_view(array)).data)
+
+
+def read_arrays(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """The arrays and header `write_arrays` wrote to `path`, the arrays mapped from the file.
+    ValueError (or KeyError, TypeError) for a file that is not one; OSError or RuntimeError
+    for one that cannot be read."""
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        if length > _MAX_HEADER:
+            raise ValueError(f"a header of {length} bytes")
+        header = json.loads(file.read(length))
+    if header.get("format") != FORMAT:
+        raise ValueError(f"format {header.get('format')!r}, not {FORMAT}")
+    start = _aligned(8 + length)
+    places = header.pop("arrays")
+    specs = [
+        (start + offset, tuple(shape), _DTYPES[dtype]) for dtype, shape, offset in places.values()
+    ]
+    arrays, mapped = kernels.map_arrays(str(path), specs)
+    if not mapped:
+        log.info("packed weights in %s copied: this MLX's allocator cannot map them", path)
+    return dict(zip(places, arrays, strict=True)), header
 
 
 def _digest(value: Any) -> str:
@@ -116,20 +174,16 @@ class PackedCache:
         weights = weights_identity(model_dir)
         key = _digest([weights, layout_identity(dot, precise)])
         folder = Path(cache_dir).expanduser() / FOLDER / _digest(weights["dir"])
-        return cls(folder / f"{key}.safetensors")
+        return cls(folder / f"{key}{SUFFIX}")
 
     def read(self) -> dict[str, Packed] | None:
-        """The packed layers by module name, lazily loaded; None when there is no readable file
-        (each layer is still checked against its module before use: models/packed.py)."""
+        """The packed layers by module name, mapped from the file; None when there is no
+        readable file (each layer is still checked against its module before use:
+        models/packed.py)."""
         if not self.path.is_file():
             return None
         try:
-            arrays, metadata = mx.load(str(self.path), return_metadata=True)
-            # A safetensors file always loads as two dicts.
-            assert isinstance(arrays, dict) and isinstance(metadata, dict)
-            if metadata.get("format") != FORMAT:
-                raise ValueError(f"format {metadata.get('format')!r}, not {FORMAT}")
-            layers = json.loads(metadata["layers"])
+            arrays, header = read_arrays(self.path)
             return {
                 name: Packed(
                     arrays[f"{name}.weight"],
@@ -138,18 +192,17 @@ class PackedCache:
                     bool(dot),
                     bool(precise),
                 )
-                for name, (bits, dot, precise) in layers.items()
+                for name, (bits, dot, precise) in header["layers"].items()
             }
-        except (RuntimeError, ValueError, KeyError, TypeError, AssertionError, OSError) as exc:
-            # MLX checks every tensor's offsets against the file's size (a truncated file).
+        except (RuntimeError, ValueError, KeyError, TypeError, OSError, struct.error) as exc:
             log.warning("packed cache %s is unreadable, packing again: %s", self.path, exc)
             return None
 
     def write_in_background(self, layers: Mapping[str, Packed]) -> None:
         """`write` on a thread of its own, so the load does not wait for the disk (an 8B's
         4.6 GiB); the process waits for it before it exits (`wait_for_writes`)."""
-        # Here: a layer read from an older file may still be lazy, and MLX arrays are
-        # evaluated on the thread whose stream they belong to.
+        # Here: a layer packed by this load may still be lazy, and MLX arrays are evaluated
+        # on the thread whose stream they belong to.
         mx.eval(
             [array for packed in layers.values() for array in (packed.weight, packed.scale_bias)]
         )
@@ -169,19 +222,21 @@ class PackedCache:
             arrays[f"{name}.weight"] = packed.weight
             arrays[f"{name}.scale_bias"] = packed.scale_bias
         meta = {name: [p.bits, p.dot, p.precise] for name, p in layers.items()}
-        metadata = {"format": FORMAT, "layers": json.dumps(meta)}
+        header = {"format": FORMAT, "layers": meta}
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with exclusive(folder / ".lock"):
-                # Under the lock, whatever is here is another layout or a dead writer's.
-                for other in folder.glob("*.safetensors"):
-                    other.unlink(missing_ok=True)
-                partial = folder / ".partial.safetensors"
+                # Under the lock, whatever is here is another layout, a dead writer's, or
+                # an older mlxd's (safetensors, which cannot leave room before each array).
+                for pattern in (f"*{SUFFIX}", "*.safetensors"):
+                    for other in folder.glob(pattern):
+                        other.unlink(missing_ok=True)
+                partial = folder / f".partial{SUFFIX}"
                 try:
-                    mx.save_safetensors(str(partial), arrays, metadata=metadata)
+                    write_arrays(partial, arrays, header)
                     partial.replace(self.path)  # readers never see half a file
                 finally:
                     partial.unlink(missing_ok=True)
-        except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
+        except OSError as exc:
             log.warning("could not keep the packed weights in %s: %s", folder, exc)

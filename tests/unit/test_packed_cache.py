@@ -4,7 +4,6 @@ unreadable file falls back to packing (issue 26: a cached load should be a read)
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import mlx.core as mx
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from mlxd.models.packed_cache import FORMAT, read_arrays, write_arrays
 from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
 from tests.unit.test_kernels import _greedy
 
@@ -65,7 +65,19 @@ def _load(model_dir: Path, cache_dir: Path | None, cpu_path: Any = None) -> Any:
 
 
 def _files(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / "packed").glob("*/*.safetensors"))
+    return sorted((cache_dir / "packed").glob("*/*.packed"))
+
+
+def _rewrite(path: Path, arrays: dict[str, mx.array], header: dict[str, Any]) -> None:
+    """Replace the file at `path` as the cache does (a new file renamed over it): the arrays
+    may be mapped from it, and a file truncated under its mapping would fault their reads."""
+    mx.eval(list(arrays.values()))
+    write_arrays(path.with_suffix(".new"), arrays, header)
+    path.with_suffix(".new").replace(path)
+
+
+def _mapped(path: Path) -> bool:
+    return any(line.rstrip().endswith(str(path)) for line in open("/proc/self/maps"))
 
 
 def _dot_choice() -> Any:
@@ -100,6 +112,34 @@ def test_the_second_load_reads_the_packed_layers_and_computes_the_same(
     assert mx.array_equal(
         second.model.model.embed_tokens(PROMPT), fresh.model.model.embed_tokens(PROMPT)
     ).item()
+
+
+def test_a_cached_load_maps_the_file_until_the_model_goes(model_dir: Path, tmp_path: Path):
+    import gc
+
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    loaded = _load(model_dir, tmp_path)
+    assert _mapped(kept)  # the weights are the file's pages, not copies
+    del loaded
+    gc.collect()
+    assert not _mapped(kept)
+
+
+def test_writing_into_a_mapped_array_leaves_the_file_as_it_is(tmp_path: Path):
+    from mlxd import kernels
+
+    path = tmp_path / "a.packed"
+    write_arrays(path, {"a": mx.arange(1000, dtype=mx.float32)}, {"format": FORMAT})
+    before = path.read_bytes()
+    # MLX writes into an input it holds alone (its buffer donated to the output).
+    doubled = read_arrays(path)[0]["a"] * 2
+    assert mx.array_equal(doubled, mx.arange(1000, dtype=mx.float32) * 2).item()
+    (array,) = read_arrays(path)[0].values()
+    kernels.numpy_view(array)[:] = 7  # copy-on-write: this process's pages only
+    assert mx.all(array == 7).item()
+    assert path.read_bytes() == before
+    assert mx.array_equal(read_arrays(path)[0]["a"], mx.arange(1000, dtype=mx.float32)).item()
 
 
 def test_another_layout_repacks_and_replaces_the_kept_one(
@@ -143,16 +183,15 @@ def test_a_file_missing_some_layers_is_completed(
     fresh = _load(model_dir, None)
     _load(model_dir, tmp_path)
     (kept,) = _files(tmp_path)
-    arrays, metadata = mx.load(str(kept), return_metadata=True)
-    assert isinstance(arrays, dict) and isinstance(metadata, dict)
-    layers = json.loads(metadata["layers"])
+    arrays, header = read_arrays(kept)
+    layers = header["layers"]
     dropped = sorted(layers)[::2]
     for name in dropped:
         del layers[name], arrays[f"{name}.weight"], arrays[f"{name}.scale_bias"]
-    mx.save_safetensors(str(kept), arrays, metadata | {"layers": json.dumps(layers)})
+    _rewrite(kept, arrays, header)
     del arrays
     packings = Packings(monkeypatch)
-    # The rest is read (lazily), and kept again with the repacked ones by the writing thread.
+    # The rest is read, and kept again with the repacked ones by the writing thread.
     loaded = _load(model_dir, tmp_path)
     assert packings.count == len(dropped)
     assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
@@ -165,11 +204,11 @@ def test_the_process_waits_for_the_write_before_it_exits(model_dir: Path, tmp_pa
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "import mlx.core as mx\n"
+        "from mlxd.models import packed_cache\n"
         "from mlxd.models.loader import load_llm\n"
         "from mlxd.process_exit import exit_process\n"
-        "save = mx.save_safetensors\n"
-        "mx.save_safetensors = lambda *a, **k: (time.sleep(2), save(*a, **k))  # a slow disk\n"
+        "write = packed_cache.write_arrays\n"
+        "packed_cache.write_arrays = lambda *a: (time.sleep(2), write(*a))  # a slow disk\n"
         "load_llm(Path(sys.argv[1]), model_name='m', cache_dir=Path(sys.argv[2]))\n"
         "exit_process(0)\n"
     )
@@ -177,8 +216,8 @@ def test_the_process_waits_for_the_write_before_it_exits(model_dir: Path, tmp_pa
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     (kept,) = _files(tmp_path)
-    arrays = mx.load(str(kept))  # whole: MLX checks every tensor against the file's size
-    assert isinstance(arrays, dict) and len(arrays) > 0
+    arrays, _ = read_arrays(kept)  # whole: every array is checked against the file's size
+    assert len(arrays) > 0
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "foreign"])
@@ -194,10 +233,9 @@ def test_an_unreadable_cache_falls_back_to_packing(
         kept.write_bytes(b"")
     elif damage == "garbage":
         kept.write_bytes(os.urandom(4096))
-    else:  # a valid safetensors file with other arrays under the layers' names
-        arrays, metadata = mx.load(str(kept), return_metadata=True)
-        assert isinstance(arrays, dict) and isinstance(metadata, dict)
-        mx.save_safetensors(str(kept), {k: v[:16] for k, v in arrays.items()}, metadata)
+    else:  # a valid file with other arrays under the layers' names
+        arrays, header = read_arrays(kept)
+        _rewrite(kept, {k: mx.contiguous(v[:16]) for k, v in arrays.items()}, header)
     packings = Packings(monkeypatch)
     loaded = _load(model_dir, tmp_path)
     assert packings.count > 0
