@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from mlxd.models import fresh_weights
+from mlxd.models import direct_write, fresh_weights
 from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta, architecture_of
 from mlxd.models.gguf_errors import (
     GGUFError,
@@ -147,8 +147,8 @@ def _unpermute(array: mx.array, heads: int) -> mx.array:
 
 class _ShardWriter:
     """Writes converted tensors into ~1 GiB safetensors shards as they come, each on a thread of
-    its own while the next fills (MLX writes without the GIL): the disk and the conversion
-    overlap, and at most two shards are held."""
+    its own while the next fills, past the page cache (models/direct_write.py): the disk and
+    the conversion overlap, and at most two shards are held."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -180,7 +180,7 @@ class _ShardWriter:
         path = self.out_dir / f"shard-{len(self.files):05d}.safetensors"
         self._wait()
         self._writing = self._disk.submit(
-            mx.save_safetensors, str(path), self.pending, metadata={"format": "mlx"}
+            direct_write.save_safetensors, path, self.pending, {"format": "mlx"}
         )
         self.files.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0

@@ -1,0 +1,84 @@
+"""The GGUF conversion's shards written past the page cache (models/direct_write.py): the file is
+safetensors as MLX and the `safetensors` package read it, whatever the dtypes, the sizes against
+the aligned buffer, and where the filesystem has no O_DIRECT."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from mlxd.models import direct_write
+
+
+def _arrays() -> dict[str, mx.array]:
+    arrays = {
+        "weight": mx.random.randint(0, 2**31, (37, 129)).astype(mx.uint32),
+        "scales": mx.random.normal((37, 5)),
+        "half": mx.random.normal((3, 7)).astype(mx.float16),
+        "brain": mx.random.normal((11,)).astype(mx.bfloat16),
+        "mask": mx.array([True, False, True]),
+        "scalar": mx.array(2.5),
+        "empty": mx.zeros((0, 4)),
+        "strided": mx.arange(64, dtype=mx.int32).reshape(8, 8)[:, ::3],  # not contiguous
+    }
+    mx.eval(list(arrays.values()))
+    return arrays
+
+
+def _check(path: Path, arrays: dict[str, mx.array]) -> None:
+    loaded, metadata = mx.load(str(path), return_metadata=True)
+    assert isinstance(loaded, dict) and metadata == {"format": "mlx"}
+    assert loaded.keys() == arrays.keys()
+    for name, array in arrays.items():
+        assert loaded[name].dtype == array.dtype and loaded[name].shape == array.shape, name
+        assert mx.array_equal(loaded[name], array).item(), name
+    # The reference reader too (numpy has no bfloat16).
+    with safe_open(str(path), framework="np") as reference:
+        assert set(reference.keys()) == arrays.keys()
+        for name, array in arrays.items():
+            if array.dtype != mx.bfloat16:
+                expected = np.array(array)
+                np.testing.assert_array_equal(reference.get_tensor(name), expected, name)
+
+
+@pytest.mark.parametrize("chunk", [4096, 8192, 1 << 20])
+def test_the_file_reads_back_whatever_the_buffer_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+):
+    # Small buffers put array ends, the header's end and the last block at every alignment.
+    monkeypatch.setattr(direct_write, "_CHUNK", chunk)
+    arrays = _arrays()
+    path = tmp_path / "shard.safetensors"
+    direct_write.save_safetensors(path, arrays, {"format": "mlx"})
+    _check(path, arrays)
+    # Cut to its length: no padding after the last tensor.
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    assert path.stat().st_size == 8 + header + sum(a.nbytes for a in arrays.values())
+
+
+def test_a_filesystem_without_direct_writes_gets_an_ordinary_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs answered before Linux 6.6
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    arrays = _arrays()
+    direct_write.save_safetensors(tmp_path / "s.safetensors", arrays, {"format": "mlx"})
+    _check(tmp_path / "s.safetensors", arrays)
+
+
+def test_a_failed_write_raises_oserror(tmp_path: Path):
+    with pytest.raises(OSError):
+        direct_write.save_safetensors(tmp_path / "missing" / "s.safetensors", _arrays(), {})
