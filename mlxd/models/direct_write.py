@@ -17,6 +17,7 @@ the `safetensors` package read it as any other.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -64,12 +65,19 @@ def save_safetensors(
     text += b" " * (-len(text) % 8)  # the tensors start 8-aligned
     pieces = [struct.pack("<Q", len(text)) + text, *(_bytes(a) for a in arrays.values())]
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except OSError:  # a filesystem without O_DIRECT
+        _write_direct(path, pieces)
+    except OSError as exc:
+        # EINVAL: no O_DIRECT on this filesystem (tmpfs before Linux 6.6), or not for blocks
+        # of this size; anything else (a full disk) is the caller's.
+        if exc.errno != errno.EINVAL:
+            raise
         with open(path, "wb") as file:
             for piece in pieces:
                 file.write(piece)
-        return
+
+
+def _write_direct(path: Path, pieces: list[bytes | memoryview]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
         total = _write_aligned(fd, _blocks(pieces))
         os.ftruncate(fd, total)  # the last block was written whole

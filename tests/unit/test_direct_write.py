@@ -79,6 +79,26 @@ def test_a_filesystem_without_direct_writes_gets_an_ordinary_one(
     _check(tmp_path / "s.safetensors", arrays)
 
 
-def test_a_failed_write_raises_oserror(tmp_path: Path):
-    with pytest.raises(OSError):
+def test_blocks_the_device_refuses_are_written_the_ordinary_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    def refused(fd: int, data: Any) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")  # a device with larger blocks
+
+    monkeypatch.setattr(direct_write, "_write_aligned", refused)
+    arrays = _arrays()
+    direct_write.save_safetensors(tmp_path / "s.safetensors", arrays, {"format": "mlx"})
+    _check(tmp_path / "s.safetensors", arrays)
+
+
+def test_a_failed_write_raises_oserror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    with pytest.raises(FileNotFoundError):
         direct_write.save_safetensors(tmp_path / "missing" / "s.safetensors", _arrays(), {})
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(direct_write, "_write_aligned", full)
+    with pytest.raises(OSError) as raised:
+        direct_write.save_safetensors(tmp_path / "s.safetensors", _arrays(), {})
+    assert raised.value.errno == errno.ENOSPC
