@@ -91,10 +91,9 @@ bool allocator_keeps_size_before_memory() {
 size_t byte_count(const FileArray& array) {
   size_t bytes = array.dtype.size();
   for (int dim : array.shape) {
-    if (dim < 0) {
-      throw std::invalid_argument("a negative dimension");
+    if (dim < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(dim), &bytes)) {
+      throw std::invalid_argument("an array's shape is not one of a file's");
     }
-    bytes *= static_cast<size_t>(dim);
   }
   return bytes;
 }

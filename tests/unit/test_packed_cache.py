@@ -4,6 +4,7 @@ unreadable file falls back to packing (issue 26: a cached load should be a read)
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -264,3 +265,38 @@ def test_the_key_names_the_isa_that_reads_the_layout(monkeypatch: pytest.MonkeyP
     assert layout_identity(True) != layout_identity(True, precise=False)
     monkeypatch.setattr(kernels, "isa", lambda: "generic")
     assert layout_identity(False) != here
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        ["float32", [1001], 64],  # past the file's end
+        ["float32", [65536, 65536, 65536, 65536], 64],  # a size that wraps around
+        ["float32", [-1], 64],
+        ["float32", [500], 128],  # no byte count of its own before it
+        ["float32", [1000], 60],  # not where an array can start
+        ["complex64", [1000], 64],
+    ],
+)
+def test_a_header_that_does_not_fit_its_file_is_refused(tmp_path: Path, place: list[Any]):
+    import struct
+
+    path = tmp_path / "a.packed"
+    room = {"room": " " * 64}  # for a longer header in the same place
+    write_arrays(path, {"a": mx.arange(1000, dtype=mx.float32)}, {"format": FORMAT, **room})
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+
+    def placed(where: list[Any]) -> None:
+        header = json.loads(data[8 : 8 + length])
+        del header["room"]
+        header["arrays"]["a"] = where
+        text = json.dumps(header).encode().ljust(length)  # the data stays where it was
+        assert len(text) == length
+        path.write_bytes(struct.pack("<Q", length) + text + data[8 + length :])
+
+    placed(["float32", [1000], 64])  # as written: read
+    assert mx.array_equal(read_arrays(path)[0]["a"], mx.arange(1000, dtype=mx.float32)).item()
+    placed(place)
+    with pytest.raises((ValueError, KeyError)):
+        read_arrays(path)
