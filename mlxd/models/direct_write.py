@@ -113,11 +113,19 @@ def _write_aligned(fd: int, data: Iterator[memoryview]) -> int:
             buffer[staged : staged + taken] = piece[:taken]
             staged, total, piece = staged + taken, total + taken, piece[taken:]
             if staged == _CHUNK:
-                os.write(fd, buffer)
+                _write_whole(fd, memoryview(buffer))
                 staged = 0
     if staged:
         buffer[staged:] = bytes(_CHUNK - staged)
         padded = -(-staged // mmap.PAGESIZE) * mmap.PAGESIZE
-        os.write(fd, memoryview(buffer)[:padded])
+        _write_whole(fd, memoryview(buffer)[:padded])
     buffer.close()
     return total
+
+
+def _write_whole(fd: int, block: memoryview) -> None:
+    """One aligned block; a short write (a disk filling up) is a failed one: what is left
+    of the block would not start aligned."""
+    written = os.write(fd, block)
+    if written != len(block):
+        raise OSError(errno.ENOSPC, f"wrote {written} of {len(block)} bytes")

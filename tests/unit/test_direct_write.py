@@ -102,3 +102,11 @@ def test_a_failed_write_raises_oserror(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(OSError) as raised:
         direct_write.save_safetensors(tmp_path / "s.safetensors", _arrays(), {})
     assert raised.value.errno == errno.ENOSPC
+
+
+def test_a_short_write_is_a_failed_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # What the disk took of a block before it filled: the rest would not start aligned.
+    monkeypatch.setattr(os, "write", lambda fd, data: len(data) // 2)
+    with pytest.raises(OSError) as raised:
+        direct_write.save_safetensors(tmp_path / "s.safetensors", _arrays(), {})
+    assert raised.value.errno == errno.ENOSPC
