@@ -38,6 +38,15 @@ from mlxd.kernels.layout import why_not_packable as why_not_packable
 ISA_ENV = "MLXD_KERNELS_ISA"
 
 
+# Every binding this package calls: a module without one was built from older sources.
+_BINDINGS = (
+    "assemble_kv", "attention", "built_isas", "empty", "gather_qmatmul", "integer_dot", "isa",
+    "map_arrays", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul", "rms_norm",
+    "rope", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
+    "threads_for_rows", "tile_scales", "tile_weights", "to_affine", "use_isa", "widen_weights",
+)  # fmt: skip
+
+
 def _load() -> ModuleType | None:
     """The built module once it multiplies a small matrix right, else None.
 
@@ -48,6 +57,14 @@ def _load() -> ModuleType | None:
     try:
         module = importlib.import_module("mlxd.kernels._cpu")
     except ImportError:
+        return None
+    missing = [name for name in _BINDINGS if not hasattr(module, name)]
+    if missing:  # a module built from older sources (make rebuilds it; a copy may be stale)
+        logging.getLogger(__name__).warning(
+            "mlxd's CPU kernels were built from older sources (no %s): rebuild them with make "
+            "or python -m mlxd.kernels.build",
+            ", ".join(missing),
+        )
         return None
     forced = os.environ.get(ISA_ENV)
     if forced:
@@ -64,13 +81,6 @@ def _load() -> ModuleType | None:
         expected = x @ mx.dequantize(weight, scales, biases, group_size=32, bits=8).T
         if not mx.allclose(y, expected, atol=1e-4).item():
             return None
-    except AttributeError as error:  # a module built from older sources
-        logging.getLogger(__name__).warning(
-            "mlxd's CPU kernels were built from older sources (%s): rebuild them with make or "
-            "python -m mlxd.kernels.build",
-            error,
-        )
-        return None
     except Exception:  # ImportError, a TypeError from a foreign array type, a kernel bug
         return None
     return module

@@ -22,6 +22,23 @@ def test_the_kernels_are_built_and_load() -> None:
     assert kernels.available(), "mlxd's CPU kernels did not build: python -m mlxd.kernels.build"
 
 
+def test_a_module_built_from_older_sources_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib
+    import types
+
+    from mlxd.kernels import _cpu
+
+    # Everything a build of the day before had: all but the newest binding.
+    stale = types.SimpleNamespace(**{n: getattr(_cpu, n) for n in dir(_cpu) if n != "map_arrays"})
+    monkeypatch.setattr(importlib, "import_module", lambda name: stale)
+    assert kernels._load() is None
+    assert "older sources (no map_arrays)" in caplog.text
+    monkeypatch.undo()
+    assert kernels._load() is not None
+
+
 def _reference(x: mx.array, weight: mx.array, scales, biases, group_size: int, bits: int):
     # In float32, as the kernel computes (float16 scales would round each weight to float16).
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
