@@ -21,8 +21,9 @@ struct FileArray {
 // The arrays at `arrays` in the file at `path`, and whether they are its pages (true) or copies
 // (false: MLX's allocator is not the CPU one whose buffers this can imitate). The file's eight
 // bytes before each array must hold its byte count (what MLX's CPU allocator keeps before a
-// buffer); every array must lie inside the file. Mapped copy-on-write: MLX may write into an
-// input it owns alone, which then leaves the file as it is. Throws std::invalid_argument for a
+// buffer); every array must lie inside the file. Mapped copy-on-write: MLX never donates a
+// buffer it did not allocate, and a write through a view (numpy's) copies the page it touches,
+// so the file stays as it is. Throws std::invalid_argument for a
 // file that does not hold these arrays, std::runtime_error when it cannot be read.
 std::pair<std::vector<mlx::core::array>, bool> map_arrays(
     const std::string& path, const std::vector<FileArray>& arrays);

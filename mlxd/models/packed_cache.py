@@ -194,7 +194,16 @@ class PackedCache:
                 )
                 for name, (bits, dot, precise) in header["layers"].items()
             }
-        except (RuntimeError, ValueError, KeyError, TypeError, OSError, struct.error) as exc:
+        except (
+            RuntimeError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,  # a header of JSON values where objects belong
+            OverflowError,  # int(Infinity)
+            OSError,
+            struct.error,
+        ) as exc:
             log.warning("packed cache %s is unreadable, packing again: %s", self.path, exc)
             return None
 

@@ -133,7 +133,7 @@ def test_writing_into_a_mapped_array_leaves_the_file_as_it_is(tmp_path: Path):
     path = tmp_path / "a.packed"
     write_arrays(path, {"a": mx.arange(1000, dtype=mx.float32)}, {"format": FORMAT})
     before = path.read_bytes()
-    # MLX writes into an input it holds alone (its buffer donated to the output).
+    # An input MLX holds alone: it donates only buffers it allocated, so the result is new.
     doubled = read_arrays(path)[0]["a"] * 2
     assert mx.array_equal(doubled, mx.arange(1000, dtype=mx.float32) * 2).item()
     (array,) = read_arrays(path)[0].values()
@@ -300,3 +300,23 @@ def test_a_header_that_does_not_fit_its_file_is_refused(tmp_path: Path, place: l
     placed(place)
     with pytest.raises((ValueError, KeyError)):
         read_arrays(path)
+
+
+@pytest.mark.parametrize(
+    "layers", ['["model.layers.0.mlp.up_proj"]', '{"model.embed_tokens": [Infinity, true, true]}']
+)
+def test_a_header_of_the_wrong_shape_repacks(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layers: str
+):
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    arrays, header = read_arrays(kept)
+    placeholder = '"' + "L" * 78 + '"'  # room for `layers` in the same header length
+    header["layers"] = placeholder[1:-1]
+    _rewrite(kept, arrays, header)
+    del arrays
+    data = kept.read_bytes()
+    kept.write_bytes(data.replace(placeholder.encode(), layers.encode().ljust(80)))
+    packings = Packings(monkeypatch)
+    _load(model_dir, tmp_path)
+    assert packings.count > 0
