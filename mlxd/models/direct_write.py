@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 _DTYPES = {
     mx.bool_: "BOOL",
@@ -106,19 +107,22 @@ def _write_aligned(fd: int, data: Iterator[memoryview]) -> int:
     """Write `data` through one page-aligned buffer, whole chunks at a time (O_DIRECT writes
     whole blocks from aligned memory); the last one zero-padded. The bytes written, unpadded."""
     buffer = mmap.mmap(-1, _CHUNK)  # anonymous mappings are page-aligned
+    staging = np.frombuffer(buffer, dtype=np.uint8)  # numpy copies into it without the GIL
     staged = total = 0
     for piece in data:
-        while len(piece):
-            taken = min(len(piece), _CHUNK - staged)
-            buffer[staged : staged + taken] = piece[:taken]
-            staged, total, piece = staged + taken, total + taken, piece[taken:]
+        source = np.frombuffer(piece, dtype=np.uint8)
+        while len(source):
+            taken = min(len(source), _CHUNK - staged)
+            staging[staged : staged + taken] = source[:taken]
+            staged, total, source = staged + taken, total + taken, source[taken:]
             if staged == _CHUNK:
                 _write_whole(fd, memoryview(buffer))
                 staged = 0
     if staged:
-        buffer[staged:] = bytes(_CHUNK - staged)
+        staging[staged:] = 0
         padded = -(-staged // mmap.PAGESIZE) * mmap.PAGESIZE
         _write_whole(fd, memoryview(buffer)[:padded])
+    del staging  # the mapping closes once no view of it is left
     buffer.close()
     return total
 
