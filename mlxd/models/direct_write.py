@@ -22,7 +22,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,7 +64,7 @@ def save_safetensors(
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the tensors start 8-aligned
-    pieces = [struct.pack("<Q", len(text)) + text, *(_bytes(a) for a in arrays.values())]
+    pieces = [struct.pack("<Q", len(text)) + text, *(array_bytes(a) for a in arrays.values())]
     try:
         _write_direct(path, pieces)
     except OSError as exc:
@@ -80,13 +80,13 @@ def save_safetensors(
 def _write_direct(path: Path, pieces: list[bytes | memoryview]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        total = _write_aligned(fd, _blocks(pieces))
+        total = _write_aligned(fd, pieces)
         os.ftruncate(fd, total)  # the last block was written whole
     finally:
         os.close(fd)
 
 
-def _bytes(array: mx.array) -> bytes | memoryview:
+def array_bytes(array: mx.array) -> bytes | memoryview:
     """An evaluated array's bytes, without a copy where it is row-contiguous (no MLX op: this
     runs on a thread of its own)."""
     # MLX arrays export the buffer protocol; their type stubs do not say so.
@@ -96,14 +96,7 @@ def _bytes(array: mx.array) -> bytes | memoryview:
     return view.cast("B") if view.c_contiguous else view.tobytes()
 
 
-def _blocks(pieces: list[bytes | memoryview]) -> Iterator[memoryview]:
-    for piece in pieces:
-        view = memoryview(piece)
-        for start in range(0, len(view), _CHUNK):
-            yield view[start : start + _CHUNK]
-
-
-def _write_aligned(fd: int, data: Iterator[memoryview]) -> int:
+def _write_aligned(fd: int, data: list[bytes | memoryview]) -> int:
     """Write `data` through one page-aligned buffer, whole chunks at a time (O_DIRECT writes
     whole blocks from aligned memory); the last one zero-padded. The bytes written, unpadded."""
     buffer = mmap.mmap(-1, _CHUNK)  # anonymous mappings are page-aligned

@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlxd import kernels
 from mlxd.kernels import Packed, layout
 from mlxd.kernels.build import SOURCE_DIR
+from mlxd.models.direct_write import array_bytes
 from mlxd.models.sources import exclusive
 from mlxd.process_exit import before_exit
 
@@ -106,7 +106,7 @@ def write_arrays(path: Path, arrays: Mapping[str, mx.array], header: dict[str, A
         for name, array in arrays.items():
             file.seek(start + places[name][2] - 8)  # the gap before it stays a hole
             file.write(struct.pack("<Q", array.nbytes))
-            file.write(np.ascontiguousarray(kernels.numpy_view(array)).data)
+            file.write(array_bytes(array))
 
 
 def read_arrays(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
