@@ -272,8 +272,9 @@ NB_MODULE(_cpu, m) {
       "A new array whose memory is not written (MLX fills every array it makes): for a "
       "conversion to write, on the threads that convert.");
   m.def(
-      "map_arrays",
-      [](const std::string& path,
+      "map_file_arrays",
+      [](int fd,
+         const std::string& name,
          const std::vector<std::tuple<int64_t, std::vector<int>, mlx::core::Dtype>>& specs) {
         std::vector<mlxd::FileArray> arrays;
         arrays.reserve(specs.size());
@@ -281,11 +282,13 @@ NB_MODULE(_cpu, m) {
           arrays.push_back({offset, shape, dtype});
         }
         nb::gil_scoped_release release;
-        return mlxd::map_arrays(path, arrays);
+        return mlxd::map_arrays(fd, name, arrays);
       },
-      "path"_a,
+      "fd"_a,
+      "name"_a,
       "arrays"_a,
-      "The arrays (offset, shape, dtype) of the file at `path`, each preceded by its byte count "
+      "The arrays (offset, shape, dtype) of the file open at `fd` (`name` in errors; closing "
+      "it later is the caller's), each preceded by its byte count "
       "as a little-endian uint64; and whether they are the file's pages, mapped copy-on-write "
       "(else copies: an MLX whose allocator is not the CPU one).");
   m.def(

@@ -1,9 +1,7 @@
 #include "mapped.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -33,30 +31,24 @@ class Mapping {
   size_t size_;
 };
 
-[[noreturn]] void fail(const std::string& what, const std::string& path) {
-  throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
+[[noreturn]] void fail(const std::string& what, const std::string& name) {
+  throw std::runtime_error(what + " " + name + ": " + std::strerror(errno));
 }
 
-std::shared_ptr<Mapping> map_file(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    fail("cannot open", path);
-  }
+// The whole file open at `fd` (the caller keeps and closes it), `name` for messages.
+std::shared_ptr<Mapping> map_file(int fd, const std::string& name) {
   struct stat st {};
   if (fstat(fd, &st) != 0) {
-    close(fd);
-    fail("cannot stat", path);
+    fail("cannot stat", name);
   }
   const auto size = static_cast<size_t>(st.st_size);
   if (size == 0) {
-    close(fd);
-    throw std::invalid_argument("empty file " + path);
+    throw std::invalid_argument("empty file " + name);
   }
   // Private and writable: a write copies the page, the file never changes.
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-  close(fd);
   if (base == MAP_FAILED) {
-    fail("cannot map", path);
+    fail("cannot map", name);
   }
   auto mapping = std::make_shared<Mapping>(base, size);
 #ifdef MADV_POPULATE_READ
@@ -101,8 +93,8 @@ size_t byte_count(const FileArray& array) {
 }  // namespace
 
 std::pair<std::vector<mlx::core::array>, bool> map_arrays(
-    const std::string& path, const std::vector<FileArray>& arrays) {
-  const std::shared_ptr<Mapping> mapping = map_file(path);
+    int fd, const std::string& name, const std::vector<FileArray>& arrays) {
+  const std::shared_ptr<Mapping> mapping = map_file(fd, name);
   const bool mapped = allocator_keeps_size_before_memory();
   std::vector<mlx::core::array> out;
   out.reserve(arrays.size());
@@ -111,13 +103,13 @@ std::pair<std::vector<mlx::core::array>, bool> map_arrays(
     const auto offset = static_cast<size_t>(array.offset);
     if (array.offset < static_cast<int64_t>(sizeof(size_t)) || offset % sizeof(size_t) != 0 ||
         offset > mapping->size() || bytes > mapping->size() - offset) {
-      throw std::invalid_argument("an array outside the file " + path);
+      throw std::invalid_argument("an array outside the file " + name);
     }
     char* memory = mapping->base() + offset;
     size_t stored;
     std::memcpy(&stored, memory - sizeof(size_t), sizeof(size_t));
     if (stored != bytes) {
-      throw std::invalid_argument("an array's byte count is not before it in " + path);
+      throw std::invalid_argument("an array's byte count is not before it in " + name);
     }
     mlx::core::Shape shape(array.shape.begin(), array.shape.end());
     if (mapped) {

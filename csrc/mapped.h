@@ -18,7 +18,8 @@ struct FileArray {
   mlx::core::Dtype dtype;
 };
 
-// The arrays at `arrays` in the file at `path`, and whether they are its pages (true) or copies
+// The arrays at `arrays` in the file open at `fd` (named `name` in errors; the caller closes it
+// when it likes: the mapping keeps the file), and whether they are its pages (true) or copies
 // (false: MLX's allocator is not the CPU one whose buffers this can imitate). The file's eight
 // bytes before each array must hold its byte count (what MLX's CPU allocator keeps before a
 // buffer); every array must lie inside the file. Mapped copy-on-write: MLX never donates a
@@ -26,6 +27,6 @@ struct FileArray {
 // so the file stays as it is. Throws std::invalid_argument for a
 // file that does not hold these arrays, std::runtime_error when it cannot be read.
 std::pair<std::vector<mlx::core::array>, bool> map_arrays(
-    const std::string& path, const std::vector<FileArray>& arrays);
+    int fd, const std::string& name, const std::vector<FileArray>& arrays);
 
 }  // namespace mlxd

@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 from types import ModuleType
+from typing import BinaryIO
 
 import mlx.core as mx
 import numpy as np
@@ -41,7 +42,7 @@ ISA_ENV = "MLXD_KERNELS_ISA"
 # Every binding this package calls: a module without one was built from older sources.
 _BINDINGS = (
     "assemble_kv", "attention", "built_isas", "empty", "gather_qmatmul", "integer_dot", "isa",
-    "map_arrays", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul", "rms_norm",
+    "map_file_arrays", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul", "rms_norm",
     "rope", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
     "threads_for_rows", "tile_scales", "tile_weights", "to_affine", "use_isa", "widen_weights",
 )  # fmt: skip
@@ -263,14 +264,17 @@ def empty(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 
 
 def map_arrays(
-    path: str, arrays: list[tuple[int, tuple[int, ...], mx.Dtype]]
+    file: BinaryIO, arrays: list[tuple[int, tuple[int, ...], mx.Dtype]]
 ) -> tuple[list[mx.array], bool]:
     """The `arrays` (byte offset, shape, dtype; the 8 bytes before each its byte count, a
-    little-endian uint64) of the file at `path`, and whether they are its pages (mapped
+    little-endian uint64) of the open `file`, and whether they are its pages (mapped
     copy-on-write, populated from the page cache) or copies (an MLX whose allocator's buffers
-    cannot be imitated). ValueError: the file does not hold them; RuntimeError: unreadable."""
+    cannot be imitated). The mapping keeps the file: it may be closed, renamed or removed
+    after. ValueError: the file does not hold them; RuntimeError: unreadable."""
     specs = [(offset, list(shape), dtype) for offset, shape, dtype in arrays]
-    result: tuple[list[mx.array], bool] = _module().map_arrays(path, specs)
+    result: tuple[list[mx.array], bool] = _module().map_file_arrays(
+        file.fileno(), str(file.name), specs
+    )
     return result
 
 

@@ -112,20 +112,22 @@ def write_arrays(path: Path, arrays: Mapping[str, mx.array], header: dict[str, A
 def read_arrays(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """The arrays and header `write_arrays` wrote to `path`, the arrays mapped from the file.
     ValueError (or KeyError, TypeError) for a file that is not one; OSError or RuntimeError
-    for one that cannot be read."""
+    for one that cannot be read. The header and the arrays come from one open: a file renamed
+    over `path` meanwhile cannot pair this header with its arrays."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         if length > _MAX_HEADER:
             raise ValueError(f"a header of {length} bytes")
         header = json.loads(file.read(length))
-    if header.get("format") != FORMAT:
-        raise ValueError(f"format {header.get('format')!r}, not {FORMAT}")
-    start = _aligned(8 + length)
-    places = header.pop("arrays")
-    specs = [
-        (start + offset, tuple(shape), _DTYPES[dtype]) for dtype, shape, offset in places.values()
-    ]
-    arrays, mapped = kernels.map_arrays(str(path), specs)
+        if header.get("format") != FORMAT:
+            raise ValueError(f"format {header.get('format')!r}, not {FORMAT}")
+        start = _aligned(8 + length)
+        places = header.pop("arrays")
+        specs = [
+            (start + offset, tuple(shape), _DTYPES[dtype])
+            for dtype, shape, offset in places.values()
+        ]
+        arrays, mapped = kernels.map_arrays(file, specs)
     if not mapped:
         log.info("packed weights in %s copied: this MLX's allocator cannot map them", path)
     return dict(zip(places, arrays, strict=True)), header

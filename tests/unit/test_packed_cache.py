@@ -143,6 +143,28 @@ def test_writing_into_a_mapped_array_leaves_the_file_as_it_is(tmp_path: Path):
     assert mx.array_equal(read_arrays(path)[0]["a"], mx.arange(1000, dtype=mx.float32)).item()
 
 
+def test_a_file_renamed_over_the_path_while_it_is_read_is_not_mixed_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from mlxd import kernels
+    from mlxd.models import packed_cache
+
+    path, other = tmp_path / "a.packed", tmp_path / "b.packed"
+    write_arrays(path, {"a": mx.arange(1000, dtype=mx.float32)}, {"format": FORMAT})
+    # Another layout: the same name elsewhere in a longer file, other values.
+    room = {"room": " " * 200}
+    write_arrays(other, {"a": mx.full((1000,), 5.0)}, {"format": FORMAT, **room})
+    mapping = kernels.map_arrays
+
+    def replaced_first(*args: Any) -> Any:
+        other.replace(path)  # a writer's rename between the header and the mapping
+        return mapping(*args)
+
+    monkeypatch.setattr(packed_cache.kernels, "map_arrays", replaced_first)
+    arrays, _ = read_arrays(path)
+    assert mx.array_equal(arrays["a"], mx.arange(1000, dtype=mx.float32)).item()
+
+
 def test_another_layout_repacks_and_replaces_the_kept_one(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
