@@ -151,12 +151,13 @@ def _pack_model_kept(
         pack_model(model, path_for, dot, precise=precise)
         return
     cache = PackedCache.for_model(cache_dir, path, dot, precise)
+    seen = cache.stamp()
     layers, packed_here = pack_model(model, path_for, dot, cache.read(), precise)
     if packed_here:
         log.info(
             "model '%s': packed %d layers, keeping them in %s", model_name, packed_here, cache.path
         )
-        cache.write_in_background(layers)
+        cache.write_in_background(layers, seen)
 
 
 def load_llm(

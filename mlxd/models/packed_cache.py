@@ -178,6 +178,14 @@ class PackedCache:
         folder = Path(cache_dir).expanduser() / FOLDER / _digest(weights["dir"])
         return cls(folder / f"{key}{SUFFIX}")
 
+    def stamp(self) -> tuple[int, int] | None:
+        """What tells one file at `path` from the next (inode, mtime); None: no file."""
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns
+
     def read(self) -> dict[str, Packed] | None:
         """The packed layers by module name, mapped from the file; None when there is no
         readable file (each layer is still checked against its module before use:
@@ -209,7 +217,9 @@ class PackedCache:
             log.warning("packed cache %s is unreadable, packing again: %s", self.path, exc)
             return None
 
-    def write_in_background(self, layers: Mapping[str, Packed]) -> None:
+    def write_in_background(
+        self, layers: Mapping[str, Packed], seen: tuple[int, int] | None
+    ) -> None:
         """`write` on a thread of its own, so the load does not wait for the disk (an 8B's
         4.6 GiB); the process waits for it before it exits (`wait_for_writes`)."""
         # Here: a layer packed by this load may still be lazy, and MLX arrays are evaluated
@@ -218,16 +228,19 @@ class PackedCache:
             [array for packed in layers.values() for array in (packed.weight, packed.scale_bias)]
         )
         thread = threading.Thread(
-            target=self.write, args=(dict(layers),), name="packed-cache-write"
+            target=self.write, args=(dict(layers), seen), name="packed-cache-write"
         )
         with _writes_lock:
             _writes.append(thread)
         before_exit(wait_for_writes)
         thread.start()
 
-    def write(self, layers: Mapping[str, Packed]) -> None:
+    def write(self, layers: Mapping[str, Packed], seen: tuple[int, int] | None) -> None:
         """Store `layers` (evaluated) for the next load and drop other layouts of the same
-        weights. Best effort: a full disk or read-only cache costs the next load a repacking."""
+        weights, unless a file other than the one this load found (`seen`, its `stamp`
+        before reading) took this key meanwhile: a process started beside a write still
+        running (an 8B's takes 15–60 s) packs too, and the file the first wrote stands.
+        Best effort: a full disk or read-only cache costs the next load a repacking."""
         arrays: dict[str, mx.array] = {}
         for name, packed in layers.items():
             arrays[f"{name}.weight"] = packed.weight
@@ -238,6 +251,9 @@ class PackedCache:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with exclusive(folder / ".lock"):
+                if self.stamp() not in (None, seen):
+                    log.info("packed weights in %s were written meanwhile: kept", self.path)
+                    return
                 # Under the lock, whatever is here is another layout, a dead writer's, or
                 # an older mlxd's (safetensors, which cannot leave room before each array).
                 for pattern in (f"*{SUFFIX}", "*.safetensors"):

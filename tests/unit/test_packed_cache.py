@@ -165,6 +165,25 @@ def test_a_file_renamed_over_the_path_while_it_is_read_is_not_mixed_in(
     assert mx.array_equal(arrays["a"], mx.arange(1000, dtype=mx.float32)).item()
 
 
+def test_a_file_another_process_wrote_meanwhile_stands(model_dir: Path, tmp_path: Path):
+    from mlxd.models.packed_cache import PackedCache
+
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    cache = PackedCache(kept)
+    stamp = cache.stamp()
+    header = read_arrays(kept)[1]
+    layers = cache.read()
+    assert layers is not None
+    # This load found no file, packed, and another process wrote one meanwhile: it stands.
+    cache.write(layers, None)
+    assert cache.stamp() == stamp
+    # This load read that very file (one missing layers, say): its write replaces it.
+    cache.write(layers, stamp)
+    assert cache.stamp() != stamp
+    assert read_arrays(kept)[1] == header
+
+
 def test_another_layout_repacks_and_replaces_the_kept_one(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
