@@ -75,6 +75,8 @@ def save_safetensors(
         with open(path, "wb") as file:
             for piece in pieces:
                 file.write(piece)
+            file.flush()
+            os.fsync(file.fileno())
 
 
 def _write_direct(path: Path, pieces: list[bytes | memoryview]) -> None:
@@ -82,6 +84,9 @@ def _write_direct(path: Path, pieces: list[bytes | memoryview]) -> None:
     try:
         total = _write_aligned(fd, pieces)
         os.ftruncate(fd, total)  # the last block was written whole
+        # The size, and the drive's own cache: on the disk before the conversion's directory is
+        # renamed into place (a crash would otherwise leave a published shard of zeros).
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import struct
 import threading
 from collections.abc import Mapping
@@ -107,6 +108,10 @@ def write_arrays(path: Path, arrays: Mapping[str, mx.array], header: dict[str, A
             file.seek(start + places[name][2] - 8)  # the gap before it stays a hole
             file.write(struct.pack("<Q", array.nbytes))
             file.write(array_bytes(array))
+        # On the disk before the caller's rename publishes it: after a crash a published file
+        # whose pages never reached the disk would map as zeros, with nothing to tell.
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def read_arrays(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
