@@ -87,9 +87,7 @@ void pack_fives(const uint8_t* codes, uint8_t* out) {
     for (int i = 0; i < 8; ++i) {
       word |= static_cast<uint64_t>(codes[8 * eight + i]) << (5 * i);
     }
-    for (int byte = 0; byte < 5; ++byte) {
-      out[5 * eight + byte] = static_cast<uint8_t>(word >> (8 * byte));
-    }
+    std::memcpy(out + 5 * eight, &word, 5);  // its low 5 bytes (little-endian, as the file)
   }
 }
 
