@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -12,6 +13,10 @@
 namespace mx = mlx::core;
 
 namespace mlxd {
+
+// GGUF's and MLX's words are little-endian; the conversions copy them in and out of integers with
+// memcpy (a Q4_K byte pair, a 5-bit eight's 40 bits, Q5_0's fifth bits).
+static_assert(std::endian::native == std::endian::little, "the conversions assume a little-endian CPU");
 
 namespace {
 
