@@ -326,6 +326,40 @@ def test_one_int8_term_computes_the_model_as_llama_cpp_rounds_it(smol) -> None:
         assert mx.argmax(ours).item() == mx.argmax(twin).item()
 
 
+def test_one_int8_term_streams_float32_scales_as_float16() -> None:
+    """A K-quant GGUF's float32 scales and biases (d times a 6-bit scale: no float16 holds
+    most) are packed as float16 under llama.cpp's rounding of x, 5 bits a 4-bit weight instead
+    of 6; the precise and float layouts keep them exact, and so does a layer with a value past
+    float16's range. Each weight moves by at most 2^-11 of its scale and bias terms."""
+    import mlx.core as mx
+
+    from mlxd import kernels
+    from mlxd.models.packed import pack
+
+    weight, scales, biases = mx.quantize(
+        mx.random.normal((64, 256), key=mx.random.key(1)) * 0.05, group_size=32, bits=4
+    )
+    assert not mx.array_equal(scales.astype(mx.float16).astype(mx.float32), scales).item()
+    one_term = pack(weight, scales, biases, 32, 4, dot=True, precise=False)
+    assert one_term.scale_bias.dtype == mx.float16
+    assert pack(weight, scales, biases, 32, 4, dot=True).scale_bias.dtype == mx.float32
+    assert pack(weight, scales, biases, 32, 4).scale_bias.dtype == mx.float32
+    past_range = scales.at[0, 0].add(1e5)
+    assert pack(weight, past_range, biases, 32, 4, dot=True, precise=False).scale_bias.dtype == (
+        mx.float32
+    )
+
+    x = mx.random.normal((5, 256), key=mx.random.key(2))
+    exact = kernels.pack_dot(weight, scales, biases, 32, 4, precise=False)
+    assert exact.scale_bias.dtype == mx.float32  # the kernels' own packing stays exact
+    moved = mx.repeat(2.0**-11 * (mx.abs(scales) * 15 + mx.abs(biases)), 32, axis=1)
+    # The same int8 x on both sides: |x8 d| <= |x| + d / 2.
+    bound = (mx.abs(x) + mx.abs(x).max() / 254) @ moved.T + 1e-6
+    gap = mx.abs(kernels.qmatmul(x, one_term) - kernels.qmatmul(x, exact))
+    assert (gap <= bound).all().item()
+    assert gap.max().item() > 0  # the rounding did happen
+
+
 def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
     smol_packed, tmp_path, monkeypatch
 ):
