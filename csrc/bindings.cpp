@@ -226,14 +226,16 @@ NB_MODULE(_cpu, m) {
       "MLX's quantized weights uint32 [rows, words] in the kernels' layout, uint8 [rows, words * "
       "4]: qmatmul's, or qdot's with dot.");
   m.def(
-      "tile_scales",
+      "tile_scale_pairs",
       &mlxd::tile_scales,
       "scales"_a,
       "biases"_a,
       "repeats"_a,
+      "rounded"_a,
       "threads"_a,
       "float32 scales and biases [rows, groups] as [rows / 16, groups * repeats, 2, 16], and "
-      "whether every value is a float16 exactly (a bool scalar).");
+      "whether every value is a float16 exactly (rounded: rounds to a finite one; a bool "
+      "scalar).");
   m.def(
       "q6_k_to_affine8",
       &q6_k_to_affine8,

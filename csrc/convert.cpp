@@ -48,6 +48,11 @@ inline bool is_half(float value) {
   return (mantissa & ((1u << dropped) - 1)) == 0;
 }
 
+// Whether `value` rounds to a finite float16 (|value| below 65520, where rounding reaches inf).
+inline bool rounds_to_half(float value) {
+  return std::fabs(value) < 65520.0f;
+}
+
 // The float16 at `at` as a float32.
 inline float half_at(const uint8_t* at) {
   uint16_t half;
@@ -175,14 +180,17 @@ void tile_range(
   }
 }
 
-// `rows` rows of scales and biases as tile_scales lays them out; whether all are float16s.
+// `rows` rows of scales and biases as tile_scales lays them out; whether all are float16s
+// (with `rounded`: whether all round to finite ones).
 bool scale_range(
     const float* scales,
     const float* biases,
     float* dst,
     int64_t rows,
     int64_t groups,
-    int64_t repeats) {
+    int64_t repeats,
+    bool rounded) {
+  const auto fits = rounded ? rounds_to_half : is_half;
   bool half = true;
   for (int64_t tile = 0; tile < rows / kLanes; ++tile) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -192,7 +200,7 @@ bool scale_range(
           const int64_t at = (tile * kLanes + lane) * groups + g;
           out[lane] = scales[at];
           out[kLanes + lane] = biases[at];
-          half = half && is_half(scales[at]) && is_half(biases[at]);
+          half = half && fits(scales[at]) && fits(biases[at]);
         }
       }
     }
@@ -284,7 +292,7 @@ void TileWeights::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
 }
 
 std::vector<mx::array> tile_scales(
-    const mx::array& scales, const mx::array& biases, int repeats, int threads) {
+    const mx::array& scales, const mx::array& biases, int repeats, bool rounded, int threads) {
   if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32 || scales.ndim() != 2 ||
       scales.shape() != biases.shape() || scales.shape(0) % kLanes || repeats < 1) {
     throw std::invalid_argument(
@@ -295,7 +303,7 @@ std::vector<mx::array> tile_scales(
   return mx::array::make_arrays(
       {{tiles, groups, 2, kLanes}, {}},
       {mx::float32, mx::bool_},
-      std::make_shared<TileScales>(stream, repeats, threads),
+      std::make_shared<TileScales>(stream, repeats, rounded, threads),
       {scales, biases});
 }
 
@@ -309,6 +317,7 @@ void TileScales::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
                     tiles = int64_t{inputs[0].shape(0)} / kLanes,
                     groups,
                     repeats = int64_t{repeats_},
+                    rounded = rounded_,
                     threads = threads_]() {
     std::atomic<bool> all_half{true};
     parallel_for(threads, tiles, [&](int64_t begin, int64_t end) {
@@ -319,7 +328,8 @@ void TileScales::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
               dst + begin * groups * repeats * 2 * kLanes,
               (end - begin) * kLanes,
               groups,
-              repeats)) {
+              repeats,
+              rounded)) {
         all_half.store(false, std::memory_order_relaxed);
       }
     });

@@ -31,7 +31,11 @@ mlx::core::array widen_weights(const mlx::core::array& weight, int bits, int wid
 // and packed group its 16 scales then its 16 biases, each group's pair repeated `repeats` times (a
 // group the kernels step as several); and a bool scalar: whether every value is a float16 exactly.
 std::vector<mlx::core::array> tile_scales(
-    const mlx::core::array& scales, const mlx::core::array& biases, int repeats, int threads);
+    const mlx::core::array& scales,
+    const mlx::core::array& biases,
+    int repeats,
+    bool rounded,
+    int threads);
 
 class WidenWeights : public CpuPrimitive {
  public:
@@ -81,8 +85,8 @@ class TileWeights : public CpuPrimitive {
 
 class TileScales : public CpuPrimitive {
  public:
-  TileScales(mlx::core::Stream stream, int repeats, int threads)
-      : CpuPrimitive(stream), repeats_(repeats), threads_(threads) {}
+  TileScales(mlx::core::Stream stream, int repeats, bool rounded, int threads)
+      : CpuPrimitive(stream), repeats_(repeats), rounded_(rounded), threads_(threads) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -92,11 +96,13 @@ class TileScales : public CpuPrimitive {
     return "TileScalesCPU";
   }
   bool is_equivalent(const mlx::core::Primitive& other) const override {
-    return repeats_ == static_cast<const TileScales&>(other).repeats_;
+    const auto& that = static_cast<const TileScales&>(other);
+    return repeats_ == that.repeats_ && rounded_ == that.rounded_;
   }
 
  private:
   int repeats_;
+  bool rounded_;
   int threads_;
 };
 

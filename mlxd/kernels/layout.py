@@ -88,6 +88,7 @@ def pack_dot(
     group_size: int,
     bits: int,
     precise: bool = False,
+    round_scales: bool = False,
 ) -> Packed:
     """MLX's quantized layout → `Packed` for the integer dot-product kernel (csrc/qdot.cpp):
     output rows in tiles of 16, each row's values of 4 consecutive inputs in one 32-bit lane:
@@ -95,9 +96,10 @@ def pack_dot(
     (4 bits) 64 bytes, byte 4j+i = q[j][k+i] | q[j][k+4+i] << 4. Scales and biases as `pack`'s.
     The kernel rounds x to int8 per block of 32 (llama.cpp's Q8: relative error up to 1/254 of
     the block's largest |x|), or with `precise` to two int8 terms (1/64,516) for twice the
-    dot products.
+    dot products. `round_scales`: scales and biases in float16 even where that rounds them
+    (by at most 2^-11), as long as every one is in its range.
     """
-    return _pack_rows(weight, scales, biases, group_size, bits, True, precise)
+    return _pack_rows(weight, scales, biases, group_size, bits, True, precise, round_scales)
 
 
 def pack_experts(
@@ -108,18 +110,19 @@ def pack_experts(
     bits: int,
     dot: bool = False,
     precise: bool = False,
+    round_scales: bool = False,
 ) -> Packed:
     """A mixture of experts' stacked matrices as MLX quantizes them (mlx-lm's
     `QuantizedSwitchLinear`: weight [E, N, K * bits / 32] uint32, scales and biases
     [E, N, K / group]) → `Packed` [E, N, K] for `gather_qmatmul`: each expert as `pack` (or with
-    `dot` `pack_dot`) lays out one matrix, one after another (tiles never straddle two experts:
-    N is a multiple of 32).
+    `dot` `pack_dot`, `round_scales` as there) lays out one matrix, one after another (tiles
+    never straddle two experts: N is a multiple of 32).
     """
     experts, rows = weight.shape[0], weight.shape[1]
     if weight.ndim != 3 or not packable(rows, group_size, bits):
         raise ValueError(f"cannot pack {bits}-bit experts {weight.shape}, group size {group_size}")
     w, s, b = (a.reshape(experts * rows, -1) for a in (weight, scales, biases))
-    flat = _pack_rows(w, s, b, group_size, bits, dot, dot and precise)
+    flat = _pack_rows(w, s, b, group_size, bits, dot, dot and precise, round_scales)
     return Packed(
         flat.weight.reshape(experts, rows, -1),
         flat.scale_bias.reshape(experts, rows // LANES, *flat.scale_bias.shape[1:]),
@@ -158,6 +161,7 @@ def _pack_rows(
     bits: int,
     dot: bool = False,
     precise: bool = False,
+    round_scales: bool = False,
 ) -> Packed:
     """The layout written by the kernels' module (csrc/convert.cpp) on every core, straight into
     the arrays the model keeps: no temporaries but the float32 scales."""
@@ -168,8 +172,8 @@ def _pack_rows(
     words = weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32)
     tiled = native.tile_weights(words, bits, dot, threads)
     repeats = group_size // scale_group(group_size)
-    both, fits_half = native.tile_scales(
-        scales.astype(mx.float32), biases.astype(mx.float32), repeats, threads
+    both, fits_half = native.tile_scale_pairs(
+        scales.astype(mx.float32), biases.astype(mx.float32), repeats, round_scales, threads
     )
     mx.eval(tiled, both, fits_half)
     if fits_half.item():

@@ -158,9 +158,15 @@ def _pack_experts(module: QuantizedSwitchLinear, dot: bool, precise: bool) -> Pa
         experts, rows, _ = weight.shape
         flat = kernels.widen(weight.reshape(experts * rows, -1), module.bits, width)
         weight = flat.reshape(experts, rows, -1)
-    scales, biases = _scales_for(module.scales, module.biases, dot, precise)
     return kernels.pack_experts(
-        weight, scales, biases, module.group_size, width, dot, dot and precise
+        weight,
+        module.scales,
+        module.biases,
+        module.group_size,
+        width,
+        dot,
+        dot and precise,
+        round_scales=_rounds_scales(dot, precise),
     )
 
 
@@ -186,28 +192,28 @@ def pack(
     width = KERNEL_BITS[bits]
     if width != bits:
         weight = kernels.widen(weight, bits, width)
-    scales, biases = _scales_for(scales, biases, dot, precise)
     if dot:
-        return kernels.pack_dot(weight, scales, biases, group_size, width, precise=precise)
+        return kernels.pack_dot(
+            weight,
+            scales,
+            biases,
+            group_size,
+            width,
+            precise=precise,
+            round_scales=_rounds_scales(dot, precise),
+        )
     return kernels.pack(weight, scales, biases, group_size, width)
 
 
-def _scales_for(
-    scales: mx.array, biases: mx.array, dot: bool, precise: bool
-) -> tuple[mx.array, mx.array]:
-    """The scales and biases a layout keeps: float32 ones (a K-quant GGUF's d × 6-bit scale,
-    which a float16 cannot always hold) rounded to float16 where x is one int8 term
-    (llama.cpp's rounding: `dot` and not `precise`) and every value is in float16's range.
-
-    A 4-bit weight then streams 5 bits, not 6 (per 32 codes a scale and a bias): a Q4_K_M
-    decode step reads ≈15% fewer bytes. The rounding moves a weight by at most 2^-11 of it,
-    an eighth of what x's int8 rounding already allows (1/254 of its block's largest |x|);
-    precise keeps the exact values, as the converted directory does."""
-    if dot and not precise and scales.dtype == mx.float32:
-        halves = scales.astype(mx.float16), biases.astype(mx.float16)
-        if not (mx.isinf(halves[0]).any() | mx.isinf(halves[1]).any()).item():
-            return halves
-    return scales, biases
+def _rounds_scales(dot: bool, precise: bool) -> bool:
+    """Whether a layout keeps float32 scales and biases (a K-quant GGUF's d times a 6-bit
+    scale, which a float16 cannot always hold) as float16: where x is one int8 term
+    (llama.cpp's rounding: `dot` and not `precise`). A 4-bit weight then streams 5 bits, not 6
+    (per 32 codes a scale and a bias): a Q4_K_M model is ≈15% fewer bytes. The rounding moves
+    a weight by at most 2^-11 of it, an eighth of what x's int8 rounding already allows (1/254
+    of its block's largest |x|); precise keeps the exact values, as the converted directory
+    does."""
+    return dot and not precise
 
 
 def dequantize_layers(model: nn.Module, names: Iterable[str]) -> None:
