@@ -86,13 +86,13 @@ class ModelConfig(Section):
         "auto",
         description="CPU, dtype auto: how the kernels' integer dot products round the "
         "activations, per block of 32. precise: two int8 terms (within 1/64,516 of the "
-        "block's largest value: the tokens mlx-lm's float matmul gives). int8: one term, as "
-        "llama.cpp does (1/254; the matmuls up to 1.7x faster, answers may part from "
+        "block's largest value: the tokens mlx-lm's float matmul gives). int8: one term, "
+        "as llama.cpp does (1/254; the matmuls up to 1.7x faster, answers may part from "
         "mlx-lm's after a few tokens; a K-quant GGUF's scales are then kept as float16, "
-        "rounded by at most 2^-11: ≈15% fewer bytes a step). auto: int8 for models of 0.8 billion quantized weights "
-        "and more (1B models), precise below (a small model's answers are fragile, and its "
-        "second term costs less). The load times this layout against the float one and runs "
-        "the faster (`cpu_path.activations` in /v1/status).",
+        "rounded by at most 2^-11: ≈15% fewer bytes a step). auto: int8 for models of 0.8 "
+        "billion quantized weights and more (1B models), precise below (a small model's "
+        "answers are fragile, and its second term costs less). The load times this layout "
+        "against the float one and runs the faster (`cpu_path.activations` in /v1/status).",
     )
     warm_up: bool | None = Field(
         None,
