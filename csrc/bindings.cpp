@@ -233,9 +233,10 @@ NB_MODULE(_cpu, m) {
       "repeats"_a,
       "rounded"_a,
       "threads"_a,
-      "float32 scales and biases [rows, groups] as [rows / 16, groups * repeats, 2, 16], and "
-      "whether every value is a float16 exactly (rounded: rounds to a finite one; a bool "
-      "scalar).");
+      "float32 scales and biases [rows, groups] laid out as [rows / 16, groups * repeats, 2, "
+      "16], in float16 where every value is one (rounded: rounds to a finite one), else "
+      "float32: the float16 layout, the float32 one (only the one written is computed) and "
+      "which (a bool scalar: float16).");
   m.def(
       "q6_k_to_affine8",
       &q6_k_to_affine8,

@@ -180,32 +180,65 @@ void tile_range(
   }
 }
 
-// `rows` rows of scales and biases as tile_scales lays them out; whether all are float16s
-// (with `rounded`: whether all round to finite ones).
-bool scale_range(
-    const float* scales,
-    const float* biases,
-    float* dst,
-    int64_t rows,
-    int64_t groups,
-    int64_t repeats,
-    bool rounded) {
+// Whether every one of `count` scales and biases is a float16 (with `rounded`: rounds to a
+// finite one).
+bool all_fit_half(const float* scales, const float* biases, int64_t count, bool rounded) {
   const auto fits = rounded ? rounds_to_half : is_half;
   bool half = true;
+  for (int64_t i = 0; i < count; ++i) {
+    half = half && fits(scales[i]) && fits(biases[i]);
+  }
+  return half;
+}
+
+// `value` as a float16's bits, rounded to nearest even; |value| < 65520 (no infinities).
+inline uint16_t half_bits(float value) {
+  uint32_t x;
+  std::memcpy(&x, &value, sizeof x);
+  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7FFFFFFFu;
+  if (x >= 0x38800000u) {  // a normal float16 (from 2^-14): rebias, keep 10 mantissa bits
+    const uint32_t kept = (x - 0x38000000u) >> 13, rest = x & 0x1FFFu;
+    return sign | static_cast<uint16_t>(kept + (rest > 0x1000u || (rest == 0x1000u && (kept & 1u))));
+  }
+  if (x < 0x33000000u) {  // under half the least float16 (2^-25): zero
+    return sign;
+  }
+  // A subnormal float16: the value in steps of 2^-24 (a carry makes it the least normal).
+  const int shift = 126 - static_cast<int>(x >> 23);
+  const uint32_t mantissa = (x & 0x7FFFFFu) | 0x800000u, kept = mantissa >> shift;
+  const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+  return sign | static_cast<uint16_t>(kept + (rest > halfway || (rest == halfway && (kept & 1u))));
+}
+
+inline float as_stored(float value, float*) {
+  return value;
+}
+inline uint16_t as_stored(float value, uint16_t*) {
+  return half_bits(value);
+}
+
+// `rows` rows of scales and biases as tile_scales lays them out, as float32 or float16 bits.
+template <typename T>
+void lay_out_scales(
+    const float* scales,
+    const float* biases,
+    T* dst,
+    int64_t rows,
+    int64_t groups,
+    int64_t repeats) {
   for (int64_t tile = 0; tile < rows / kLanes; ++tile) {
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t r = 0; r < repeats; ++r) {
-        float* out = dst + ((tile * groups + g) * repeats + r) * 2 * kLanes;
+        T* out = dst + ((tile * groups + g) * repeats + r) * 2 * kLanes;
         for (int lane = 0; lane < kLanes; ++lane) {
           const int64_t at = (tile * kLanes + lane) * groups + g;
-          out[lane] = scales[at];
-          out[kLanes + lane] = biases[at];
-          half = half && fits(scales[at]) && fits(biases[at]);
+          out[lane] = as_stored(scales[at], out);
+          out[kLanes + lane] = as_stored(biases[at], out);
         }
       }
     }
   }
-  return half;
 }
 
 }  // namespace
@@ -300,9 +333,10 @@ std::vector<mx::array> tile_scales(
   }
   auto stream = mx::default_stream(mx::Device::cpu);
   const int tiles = scales.shape(0) / kLanes, groups = scales.shape(1) * repeats;
+  const mx::Shape tiled{tiles, groups, 2, kLanes};
   return mx::array::make_arrays(
-      {{tiles, groups, 2, kLanes}, {}},
-      {mx::float32, mx::bool_},
+      {tiled, tiled, {}},
+      {mx::float16, mx::float32, mx::bool_},
       std::make_shared<TileScales>(stream, repeats, rounded, threads),
       {scales, biases});
 }
@@ -310,10 +344,12 @@ std::vector<mx::array> tile_scales(
 void TileScales::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = prepare(inputs, outputs);
   const int64_t groups = inputs[0].shape(1);
+  // Only the layout written is touched: the other output's pages are never faulted in.
   encoder.dispatch([scales = rows<float>(inputs[0], encoder),
                     biases = rows<float>(inputs[1], encoder),
-                    dst = outputs[0].data<float>(),
-                    half = outputs[1].data<bool>(),
+                    halves = outputs[0].data<uint16_t>(),
+                    floats = outputs[1].data<float>(),
+                    half = outputs[2].data<bool>(),
                     tiles = int64_t{inputs[0].shape(0)} / kLanes,
                     groups,
                     repeats = int64_t{repeats_},
@@ -321,19 +357,21 @@ void TileScales::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
                     threads = threads_]() {
     std::atomic<bool> all_half{true};
     parallel_for(threads, tiles, [&](int64_t begin, int64_t end) {
-      const int64_t from = begin * kLanes * groups;
-      if (!scale_range(
-              scales + from,
-              biases + from,
-              dst + begin * groups * repeats * 2 * kLanes,
-              (end - begin) * kLanes,
-              groups,
-              repeats,
-              rounded)) {
+      const int64_t from = begin * kLanes * groups, count = (end - begin) * kLanes * groups;
+      if (!all_fit_half(scales + from, biases + from, count, rounded)) {
         all_half.store(false, std::memory_order_relaxed);
       }
     });
     *half = all_half.load();
+    parallel_for(threads, tiles, [&](int64_t begin, int64_t end) {
+      const int64_t from = begin * kLanes * groups, at = begin * groups * repeats * 2 * kLanes;
+      const int64_t rows = (end - begin) * kLanes;
+      if (*half) {
+        lay_out_scales(scales + from, biases + from, halves + at, rows, groups, repeats);
+      } else {
+        lay_out_scales(scales + from, biases + from, floats + at, rows, groups, repeats);
+      }
+    });
   });
 }
 

@@ -172,11 +172,8 @@ def _pack_rows(
     words = weight if weight.dtype == mx.uint32 else weight.astype(mx.uint32)
     tiled = native.tile_weights(words, bits, dot, threads)
     repeats = group_size // scale_group(group_size)
-    both, fits_half = native.tile_scale_pairs(
+    halves, floats, half = native.tile_scale_pairs(
         scales.astype(mx.float32), biases.astype(mx.float32), repeats, round_scales, threads
     )
-    mx.eval(tiled, both, fits_half)
-    if fits_half.item():
-        both = both.astype(mx.float16)
-        mx.eval(both)
-    return Packed(tiled, both, bits, dot, precise)
+    mx.eval(tiled, halves, floats, half)
+    return Packed(tiled, halves if half.item() else floats, bits, dot, precise)

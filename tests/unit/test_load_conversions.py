@@ -77,6 +77,37 @@ def test_scales_stay_float16_only_where_every_value_is_one() -> None:
     assert kernels.pack(weight, scales, halves[1], 32, 4).scale_bias.dtype == mx.float32
 
 
+def test_scales_rounded_to_float16_as_numpy_rounds_them() -> None:
+    # Magnitudes from below float16's least subnormal to its largest value, and exact ties
+    # (to even), written as float16 by the tiling itself: bit for bit numpy's rounding.
+    rng = np.random.default_rng(5)
+    rows, groups = 32, 64
+    values = np.sign(rng.standard_normal((rows, groups))) * 2.0 ** rng.uniform(
+        -27, 15.9, (rows, groups)
+    )
+    values[0, :10] = [
+        2**-25,
+        3 * 2**-25,
+        2**-24 * 1.5,
+        1 + 2**-11,
+        1 + 3 * 2**-11,
+        2**-14 * (1 - 2**-11),
+        65504,
+        65519,
+        -0.0,
+        0,
+    ]
+    values = values.astype(np.float32)
+    scales, biases = mx.array(values), mx.array(np.ascontiguousarray(values[::-1]))
+    weight = mx.zeros((rows, groups * 32 * 4 // 32), mx.uint32)
+    packed = kernels.pack_dot(weight, scales, biases, 32, 4, round_scales=True)
+    assert packed.scale_bias.dtype == mx.float16
+    both = np.stack([np.asarray(scales), np.asarray(biases)]).reshape(2, rows // LANES, LANES, -1)
+    expected = both.transpose(1, 3, 0, 2).astype(np.float16)
+    got = np.asarray(packed.scale_bias)
+    np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
 @pytest.mark.parametrize(
     "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K], ids=lambda q: q.name
 )
