@@ -27,9 +27,11 @@ mlx::core::array tile_weights(const mlx::core::array& weight, int bits, bool dot
 // the width the kernels run: uint32 [rows, words * width / bits]. On `threads` threads.
 mlx::core::array widen_weights(const mlx::core::array& weight, int bits, int width, int threads);
 
-// float32 scales and biases [rows, groups] → float32 [rows / 16, groups * repeats, 2, 16]: per tile
-// and packed group its 16 scales then its 16 biases, each group's pair repeated `repeats` times (a
-// group the kernels step as several); and a bool scalar: whether every value is a float16 exactly.
+// float32 scales and biases [rows, groups] → [rows / 16, groups * repeats, 2, 16]: per tile and
+// packed group its 16 scales then its 16 biases, each group's pair repeated `repeats` times (a
+// group the kernels step as several). Three outputs: that layout in float16, in float32, and a
+// bool scalar saying which was written: float16 where every value is one exactly (`rounded`:
+// rounds to a finite one, to nearest even), else float32.
 std::vector<mlx::core::array> tile_scales(
     const mlx::core::array& scales,
     const mlx::core::array& biases,
