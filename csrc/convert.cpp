@@ -191,34 +191,8 @@ bool all_fit_half(const float* scales, const float* biases, int64_t count, bool 
   return half;
 }
 
-// `value` as a float16's bits, rounded to nearest even; |value| < 65520 (no infinities).
-inline uint16_t half_bits(float value) {
-  uint32_t x;
-  std::memcpy(&x, &value, sizeof x);
-  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7FFFFFFFu;
-  if (x >= 0x38800000u) {  // a normal float16 (from 2^-14): rebias, keep 10 mantissa bits
-    const uint32_t kept = (x - 0x38000000u) >> 13, rest = x & 0x1FFFu;
-    return sign | static_cast<uint16_t>(kept + (rest > 0x1000u || (rest == 0x1000u && (kept & 1u))));
-  }
-  if (x < 0x33000000u) {  // under half the least float16 (2^-25): zero
-    return sign;
-  }
-  // A subnormal float16: the value in steps of 2^-24 (a carry makes it the least normal).
-  const int shift = 126 - static_cast<int>(x >> 23);
-  const uint32_t mantissa = (x & 0x7FFFFFu) | 0x800000u, kept = mantissa >> shift;
-  const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-  return sign | static_cast<uint16_t>(kept + (rest > halfway || (rest == halfway && (kept & 1u))));
-}
-
-inline float as_stored(float value, float*) {
-  return value;
-}
-inline uint16_t as_stored(float value, uint16_t*) {
-  return half_bits(value);
-}
-
-// `rows` rows of scales and biases as tile_scales lays them out, as float32 or float16 bits.
+// `rows` rows of scales and biases as tile_scales lays them out, as float32 or float16 (MLX's
+// conversion: rounded to nearest even).
 template <typename T>
 void lay_out_scales(
     const float* scales,
@@ -233,8 +207,8 @@ void lay_out_scales(
         T* out = dst + ((tile * groups + g) * repeats + r) * 2 * kLanes;
         for (int lane = 0; lane < kLanes; ++lane) {
           const int64_t at = (tile * kLanes + lane) * groups + g;
-          out[lane] = as_stored(scales[at], out);
-          out[kLanes + lane] = as_stored(biases[at], out);
+          out[lane] = static_cast<T>(scales[at]);
+          out[kLanes + lane] = static_cast<T>(biases[at]);
         }
       }
     }
@@ -347,7 +321,7 @@ void TileScales::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   // Only the layout written is touched: the other output's pages are never faulted in.
   encoder.dispatch([scales = rows<float>(inputs[0], encoder),
                     biases = rows<float>(inputs[1], encoder),
-                    halves = outputs[0].data<uint16_t>(),
+                    halves = outputs[0].data<mx::float16_t>(),
                     floats = outputs[1].data<float>(),
                     half = outputs[2].data<bool>(),
                     tiles = int64_t{inputs[0].shape(0)} / kLanes,
