@@ -337,7 +337,8 @@ def _ttft(result: LevelResult | None) -> str:
 
 
 def print_comparison(levels: list[int], runs: dict[str, ServerRun], label: str) -> None:
-    """One row per level: each server's tok/s, TTFT p50/p95, failures, and mlxd's ratio."""
+    """One row per level: each server's tok/s, completion tokens a request, TTFT p50/p95,
+    failures, and mlxd's ratio."""
     by_level = {
         name: {r.concurrency: r for r in (run.results or {}).get(label, [])}
         for name, run in runs.items()
@@ -347,7 +348,7 @@ def print_comparison(levels: list[int], runs: dict[str, ServerRun], label: str) 
     print(f"\nsampling: {label}")
     header = f"{'conc':>4}"
     for name in names:
-        header += f" | {name + ' tok/s':>15} | {'TTFT p50/p95':>13} | {'fail':>5}"
+        header += f" | {name + ' tok/s':>15} | {'tok/req':>7} | {'TTFT p50/p95':>13} | {'fail':>5}"
     for peer in peers if "mlxd" in runs else []:
         header += f" | {'mlxd/' + peer:>14}"
     print(header)
@@ -355,7 +356,8 @@ def print_comparison(levels: list[int], runs: dict[str, ServerRun], label: str) 
         row = f"{level:>4}"
         for name in names:
             r = by_level[name].get(level)
-            row += f" | {f'{r.tokens_per_s:.1f}' if r else '-':>15} | {_ttft(r):>13}"
+            row += f" | {f'{r.tokens_per_s:.1f}' if r else '-':>15}"
+            row += f" | {f'{r.tokens_per_request:.1f}' if r else '-':>7} | {_ttft(r):>13}"
             row += f" | {f'{r.failed}/{r.requests}' if r else '-':>5}"
         ours = by_level.get("mlxd", {}).get(level)
         for peer in peers if "mlxd" in runs else []:

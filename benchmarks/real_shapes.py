@@ -228,13 +228,17 @@ def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
             f"{name:<12} {_seconds(run.first_load_s):>11} {_seconds(run.cached_load_s):>12} "
             f"{_gib(run.load_rss):>11} GiB {_gib(run.first_load_rss):>5} GiB"
         )
-    print(f"\n{'server':<12} {'C':>3} {'tok/s':>7} {'TTFT p50':>9} {'fail':>5} {'peak RSS':>12}")
+    print(
+        f"\n{'server':<12} {'C':>3} {'tok/s':>7} {'tok/req':>7} {'TTFT p50':>9} {'fail':>5} "
+        f"{'peak RSS':>12}"
+    )
     for name, run in runs.items():
         for level in levels:
             r = run.results.get(level)
             ttft = "-" if r is None or r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}s"
             print(
-                f"{name:<12} {level:>3} {f'{r.tokens_per_s:.1f}' if r else '-':>7} {ttft:>9} "
+                f"{name:<12} {level:>3} {f'{r.tokens_per_s:.1f}' if r else '-':>7} "
+                f"{f'{r.tokens_per_request:.1f}' if r else '-':>7} {ttft:>9} "
                 f"{f'{r.failed}/{r.requests}' if r else '-':>5} "
                 f"{_gib(run.level_rss.get(level)):>8} GiB"
             )

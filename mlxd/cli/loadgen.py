@@ -78,6 +78,12 @@ class LevelResult:
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def tokens_per_request(self) -> float:
+        """Completion tokens of an answered request, on average: a server that stops early
+        (an end-of-sequence token, a stop string) shows here, not as speed."""
+        return self.completion_tokens / self.ok if self.ok else 0.0
+
 
 def percentile(values: list[float], pct: float) -> float | None:
     """Linear-interpolated percentile (pct in 0..100); None when there is nothing to rank."""
@@ -256,14 +262,14 @@ def format_seconds(value: float | None) -> str:
 
 
 def print_results(results: list[LevelResult]) -> None:
-    header = f"{'conc':>4} {'reqs':>5} {'ok':>4} {'fail':>4} {'tok/s':>8} {'ttft p50':>9} "
-    header += f"{'ttft p95':>9} {'wall':>8}"
+    header = f"{'conc':>4} {'reqs':>5} {'ok':>4} {'fail':>4} {'tok/s':>8} {'tok/req':>8} "
+    header += f"{'ttft p50':>9} {'ttft p95':>9} {'wall':>8}"
     print(header)
     for r in results:
         print(
             f"{r.concurrency:>4} {r.requests:>5} {r.ok:>4} {r.failed:>4} {r.tokens_per_s:>8.1f} "
-            f"{format_seconds(r.ttft_p50_s):>9} {format_seconds(r.ttft_p95_s):>9} "
-            f"{r.wall_s:>7.1f}s"
+            f"{r.tokens_per_request:>8.1f} {format_seconds(r.ttft_p50_s):>9} "
+            f"{format_seconds(r.ttft_p95_s):>9} {r.wall_s:>7.1f}s"
         )
     for r in results:
         for message, count in r.errors.items():

@@ -105,6 +105,9 @@ def test_bench_prints_a_sweep(daemon: Daemon):
     lines = result.stdout.splitlines()
     assert lines[0].split()[:4] == ["conc", "reqs", "ok", "fail"]
     assert [line.split()[:4] for line in lines[1:3]] == [["1", "2", "2", "0"], ["2", "2", "2", "0"]]
+    # Completion tokens an answered request: a server that stops early shows here.
+    assert lines[0].split()[5] == "tok/req"
+    assert all(0 < float(line.split()[5]) <= 3 for line in lines[1:3])
 
 
 def states(daemon: Daemon) -> dict[str, str]:
