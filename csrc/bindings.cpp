@@ -188,8 +188,11 @@ NB_MODULE(_cpu, m) {
       "down_bits"_a,
       "dot"_a,
       "precise"_a,
-      "A SwiGLU MLP as one op: down(silu(g) * u) for [g | u] = gate_up(x), both matrices packed "
-      "as qmatmul takes them.");
+      "norm_weight"_a.none(),
+      "eps"_a,
+      "residual"_a,
+      "A SwiGLU MLP as one op: [x +] down(silu(g) * u) for [g | u] = gate_up(rms_norm(x)) (no "
+      "norm where norm_weight is None), both matrices packed as qmatmul takes them.");
   m.def(
       "rope",
       &mlxd::rope,

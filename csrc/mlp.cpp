@@ -1,11 +1,12 @@
-// A SwiGLU MLP on packed weights as one MLX op: the gate and up projections (one packed matrix,
-// their rows one after the other), the SwiGLU and the down projection in one dispatched task.
+// A SwiGLU MLP on packed weights as one MLX op: the norm before it, the gate and up projections
+// (one packed matrix, their rows one after the other), the SwiGLU, the down projection and the
+// residual sum, in one dispatched task.
 //
-// At one decode row a small model's MLP is a few µs of arithmetic a layer, and each MLX op costs
-// its dispatch, its output's allocation and (with two threads) a wake of the kernels' threads:
-// as four ops SmolLM2's 30 MLPs were 120 graph nodes of a decode step, built in Python and
-// dispatched one by one. The arithmetic is the separate ops', in their order, so the result is
-// the same to the bit.
+// At one decode row a small model's MLP is a few µs of arithmetic a layer, and each MLX op
+// around it costs its dispatch, its output's allocation and (with two threads) a wake of the
+// kernels' threads: as five ops SmolLM2's 30 MLPs were 150 graph nodes of a decode step, built in
+// Python and dispatched one by one. The arithmetic is the separate ops', in their order, so the
+// result is the same to the bit.
 #include "mlp.h"
 
 #include <stdexcept>
@@ -27,7 +28,10 @@ mx::array packed_mlp(
     const mx::array& down_scale_bias,
     int down_bits,
     bool dot,
-    bool precise) {
+    bool precise,
+    const std::optional<mx::array>& norm_weight,
+    float eps,
+    bool residual) {
   const char* disagree = "packed_mlp: shapes of x, gate_up, down and their scales do not agree";
   for (int bits : {gate_up_bits, down_bits}) {
     if (bits != 4 && bits != 8) {
@@ -48,11 +52,19 @@ mx::array packed_mlp(
     throw std::invalid_argument(disagree);
   }
   auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{x, gate_up, gate_up_scale_bias, down, down_scale_bias};
+  if (norm_weight) {
+    if (norm_weight->ndim() != 1 || norm_weight->shape(0) != K) {
+      throw std::invalid_argument("packed_mlp: a norm weight [K]");
+    }
+    inputs.push_back(mx::astype(*norm_weight, mx::float32, stream));
+  }
   return mx::array(
       x.shape(),
       mx::float32,
-      std::make_shared<PackedMLP>(stream, gate_up_bits, down_bits, dot, precise),
-      {x, gate_up, gate_up_scale_bias, down, down_scale_bias});
+      std::make_shared<PackedMLP>(
+          stream, gate_up_bits, down_bits, dot, precise, norm_weight.has_value(), eps, residual),
+      std::move(inputs));
 }
 
 void PackedMLP::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -62,29 +74,47 @@ void PackedMLP::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   const int M = static_cast<int>(x.size() / K);
   const Operand gate_up = operand(inputs[1], inputs[2], bits_, encoder);
   const Operand down = operand(inputs[3], inputs[4], down_bits_, encoder);
-  // The gate and up projections' outputs, the SwiGLU written over them.
-  mx::array scratch({M, gate_up.N}, mx::float32, nullptr, {});
-  scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
-  encoder.add_temporary(scratch);
+  // The normed x, then the gate and up projections' outputs, the SwiGLU written over them.
+  auto scratch = [&](int width) {
+    mx::array a({M, width}, mx::float32, nullptr, {});
+    a.set_data(mx::allocator::malloc(a.nbytes()));
+    encoder.add_temporary(a);
+    return a.data<float>();
+  };
   encoder.dispatch([xp = rows<float>(x, encoder),
-                    hidden = scratch.data<float>(),
+                    weight = norm_ ? rows<float>(inputs[5], encoder) : nullptr,
+                    normed = norm_ ? scratch(K) : nullptr,
+                    hidden = scratch(gate_up.N),
                     yp = outputs[0].data<float>(),
                     gate_up,
                     down,
                     M,
+                    K,
+                    eps = eps_,
+                    residual = residual_,
                     dot = dot_,
                     precise = precise_,
                     threads = threads_on(stream(), M)]() {
-    multiply(xp, gate_up, hidden, M, dot, precise, threads);
+    const Kernels& run = kernels();
+    const float* in = xp;
+    if (weight != nullptr) {
+      run.rms_norm(xp, weight, normed, M, K, eps);
+      in = normed;
+    }
+    multiply(in, gate_up, hidden, M, dot, precise, threads);
     // Row r's gate and up halves sit at [2 I r, 2 I (r + 1)); its SwiGLU goes to [I r, I (r + 1)),
     // at or below them: row 0 in place element by element, later rows over rows already read.
     const int inner = gate_up.N / 2;
-    const auto swiglu = kernels().swiglu;
     for (int r = 0; r < M; ++r) {
       const float* row = hidden + size_t(r) * gate_up.N;
-      swiglu(row, row + inner, hidden + size_t(r) * inner, inner);
+      run.swiglu(row, row + inner, hidden + size_t(r) * inner, inner);
     }
     multiply(hidden, down, yp, M, dot, precise, threads);
+    if (residual) {
+      for (size_t i = 0; i < size_t(M) * K; ++i) {
+        yp[i] += xp[i];
+      }
+    }
   });
 }
 

@@ -204,13 +204,21 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return result
 
 
-def packed_mlp(x: mx.array, gate_up: Packed, down: Packed) -> mx.array:
-    """A SwiGLU MLP as one op (csrc/mlp.cpp): down(silu(g) * u) for [g | u] = gate_up(x).
-    float32 x [..., K]; gate_up [2 I, K] (the gate's rows first) and down [K, I], both in one of
-    the two layouts (`dot`, `precise` alike); the same numbers as the ops apart."""
+def packed_mlp(
+    x: mx.array,
+    gate_up: Packed,
+    down: Packed,
+    norm: tuple[mx.array, float] | None = None,
+    residual: bool = False,
+) -> mx.array:
+    """A SwiGLU MLP as one op (csrc/mlp.cpp): down(silu(g) * u) for [g | u] = gate_up(x), with
+    x first normed by RMSNorm where `norm` is its (weight, eps), and x added to the result with
+    `residual`. float32 x [..., K]; gate_up [2 I, K] (the gate's rows first) and down [K, I],
+    both in one of the two layouts (`dot`, `precise` alike); the same numbers as the ops apart."""
+    weight, eps = norm if norm is not None else (None, 0.0)
     result: mx.array = _module().packed_mlp(
         x, gate_up.weight, gate_up.scale_bias, gate_up.bits, down.weight, down.scale_bias,
-        down.bits, gate_up.dot, gate_up.precise,
+        down.bits, gate_up.dot, gate_up.precise, weight, eps, residual,
     )  # fmt: skip
     return result
 

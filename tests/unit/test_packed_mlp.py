@@ -1,6 +1,6 @@
 """A SwiGLU MLP on packed weights as one kernel call (csrc/mlp.cpp): the same numbers, to the
-bit, as its ops run one by one (gate and up, SwiGLU, down), on every ISA variant this CPU runs,
-at one decode row, a register pass of several and a buffered prefill pass."""
+bit, as its ops run one by one (norm, gate and up, SwiGLU, down, residual), on every ISA variant
+this CPU runs, at one decode row, a register pass of several and a buffered prefill pass."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ def _linear(
     )
 
 
-def _apart(x: mx.array, gate: Packed, up: Packed, down: Packed) -> mx.array:
-    return kernels.qmatmul(kernels.swiglu(kernels.qmatmul(x, gate), kernels.qmatmul(x, up)), down)
+def _apart(x: mx.array, gate: Packed, up: Packed, down: Packed, norm, residual: bool) -> mx.array:
+    h = kernels.rms_norm(x, *norm) if norm is not None else x
+    y = kernels.qmatmul(kernels.swiglu(kernels.qmatmul(h, gate), kernels.qmatmul(h, up)), down)
+    return x + y if residual else y
 
 
 @pytest.mark.parametrize(("dot", "precise"), LAYOUTS)
@@ -43,12 +45,15 @@ def test_one_call_computes_the_ops_apart_on_each_isa(
     down = _linear(hidden, inner, down_bits, group, dot, precise)
     gate_up = fuse([gate, up])
     assert gate_up is not None
+    norm = (mx.random.uniform(0.5, 1.5, (hidden,)), 1e-5)
     for rows in (1, 5, 40):  # one decode row, a register pass, a buffered pass
         x = mx.random.normal((rows, 1, hidden))
-        one = kernels.packed_mlp(x, gate_up.packed, down.packed)
-        assert one.shape == x.shape and one.dtype == mx.float32
-        apart = _apart(x, gate.packed, up.packed, down.packed)
-        assert mx.array_equal(one, apart).item(), (kernel_isa, rows)
+        for with_norm, residual in ((False, False), (True, True), (True, False)):
+            used = norm if with_norm else None
+            one = kernels.packed_mlp(x, gate_up.packed, down.packed, used, residual)
+            apart = _apart(x, gate.packed, up.packed, down.packed, used, residual)
+            assert one.shape == x.shape and one.dtype == mx.float32
+            assert mx.array_equal(one, apart).item(), (kernel_isa, rows, with_norm, residual)
 
 
 def test_one_call_at_a_billion_weights_shape(kernel_isa: str) -> None:
@@ -65,8 +70,8 @@ def test_one_call_at_a_billion_weights_shape(kernel_isa: str) -> None:
     assert gate_up is not None and gate_up.packed.scale_bias.dtype == mx.float16
     for rows in (1, 40):
         x = mx.random.normal((rows, 2048))
-        one = kernels.packed_mlp(x, gate_up.packed, down)
-        assert mx.array_equal(one, _apart(x, gate.packed, up.packed, down)).item(), rows
+        one = kernels.packed_mlp(x, gate_up.packed, down, None, True)
+        assert mx.array_equal(one, _apart(x, gate.packed, up.packed, down, None, True)).item()
 
 
 def test_disagreeing_shapes_are_refused() -> None:
@@ -80,5 +85,7 @@ def test_disagreeing_shapes_are_refused() -> None:
         kernels.packed_mlp(
             mx.zeros((1, 128)), gate_up.packed, _linear(128, 128, 4, 32, False, True).packed
         )
+    with pytest.raises(ValueError, match="norm weight"):
+        kernels.packed_mlp(mx.zeros((1, 128)), gate_up.packed, down.packed, (mx.ones((64,)), 1e-5))
     with pytest.raises(ValueError, match="float32 x"):
         kernels.packed_mlp(mx.zeros((1, 128), dtype=mx.float16), gate_up.packed, down.packed)
