@@ -15,7 +15,6 @@
 #include "gather_qmatmul.h"
 #include "kernels.h"
 #include "mapped.h"
-#include "mlp.h"
 #include "qmatmul.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -176,23 +175,6 @@ NB_MODULE(_cpu, m) {
       "gate"_a,
       "x"_a,
       "silu(gate) * x for float32 gate and x of one shape, with the rational SiLU.");
-  m.def(
-      "packed_mlp",
-      &mlxd::packed_mlp,
-      "x"_a,
-      "gate_up"_a,
-      "gate_up_scale_bias"_a,
-      "gate_up_bits"_a,
-      "down"_a,
-      "down_scale_bias"_a,
-      "down_bits"_a,
-      "dot"_a,
-      "precise"_a,
-      "norm_weight"_a.none(),
-      "eps"_a,
-      "residual"_a,
-      "A SwiGLU MLP as one op: [x +] down(silu(g) * u) for [g | u] = gate_up(rms_norm(x)) (no "
-      "norm where norm_weight is None), both matrices packed as qmatmul takes them.");
   m.def(
       "rope",
       &mlxd::rope,

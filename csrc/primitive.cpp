@@ -57,54 +57,41 @@ void PackedPrimitive::check_weights(
   }
 }
 
-PackedPrimitive::Operand PackedPrimitive::operand(
-    const mx::array& w,
-    const mx::array& scale_bias,
-    int bits,
-    mx::cpu::CommandEncoder& encoder) {
-  const int K = w.shape(1) * 8 / bits;
-  const bool half = scale_bias.dtype() == mx::float16;
-  const void* sb = half ? static_cast<const void*>(rows<uint16_t>(scale_bias, encoder))
-                        : static_cast<const void*>(rows<float>(scale_bias, encoder));
-  return {rows<uint8_t>(w, encoder), sb, half, w.shape(0), K, bits, group(K, scale_bias)};
-}
-
-void PackedPrimitive::multiply(const float* x, const Operand& a, float* y, int M, bool dot,
-                               bool precise, int threads) {
-  const Kernels& run = kernels();
-  if (a.half) {
-    const auto* sb = static_cast<const uint16_t*>(a.scale_bias);
-    if (dot) {
-      run.qdot_f16(x, a.w, sb, y, M, a.N, a.K, a.bits, a.group, precise, threads);
-    } else {
-      run.qmatmul_f16(x, a.w, sb, y, M, a.N, a.K, a.bits, a.group, threads);
-    }
-  } else {
-    const auto* sb = static_cast<const float*>(a.scale_bias);
-    if (dot) {
-      run.qdot_f32(x, a.w, sb, y, M, a.N, a.K, a.bits, a.group, precise, threads);
-    } else {
-      run.qmatmul_f32(x, a.w, sb, y, M, a.N, a.K, a.bits, a.group, threads);
-    }
-  }
-}
-
 void QMatmul::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scale_bias = inputs[2];
   auto& encoder = prepare(inputs, outputs);
+  auto& y = outputs[0];
   const int K = x.shape(-1);
   const int M = static_cast<int>(x.size() / K);
-  encoder.dispatch([xp = rows<float>(x, encoder),
-                    a = operand(inputs[1], inputs[2], bits_, encoder),
-                    yp = outputs[0].data<float>(),
-                    M,
-                    dot = dot_,
-                    precise = precise_,
-                    threads = threads_on(stream(), M)]() {
-    multiply(xp, a, yp, M, dot, precise, threads);
-  });
+  const int N = w.shape(0);
+  const float* xp = rows<float>(x, encoder);
+  const uint8_t* wp = rows<uint8_t>(w, encoder);
+  float* yp = y.data<float>();
+  const int bits = bits_, group = PackedPrimitive::group(K, scale_bias);
+  const int threads = threads_on(stream(), M);
+  const bool dot = dot_, precise = precise_;
+  const Kernels& run = kernels();
+  if (scale_bias.dtype() == mx::float16) {
+    encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
+      if (dot) {
+        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, group, precise, threads);
+      } else {
+        run.qmatmul_f16(xp, wp, sp, yp, M, N, K, bits, group, threads);
+      }
+    });
+  } else {
+    encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
+      if (dot) {
+        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, group, precise, threads);
+      } else {
+        run.qmatmul_f32(xp, wp, sp, yp, M, N, K, bits, group, threads);
+      }
+    });
+  }
 }
 
 }  // namespace mlxd

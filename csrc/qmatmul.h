@@ -47,25 +47,6 @@ class PackedPrimitive : public CpuPrimitive {
     return bits_ == same.bits_ && dot_ == same.dot_ && precise_ == same.precise_;
   }
 
-  // One packed matrix among a primitive's inputs, as the kernels take it.
-  struct Operand {
-    const uint8_t* w;
-    const void* scale_bias;  // float32, or float16 bits where `half`
-    bool half;
-    int N, K, bits, group;
-  };
-
-  // w [N, K * bits / 8] and its scale_bias (registered with `encoder` by `prepare`).
-  static Operand operand(
-      const mlx::core::array& w,
-      const mlx::core::array& scale_bias,
-      int bits,
-      mlx::core::cpu::CommandEncoder& encoder);
-
-  // y[M, N] = x[M, K] @ dequantize(a)^T on the variant in use (inside a dispatched task).
-  static void multiply(const float* x, const Operand& a, float* y, int M, bool dot, bool precise,
-                       int threads);
-
  protected:
   int bits_;
   bool dot_;

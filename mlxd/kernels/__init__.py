@@ -42,8 +42,8 @@ ISA_ENV = "MLXD_KERNELS_ISA"
 # Every binding this package calls: a module without one was built from older sources.
 _BINDINGS = (
     "assemble_kv", "attention", "built_isas", "empty", "gather_qmatmul", "integer_dot", "isa",
-    "map_file_arrays", "packed_mlp", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul",
-    "rms_norm", "rope", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
+    "map_file_arrays", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul", "rms_norm",
+    "rope", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
     "threads_for_rows", "tile_scale_pairs", "tile_weights", "to_affine", "use_isa", "widen_weights",
 )  # fmt: skip
 
@@ -201,25 +201,6 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x for float32 gate and x of one shape, with models.activations' rational
     SiLU: one graph node where the compiled form is five."""
     result: mx.array = _module().swiglu(gate, x)
-    return result
-
-
-def packed_mlp(
-    x: mx.array,
-    gate_up: Packed,
-    down: Packed,
-    norm: tuple[mx.array, float] | None = None,
-    residual: bool = False,
-) -> mx.array:
-    """A SwiGLU MLP as one op (csrc/mlp.cpp): down(silu(g) * u) for [g | u] = gate_up(x), with
-    x first normed by RMSNorm where `norm` is its (weight, eps), and x added to the result with
-    `residual`. float32 x [..., K]; gate_up [2 I, K] (the gate's rows first) and down [K, I],
-    both in one of the two layouts (`dot`, `precise` alike); the same numbers as the ops apart."""
-    weight, eps = norm if norm is not None else (None, 0.0)
-    result: mx.array = _module().packed_mlp(
-        x, gate_up.weight, gate_up.scale_bias, gate_up.bits, down.weight, down.scale_bias,
-        down.bits, gate_up.dot, gate_up.precise, weight, eps, residual,
-    )  # fmt: skip
     return result
 
 

@@ -14,8 +14,6 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxd import kernels
-from mlxd.models.fused import fuse
-from mlxd.models.packed import PackedLinear
 
 # Eigen's generic_fast_erf_float: erf(z) = z · P(z²) / Q(z²) on [-4, 4] (±1 beyond).
 _P = (
@@ -134,45 +132,14 @@ def swiglu_cpu(gate: mx.array, x: mx.array) -> mx.array:
 
 class RationalSwiGLU(nn.Module):
     """An mlx-lm SwiGLU MLP (the same three projections, so the same parameter names) whose
-    forward uses the rational SiLU.
-
-    Where all three projections are packed alike, gate and up run as one `gate_up_proj`
-    (models/fused.py) and the whole MLP as one kernel call (csrc/mlp.cpp: four ops and their
-    dispatches a layer at one decode row, for a few µs of arithmetic at SmolLM2's size), until
-    `split_projections` gives them back: a LoRA adapter attaches to them by name.
-    """
+    forward uses the rational SiLU."""
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.down_proj = mlp.down_proj
-        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if _one_call(mlp) else None
-        if gate_up is None:
-            self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
-        else:
-            self.gate_up_proj = gate_up
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
     def __call__(self, x: mx.array) -> mx.array:
-        # Read once: split_projections may remove it from another thread meanwhile.
-        gate_up = self.get("gate_up_proj")
-        if gate_up is None:
-            return self.down_proj(swiglu_cpu(self.gate_proj(x), self.up_proj(x)))
-        return kernels.packed_mlp(x.astype(mx.float32), gate_up.packed, self.down_proj.packed)
-
-    def split_projections(self) -> None:
-        """gate and up as layers of their own again, in place before the fused one goes (a
-        forward pass on another thread sees one or the other)."""
-        if "gate_up_proj" in self:
-            self.gate_proj, self.up_proj = self.gate_up_proj.split()
-            del self["gate_up_proj"]
-
-
-def _one_call(mlp: nn.Module) -> bool:
-    """Whether `mlp`'s projections are all packed linears without a bias in one of the two
-    layouts (their widths and scales may differ: a Q4_K_M's down projection is 6-bit)."""
-    layers = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return all(type(layer) is PackedLinear and "bias" not in layer for layer in layers) and (
-        len({(layer.dot, layer.precise) for layer in layers}) == 1
-    )
+        return self.down_proj(swiglu_cpu(self.gate_proj(x), self.up_proj(x)))
 
 
 def use_rational_swiglu(model: nn.Module) -> int:

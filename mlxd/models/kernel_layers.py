@@ -25,7 +25,6 @@ from mlx_lm.utils import MODEL_REMAPPING
 
 from mlxd import kernels
 from mlxd.accel import backend_name
-from mlxd.models.activations import RationalSwiGLU
 from mlxd.models.fused import fuse
 
 # mlx-lm model modules (mlx_lm.models.<name>) whose attention is standard (see
@@ -251,10 +250,10 @@ class KernelAttention(nn.Module):
 
 
 def split_fused_projections(model: nn.Module) -> None:
-    """Every fused projection of `model` (q/k/v: KernelAttention; gate/up: RationalSwiGLU) as
-    separate layers again: a LoRA adapter attaches to them by name."""
+    """Every fused q/k/v projection of `model` as separate layers again (see KernelAttention):
+    a LoRA adapter attaches to them by name."""
     for _, module in model.named_modules():
-        if isinstance(module, KernelAttention | RationalSwiGLU):
+        if isinstance(module, KernelAttention):
             module.split_projections()
 
 
