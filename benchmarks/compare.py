@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mlxd speculative tokens: {args.speculative_tokens or 'off'}")
     print(f"mlxd cpu_activations: {args.cpu_activations}")
     print(f"sampling: {', '.join(f'{k} {dict(SAMPLING[k])}' for k in args.sampling)}")
-    print(f"CPU: {cpu_model()}", flush=True)
+    print(machine(), flush=True)
 
     runs: dict[str, ServerRun] = {}
     for name in SERVERS:
@@ -487,6 +487,33 @@ def cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+# The CPU flags that decide which kernel variant can run (x86 `flags`, aarch64 `Features`).
+ISA_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+    "asimd", "asimddp", "sve",
+)  # fmt: skip
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return " ".join(flag for flag in ISA_FLAGS if flag in present)
+    except OSError:
+        pass
+    return "unknown"
+
+
+def machine() -> str:
+    """What to print beside every figure: the CPU model, its ISA flags, its cores and the
+    kernels' variant the servers' environment dispatches to."""
+    from mlxd import kernels
+
+    variant = kernels.isa() if kernels.available() else "not built"
+    return f"CPU: {cpu_model()}; flags: {cpu_flags()}; {os.cpu_count()} cores; kernels: {variant}"
 
 
 if __name__ == "__main__":

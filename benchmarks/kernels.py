@@ -109,33 +109,6 @@ def step_ms(model, batch: int, context: int, rounds: int) -> float:
     return statistics.median(times)
 
 
-# The CPU flags that decide which kernel variant can run.
-ISA_FLAGS = [
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx_vnni",
-    "asimd",
-    "asimddp",
-    "sve",
-]
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                present = set(line.split(":", 1)[1].split())
-                return " ".join(flag for flag in ISA_FLAGS if flag in present)
-    except OSError:
-        pass
-    return "unknown"
-
-
 # (op, N outputs, K inputs, bits): SmolLM2-135M's matmuls (its tied head 8-bit, as its GGUF
 # and MLX quantization keep it) and Llama-3.2-1B's (MLP N = 8,192, head N = 128,256).
 DOT_SHAPES = [
@@ -346,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     ensure_optimized_blas("benchmarks.kernels")
 
-    from benchmarks.compare import cpu_model, resolve_model_dir
+    from benchmarks.compare import machine, resolve_model_dir
     from mlxd import kernels
     from mlxd.accel import describe
     from mlxd.models.loader import load_llm
@@ -360,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = kernels.isa()
     isas = args.isas.split(",") if args.isas else kernels.isas()
     print(describe())
-    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
-    print(f"CPU flags: {cpu_flags()}; threads: {args.threads or 'every core'}")
+    print(f"{machine()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"threads: {args.threads or 'every core'}")
     print(
         f"kernel ISAs: built {kernels.built_isas()}, this CPU runs {kernels.isas()}; "
         f"the dispatch chose {chosen}"

@@ -36,6 +36,7 @@ from benchmarks.compare import (  # noqa: E402
     free_port,
     gguf_path,
     llama_command,
+    machine,
     resolve_model_dir,
     running_server,
     server_env,
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     workdir = Path(tempfile.mkdtemp(prefix="prefix-bench-"))
+    print(machine())
     print(f"model dir: {model_dir}; ~{args.system_tokens}-token system prompt", flush=True)
     servers = {
         "mlxd": (lambda port: mlxd_command(model_dir, port, workdir), MODEL_NAME),

@@ -248,14 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch1", action="store_true", help="also compare weight formats")
     args = parser.parse_args(argv)
 
-    from benchmarks.compare import cpu_model, resolve_model_dir
+    from benchmarks.compare import machine, resolve_model_dir
     from mlxd.accel import describe
     from mlxd.models.loader import load_llm
 
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     loaded = load_llm(model_dir, dtype="float32", model_name="smol")
     print(describe())
-    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+    print(f"{machine()}; load average {os.getloadavg()[0]:.1f}")
     batches = [int(b) for b in args.batches.split(",")]
     if not args.skip_ops:
         tables = {b: op_table(loaded.model, loaded.tokenizer, b, args.context) for b in batches}

@@ -48,10 +48,10 @@ from benchmarks.compare import (  # noqa: E402
     LLAMA_SLOT_TOKENS,
     MODEL_NAME,
     ServerFailed,
-    cpu_model,
     find_llama_server,
     free_port,
     llama_command,
+    machine,
     mlxd_command,
     server_env,
     started_server,
@@ -88,16 +88,6 @@ def peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmHWM for pid {pid}")
-
-
-def cpu_flags() -> str:
-    """The lscpu flags that matter to these kernels."""
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return " ".join(flag for flag in wanted if flag in have)
-    return "unknown"
 
 
 @contextmanager
@@ -301,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.workdir / "runs"
     logs.mkdir(exist_ok=True)
     env = server_env()
-    print(f"CPU: {cpu_model()}; flags: {cpu_flags()}; {os.cpu_count()} cores")
+    print(machine())
     print(f"shape {args.shape}: {gguf} ({gguf.stat().st_size / GIB:.2f} GiB)")
     print(f"LD_PRELOAD (both): {env.get('LD_PRELOAD', '(none)')}")
     print(

@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.compare import cpu_model  # noqa: E402
+from benchmarks.compare import machine  # noqa: E402
 from benchmarks.profile_step import best_ms  # noqa: E402
 from mlxd.accel import ensure_optimized_blas  # noqa: E402
 from mlxd.cli.loadgen import parse_levels, story_prompts  # noqa: E402
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps:
         ensure_optimized_blas("benchmarks.sampling")
-    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+    print(f"{machine()}; load average {os.getloadavg()[0]:.1f}")
     if args.steps:
         step_table(args.batches, args.rounds)
     else:
