@@ -479,16 +479,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if startup_failed else 0
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 # The CPU flags that decide which kernel variant can run (x86 `flags`, aarch64 `Features`).
 ISA_FLAGS = (
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
@@ -496,24 +486,17 @@ ISA_FLAGS = (
 )  # fmt: skip
 
 
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                present = set(line.split(":", 1)[1].split())
-                return " ".join(flag for flag in ISA_FLAGS if flag in present)
-    except OSError:
-        pass
-    return "unknown"
-
-
 def machine() -> str:
     """What to print beside every figure: the CPU model, its ISA flags, its cores and the
     kernels' variant the servers' environment dispatches to."""
     from mlxd import kernels
+    from mlxd.accel import cpu_flags
+    from mlxd.models.cpu_path_timing import cpu_model
 
+    present = cpu_flags()
+    flags = " ".join(flag for flag in ISA_FLAGS if flag in present) if present else "unknown"
     variant = kernels.isa() if kernels.available() else "not built"
-    return f"CPU: {cpu_model()}; flags: {cpu_flags()}; {os.cpu_count()} cores; kernels: {variant}"
+    return f"CPU: {cpu_model()}; flags: {flags}; {os.cpu_count()} cores; kernels: {variant}"
 
 
 if __name__ == "__main__":

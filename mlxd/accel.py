@@ -45,12 +45,13 @@ def find_optimized_blas() -> str | None:
 
 
 def cpu_flags() -> set[str]:
+    """The CPU's feature flags: x86's `flags` line of /proc/cpuinfo, aarch64's `Features`."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return set(line.split(":", 1)[1].split())
     return set()
 
