@@ -280,6 +280,10 @@ def _serve(args: argparse.Namespace) -> int:
     # Worker processes inherit the environment: they log at the same level, in the same format.
     os.environ.update(MLXD_LOG_LEVEL=level, MLXD_LOG_FORMAT=fmt)
     log = logging.getLogger("mlxd")
+    # Before the imports below: the first model's worker imports beside them.
+    from mlxd.runtime import spare_worker
+
+    spare_worker.start()
     from mlxd.api.app import create_app, serve
     from mlxd.api.middleware.auth import log_access
     from mlxd.config import load_config
@@ -290,7 +294,10 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(path)
     except ConfigError as exc:
         log.error("invalid config:\n%s", exc.message)
+        spare_worker.discard()
         return 1
+    if config.server.workers == "inline":
+        spare_worker.discard()
     host = args.host or settings.host or config.server.host
     port = args.port or settings.port or config.server.port
     log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(config.models))

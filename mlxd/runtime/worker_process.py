@@ -13,10 +13,9 @@ import asyncio
 import contextlib
 import signal
 import socket
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -24,10 +23,24 @@ from mlxd.config import ModelConfig, ServerConfig
 from mlxd.distributed.launch import LaunchError
 from mlxd.errors import TransientLoadError
 from mlxd.memory_need import MemoryNeed
+from mlxd.runtime import spare_worker
 from mlxd.runtime.rank_group import RankGroup
 from mlxd.runtime.wire import WorkerSpec, read_message, write_message
 
 MakeRoom = Callable[[MemoryNeed], Awaitable[None]]
+
+
+class WorkerProcess(Protocol):
+    """What the daemon uses of a worker's process: asyncio's, or a spare's adopted one."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
 
 
 class WorkerDied(TransientLoadError):
@@ -39,7 +52,7 @@ class StartedWorker:
     """A worker whose model is loaded: its process (mlx.launch for a group of ranks), the
     daemon's end of its socket, its `ready` message and what it said it would hold."""
 
-    process: asyncio.subprocess.Process
+    process: WorkerProcess
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     ready: dict[str, Any]
@@ -54,6 +67,7 @@ async def start_worker(
     its model is loaded. `make_room(need)` runs once the worker knows what it will hold,
     before it loads (raising refuses)."""
     group: RankGroup | None = None
+    process: WorkerProcess
     if config.distributed is not None:
         try:
             group, reader, writer = await RankGroup.launch(name, config.distributed)
@@ -103,26 +117,27 @@ def describe_exit(status: int) -> str:
     return f"exited with status {status}"
 
 
-async def _spawn() -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.StreamWriter]:
-    """`python -m mlxd.worker` on an inherited socket pair; the daemon's end."""
-    parent, child = socket.socketpair()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mlxd.worker",
-        "--fd",
-        str(child.fileno()),
-        pass_fds=(child.fileno(),),
-        stdin=asyncio.subprocess.DEVNULL,
-        # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and then
-        # closes its workers; they never die under requests that are still finishing.
-        start_new_session=True,
-    )
-    child.close()
+async def _spawn() -> tuple[WorkerProcess, asyncio.StreamReader, asyncio.StreamWriter]:
+    """`python -m mlxd.worker` on an inherited socket pair (the spare where there is one:
+    runtime/spare_worker.py); the daemon's end."""
+    process: WorkerProcess
+    if (spare := spare_worker.take()) is not None:
+        process, parent = spare
+    else:
+        parent, child = socket.socketpair()
+        with child:
+            process = await asyncio.create_subprocess_exec(
+                *spare_worker.worker_command(child.fileno()),
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and
+                # then closes its workers; they never die under requests still finishing.
+                start_new_session=True,
+            )
     return process, *await asyncio.open_unix_connection(sock=parent)
 
 
-async def reap(process: asyncio.subprocess.Process) -> None:
+async def reap(process: WorkerProcess) -> None:
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             process.kill()

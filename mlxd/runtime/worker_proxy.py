@@ -28,7 +28,13 @@ from mlxd.models.adapters import adapter_bytes
 from mlxd.runtime.engine import EventStream
 from mlxd.runtime.rank_group import RankGroup
 from mlxd.runtime.wire import read_message, write_message
-from mlxd.runtime.worker_process import describe_exit, process_handle, reap, start_worker
+from mlxd.runtime.worker_process import (
+    WorkerProcess,
+    describe_exit,
+    process_handle,
+    reap,
+    start_worker,
+)
 from mlxd.types import (
     Finished,
     GenerationRequest,
@@ -49,7 +55,7 @@ class WorkerEngine:
         self,
         name: str,
         config: ModelConfig,
-        process: asyncio.subprocess.Process,
+        process: WorkerProcess,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         ready: dict[str, Any],

@@ -218,7 +218,10 @@ async def _load_alone(
 async def _start(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, load: Loader = _load_alone
 ) -> int:
-    spec: WorkerSpec = await read_message(reader)
+    try:
+        spec: WorkerSpec = await read_message(reader)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return 0  # a spare (runtime/spare_worker.py) whose daemon ended before giving it a model
     settings = Settings()  # MLXD_LOG_*, as the daemon resolved them
     setup_logging(settings.log_level, settings.log_format)
     server = ServerHolder(spec.server)

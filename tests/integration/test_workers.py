@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -70,6 +71,30 @@ def test_each_model_runs_in_its_own_process(daemon: Daemon):
         assert rows[name]["rss_bytes"] == pytest.approx(worker.memory_info().rss, rel=0.2)
     # The daemon holds no weights: the worker that holds 538 MB of float32 weights is bigger.
     assert psutil.Process(daemon.process.pid).memory_info().rss < rows["smol"]["rss_bytes"]
+
+
+def test_a_model_takes_the_worker_started_before_the_daemons_imports(daemon: Daemon):
+    """runtime/spare_worker.py: one worker is spawned before the daemon's own imports, and the
+    first model to load runs in it."""
+    taken = re.findall(r"worker pid (\d+) \(started ahead of the first model\) takes", daemon.log())
+    assert len(taken) == 1
+    assert int(taken[0]) in {row["pid"] for row in models(daemon).values()}
+
+
+@pytest.mark.parametrize("workers", ["process", "inline"])
+def test_a_worker_no_model_took_ends_with_the_daemon(
+    workers: str, tmp_path: Path, mlxd_cache_dir: Path
+):
+    config = {"server": {"cache_dir": str(mlxd_cache_dir), "workers": workers}, "models": {}}
+    running = start_daemon(tmp_path, config)
+    try:
+        children = psutil.Process(running.process.pid).children()
+        spares = [p for p in children if "mlxd.worker" in " ".join(p.cmdline())]
+        # Inline models need no worker: the one spawned ahead is gone before the daemon is up.
+        assert len(spares) == (workers == "process")
+    finally:
+        assert running.stop() == 0
+    assert not any(spare.is_running() for spare in spares)
 
 
 async def stream_one(
