@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -28,6 +28,11 @@ class Packed:
     bits: int
     dot: bool = False  # pack_dot's layout: multiplied by integer dot products
     precise: bool = False  # (dot) x as two int8 terms: its rounding's rest as well
+    # Where these are rows [first_row, …) of a bigger matrix in the same layout (a layer's q,
+    # k and v projections kept as one: models/packed_cache.py), that one: views of its memory,
+    # whose fusion (models/fused.py) is that matrix, not a copy.
+    whole: Packed | None = field(default=None, compare=False, repr=False)
+    first_row: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -50,6 +50,8 @@ class PackedLinear(nn.Module):
         if bias is not None:
             self.bias = bias
         self.output_dims, self.input_dims = packed.shape
+        # Not parameters (a Packed is no array tree): what models/fused.py fuses without a copy.
+        self.whole, self.first_row = packed.whole, packed.first_row
 
     @property
     def packed(self) -> Packed:

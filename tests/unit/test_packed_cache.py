@@ -127,6 +127,36 @@ def test_a_cached_load_maps_the_file_until_the_model_goes(model_dir: Path, tmp_p
     assert not _mapped(kept)
 
 
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.rstrip().endswith(str(path)):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_a_layers_q_k_and_v_are_kept_as_one_and_fused_without_a_copy(
+    model_dir: Path, tmp_path: Path
+):
+    from mlxd import kernels
+
+    fresh = _load(model_dir, None)
+    _load(model_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    header = read_arrays(kept)[1]
+    layers = {name.split(".")[2] for name in header["fused"]}
+    assert len(layers) == fresh.config["num_hidden_layers"]  # every layer's, as one matrix
+    loaded = _load(model_dir, tmp_path)
+    ranges = _mapped_ranges(kept)
+    for layer in loaded.model.model.layers:
+        fused = layer.self_attn.qkv_proj
+        for array in (fused.weight, fused.scale_bias):
+            address = kernels.numpy_view(array).__array_interface__["data"][0]
+            assert any(start <= address < end for start, end in ranges)  # the file's pages
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+
+
 def test_writing_into_a_mapped_array_leaves_the_file_as_it_is(tmp_path: Path):
     from mlxd import kernels
 
@@ -226,10 +256,17 @@ def test_a_file_missing_some_layers_is_completed(
     _load(model_dir, tmp_path)
     (kept,) = _files(tmp_path)
     arrays, header = read_arrays(kept)
-    layers = header["layers"]
-    dropped = sorted(layers)[::2]
+    layers, fused = header["layers"], header["fused"]
+    in_groups = {part for parts in fused.values() for part, _ in parts}
+    dropped = sorted(set(layers) - in_groups)[::2]
     for name in dropped:
         del layers[name], arrays[f"{name}.weight"], arrays[f"{name}.scale_bias"]
+    # And one layer's q, k and v, kept as one matrix.
+    whole, parts = sorted(fused.items())[0]
+    del fused[whole], arrays[f"{whole}.weight"], arrays[f"{whole}.scale_bias"]
+    for part, _ in parts:
+        del layers[part]
+        dropped.append(part)
     _rewrite(kept, arrays, header)
     del arrays
     packings = Packings(monkeypatch)
