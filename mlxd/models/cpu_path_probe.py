@@ -18,7 +18,11 @@ the rows. The fastest run, not the median: other work on the machine only ever a
 preempted thread delays whatever waits on it). For the same reason float32, timed after the
 packed layouts, is not run again once a run took `GIVE_UP` times the slowest packed layout's
 best at that phase: no repeat can make it the faster, and its runs were most of a first load (a
-Llama-3.2-1B shape's float32 layer reads 250 MB a pass).
+Llama-3.2-1B shape's float32 layer reads 250 MB a pass). Likewise the float layout on every
+core, timed after the int8 dot products, against their best (a Llama-3.1-8B shape's float
+layout took 3x their time from 32 rows: ≈0.6 s of repeats that could not change the choice);
+the decision between the two is their geometric mean over the phases (models/cpu_path.py),
+where a phase given up on counts one run, slower than a best of several only by noise.
 """
 
 from __future__ import annotations
@@ -163,36 +167,47 @@ def time_paths(
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
     # Per part ("layer", "head") and phase: the slowest packed layout's best ms (float32 is
-    # compared with each: on one thread under the mixed plan), float32's bar.
+    # compared with each: on one thread under the mixed plan), float32's bar; and the int8 dot
+    # products' (timed first), the float layout's bar on every core.
     packed_best: dict[tuple[str, int], float] = {}
+    dot_best: dict[tuple[str, int], float] = {}
 
-    def part(name: str, matrices: list[_Matrix], phase: int, packed: bool, dot: bool) -> float:
+    def part(
+        name: str, matrices: list[_Matrix], phase: int, packed: bool, dot: bool, shared: bool
+    ) -> float:
         rows = phases.rows[phase]
         prefill = phase == len(phases.rows) - 1
         timed = min(rows, PREFILL_ROWS) if prefill else rows
         key = (name, phase)
-        give_up = math.inf if packed else GIVE_UP * packed_best.get(key, math.inf)
+        if not packed:
+            give_up = GIVE_UP * packed_best.get(key, math.inf)
+        elif not dot and shared:
+            give_up = GIVE_UP * dot_best.get(key, math.inf)
+        else:
+            give_up = math.inf
         ms = _time(matrices, timed, packed, prefill, dot, warm_up=phase == 0, give_up_ms=give_up)
         if packed:
             packed_best[key] = max(ms, packed_best.get(key, 0.0))
+        if dot:
+            dot_best[key] = ms
         return ms * rows / timed
 
-    def phase_times(packed: bool, dot: bool = False) -> tuple[float, ...]:
+    def phase_times(packed: bool, dot: bool = False, shared: bool = True) -> tuple[float, ...]:
         steps = []
         for phase in range(len(phases.rows)):
-            ms = shapes.layers * part("layer", layer, phase, packed, dot)
+            ms = shapes.layers * part("layer", layer, phase, packed, dot, shared)
             if head and phase < len(phases.decode):  # a prefill chunk projects its last rows
-                ms += part("head", head, phase, packed, dot)
+                ms += part("head", head, phase, packed, dot, shared)
             steps.append(ms)
         return tuple(steps)
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
-    packed_all = phase_times(True)
     packed_dot = phase_times(True, dot=True) if kernels.integer_dot() else ()
+    packed_all = phase_times(True)
     if not float32:
         return Timings(packed_all, packed_all, (), packed_dot)
     kernels.set_threads(1)
-    packed_one = phase_times(True) if cores > 1 else packed_all
+    packed_one = phase_times(True, shared=False) if cores > 1 else packed_all
     return Timings(packed_all, packed_one, phase_times(False), packed_dot)
 
 

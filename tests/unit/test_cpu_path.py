@@ -231,15 +231,27 @@ def test_a_path_far_behind_is_not_run_again():
     assert len(runs) == 1
 
 
-def test_float32_gives_up_at_twice_the_slowest_packed_layout(monkeypatch):
+def test_float32_and_the_float_layout_give_up_at_twice_a_faster_figure(monkeypatch):
+    from mlxd import kernels
     from mlxd.models import cpu_path_probe
     from mlxd.models.cpu_path_probe import GIVE_UP, ModelShapes, time_paths
 
     calls: list[tuple[int, int, bool, float, float]] = []
+    dots: dict[tuple[int, int], float] = {}
+    float_layout: set[tuple[int, int]] = set()
     time_one = cpu_path_probe._time
 
     def timed(matrices, rows, packed, prefill, dot, warm_up, give_up_ms):
         ms = time_one(matrices, rows, packed, prefill, dot, warm_up, give_up_ms)
+        key = id(matrices), rows
+        if dot:
+            assert give_up_ms == math.inf  # timed first, in full
+            dots[key] = ms
+        elif packed and key not in float_layout:  # on every core: against the dot products
+            float_layout.add(key)
+            assert give_up_ms == (GIVE_UP * dots[key] if kernels.integer_dot() else math.inf)
+        elif packed:  # then on one thread (the mixed plan's figure): in full
+            assert give_up_ms == math.inf
         calls.append((id(matrices), rows, packed, give_up_ms, ms))
         return ms
 
@@ -251,7 +263,7 @@ def test_float32_gives_up_at_twice_the_slowest_packed_layout(monkeypatch):
     # Per phase the layer's pass and (decode) the head's, each against every packed layout's
     # figure for the same pass: the float layout, the int8 dot products', on one thread.
     assert [rows for _, rows, *_ in float32] == [1, 1, 8, 8, 32, 32, 16]
-    assert all(bar == math.inf for _, _, is_packed, bar, _ in calls if is_packed)
+    assert len(dots) == (7 if kernels.integer_dot() else 0)
     for part, rows, _, bar, _ in float32:
         packed = [ms for p, r, is_packed, _, ms in calls if is_packed and (p, r) == (part, rows)]
         assert len(packed) >= 2 and bar == GIVE_UP * max(packed)
