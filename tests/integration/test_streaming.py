@@ -157,7 +157,7 @@ def test_a_client_that_stops_reading_is_cut_off(daemon: Daemon, client: openai.O
 
 def test_status_reports_mlx_memory_and_the_limits_are_applied(daemon: Daemon):
     smol = daemon.status()["models"]["smol"]
-    assert smol["mlx_active_bytes"] > 0  # the weights it allocated (norms; packed ones are mapped), KV
+    assert smol["mlx_active_bytes"] > 0  # what it allocated: norms, KV (packed weights are mapped)
     assert smol["mlx_peak_bytes"] >= smol["mlx_active_bytes"]
     # MLX's buffer cache stays within the cache_limit the worker set (checked below).
     assert 0 <= smol["mlx_cache_bytes"] <= 268_435_456
