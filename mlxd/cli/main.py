@@ -296,8 +296,10 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("invalid config:\n%s", exc.message)
         spare_worker.discard()
         return 1
-    if config.server.workers == "inline":
-        spare_worker.discard()
+    if config.server.workers == "inline" or all(
+        model.distributed is not None for model in config.models.values()
+    ):
+        spare_worker.discard()  # no model would take it (a reload's models spawn their own)
     host = args.host or settings.host or config.server.host
     port = args.port or settings.port or config.server.port
     log.info("mlxd on %s; config %s with %d models", accel.describe(), path, len(config.models))

@@ -9,9 +9,9 @@ another core, and the first model (eager, or the first lazy one asked for) skips
 A spare is what `python -m mlxd.worker --fd N` is before it is given a model, so taking it
 changes nothing else: the same command, environment and session as a worker spawned later. It
 is spawned with `subprocess` (there is no event loop yet) and adopted by the loop when taken
-(`SpareProcess`). One not taken (every model distributed, none asked for yet) waits for
-its spec at no CPU and about 100 MiB of memory; it is killed when the daemon ends, or at once
-where the config runs models inline.
+(`SpareProcess`). One not taken (only lazy models, none asked for yet) waits for its spec at no
+CPU and about 100 MiB of memory; it is killed when the daemon ends, or at once where no model
+of the config could take it (models inline, every model distributed, none declared).
 """
 
 from __future__ import annotations

@@ -81,17 +81,24 @@ def test_a_model_takes_the_worker_started_before_the_daemons_imports(daemon: Dae
     assert int(taken[0]) in {row["pid"] for row in models(daemon).values()}
 
 
-@pytest.mark.parametrize("workers", ["process", "inline"])
+@pytest.mark.parametrize(
+    ("workers", "models"),
+    [
+        ("process", {"smol": {"source": SMOL_GGUF, "load": "lazy"}}),  # waits for a request
+        ("inline", {"smol": {"source": SMOL_GGUF, "load": "lazy"}}),  # needs no worker
+        ("process", {}),  # nothing to take it
+    ],
+)
 def test_a_worker_no_model_took_ends_with_the_daemon(
-    workers: str, tmp_path: Path, mlxd_cache_dir: Path
+    workers: str, models: dict[str, Any], tmp_path: Path, mlxd_cache_dir: Path
 ):
-    config = {"server": {"cache_dir": str(mlxd_cache_dir), "workers": workers}, "models": {}}
+    config = {"server": {"cache_dir": str(mlxd_cache_dir), "workers": workers}, "models": models}
     running = start_daemon(tmp_path, config)
     try:
         children = psutil.Process(running.process.pid).children()
         spares = [p for p in children if "mlxd.worker" in " ".join(p.cmdline())]
-        # Inline models need no worker: the one spawned ahead is gone before the daemon is up.
-        assert len(spares) == (workers == "process")
+        # Gone before the daemon is up where no model could take it.
+        assert len(spares) == (workers == "process" and bool(models))
     finally:
         assert running.stop() == 0
     assert not any(spare.is_running() for spare in spares)
