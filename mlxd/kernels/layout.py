@@ -34,6 +34,13 @@ class Packed:
     whole: Packed | None = field(default=None, compare=False, repr=False)
     first_row: int = 0
 
+    def rows(self, first: int, count: int) -> Packed:
+        """Output rows [first, first + count) of this matrix (whole tiles) as views of its
+        memory, which they name as their `whole`."""
+        tiles = slice(first // LANES, (first + count) // LANES)
+        weight, scale_bias = self.weight[first : first + count], self.scale_bias[tiles]
+        return Packed(weight, scale_bias, self.bits, self.dot, self.precise, self, first)
+
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K): one matrix's (an expert's, for a stack)."""

@@ -19,7 +19,6 @@ from typing import cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd import kernels
 from mlxd.kernels import Packed
 from mlxd.models.packed import PackedLinear
 
@@ -43,9 +42,8 @@ class Fused(PackedLinear):
         parts = []
         bias = self.get("bias")
         for rows in self.parts:
-            tiles = slice(rows.start // kernels.LANES, rows.stop // kernels.LANES)
-            weight = mx.contiguous(self.weight[rows])
-            scale_bias = mx.contiguous(self.scale_bias[tiles])
+            view = self.packed.rows(rows.start, rows.stop - rows.start)
+            weight, scale_bias = mx.contiguous(view.weight), mx.contiguous(view.scale_bias)
             part_bias = None if bias is None else mx.contiguous(bias[rows])
             mx.eval(weight, scale_bias, *([] if part_bias is None else [part_bias]))
             packed = Packed(weight, scale_bias, self.bits, self.dot, self.precise)

@@ -231,29 +231,30 @@ class PackedCache:
         try:
             arrays, header = read_arrays(self.path)
             layers = header["layers"]
-            wholes: dict[str, tuple[Packed, int]] = {}
+            # A fused group's parts: views of its one array (a part that does not fit its
+            # module is packed again: models/packed.py `fits`).
+            views: dict[str, Packed] = {}
             for whole_name, parts in header.get("fused", {}).items():
                 bits, dot, precise = layers[parts[0][0]]
-                weight = arrays[f"{whole_name}.weight"]
-                scale_bias = arrays[f"{whole_name}.scale_bias"]
-                whole = Packed(weight, scale_bias, int(bits), bool(dot), bool(precise))
+                whole = Packed(
+                    arrays[f"{whole_name}.weight"],
+                    arrays[f"{whole_name}.scale_bias"],
+                    int(bits),
+                    bool(dot),
+                    bool(precise),
+                )
                 first = 0
                 for part, rows in parts:
-                    # Views of the whole's memory (a part that does not fit its module is
-                    # packed again: models/packed.py `fits`).
-                    arrays[f"{part}.weight"] = weight[first : first + rows]
-                    tiles = slice(first // kernels.LANES, (first + rows) // kernels.LANES)
-                    arrays[f"{part}.scale_bias"] = scale_bias[tiles]
-                    wholes[part] = whole, first
+                    views[part] = whole.rows(first, rows)
                     first += rows
             return {
-                name: Packed(
+                name: views.get(name)
+                or Packed(
                     arrays[f"{name}.weight"],
                     arrays[f"{name}.scale_bias"],
                     int(bits),
                     bool(dot),
                     bool(precise),
-                    *wholes.get(name, (None, 0)),
                 )
                 for name, (bits, dot, precise) in layers.items()
             }
