@@ -22,6 +22,7 @@ import logging
 import socket
 import subprocess
 import sys
+from typing import Any
 
 from mlxd.process_exit import before_exit
 
@@ -33,6 +34,13 @@ _spare: tuple[subprocess.Popen[bytes], socket.socket] | None = None
 def worker_command(fd: int) -> list[str]:
     """A worker on the inherited socket `fd`."""
     return [sys.executable, "-m", "mlxd.worker", "--fd", str(fd)]
+
+
+def spawn_options(fd: int) -> dict[str, Any]:
+    """How every worker is spawned (`subprocess.Popen` or asyncio's): the socket `fd` passed
+    on, no stdin, and a session of its own: a terminal's Ctrl-C reaches the daemon, which
+    drains and then closes its workers; they never die under requests still finishing."""
+    return {"pass_fds": (fd,), "stdin": subprocess.DEVNULL, "start_new_session": True}
 
 
 class SpareProcess:
@@ -59,13 +67,7 @@ def start() -> None:
     global _spare
     parent, child = socket.socketpair()
     with child:
-        popen = subprocess.Popen(
-            worker_command(child.fileno()),
-            pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL,
-            # Its own session, as every worker's (runtime/worker_process.py).
-            start_new_session=True,
-        )
+        popen = subprocess.Popen(worker_command(child.fileno()), **spawn_options(child.fileno()))
     _spare = popen, parent
     before_exit(discard)
     log.debug("worker pid %d started ahead of the first model", popen.pid)

@@ -128,11 +128,7 @@ async def _spawn() -> tuple[WorkerProcess, asyncio.StreamReader, asyncio.StreamW
         with child:
             process = await asyncio.create_subprocess_exec(
                 *spare_worker.worker_command(child.fileno()),
-                pass_fds=(child.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
-                # Its own session: a terminal's Ctrl-C reaches the daemon, which drains and
-                # then closes its workers; they never die under requests still finishing.
-                start_new_session=True,
+                **spare_worker.spawn_options(child.fileno()),
             )
     return process, *await asyncio.open_unix_connection(sock=parent)
 
