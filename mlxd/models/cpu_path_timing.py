@@ -35,19 +35,26 @@ from mlxd.models.cpu_path import (
     precise_activations,
 )
 from mlxd.models.cpu_path_probe import ModelShapes
-from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
+from mlxd.models.estimate import (
+    Headers,
+    estimate_weight_bytes,
+    headers,
+    packed_weight_bytes,
+    quantized_shapes,
+)
 from mlxd.models.packability import why_not_packable
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def model_shapes(model_dir: Path) -> ModelShapes | None:
-    """The model's packable matmul shapes, or None when its headers show no such decoder layer
-    (the layers the kernels do not take run float32 on both paths: nothing to compare)."""
+def model_shapes(source: Path | Headers) -> ModelShapes | None:
+    """The model's packable matmul shapes (of a model directory, or headers already read), or
+    None when its headers show no such decoder layer (the layers the kernels do not take run
+    float32 on both paths: nothing to compare)."""
     modules = {
         name: shape
-        for name, shape in quantized_shapes(model_dir).items()
+        for name, shape in quantized_shapes(source).items()
         if why_not_packable(shape[0], shape[2], shape[3]) is None
     }
     layer_of = {name: m.group(1) for name in modules if (m := _LAYER.search(name))}
@@ -159,9 +166,12 @@ def runnable_tasks(samples: int = 5, interval_s: float = 0.01) -> int | None:
 _timed: dict[str, tuple[Timings, bool, bool]] = {}
 
 
-def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) -> Choice | None:
-    """The CPU path for a quantized LLM loaded with dtype auto, or None where there is no
-    choice (another backend or dtype, kernels not built, weights the kernels do not take, a
+def choose_cpu_path(
+    weights: Path | Headers, config: ModelConfig, server: ServerConfig
+) -> Choice | None:
+    """The CPU path for a quantized LLM loaded with dtype auto (its model directory, or a
+    GGUF's headers as its conversion will write them), or None where there is no choice
+    (another backend or dtype, kernels not built, weights the kernels do not take, a
     distributed rank). Times the paths unless this CPU, kernel build, shape set and
     `cpu_activations` were timed before (the cache under server.cache_dir)."""
     if not (
@@ -172,12 +182,13 @@ def choose_cpu_path(model_dir: Path, config: ModelConfig, server: ServerConfig) 
         and kernels.available()
     ):
         return None
-    packed_bytes = packed_weight_bytes(model_dir)
-    shapes = model_shapes(model_dir)
+    read = headers(weights)
+    packed_bytes = packed_weight_bytes(read)
+    shapes = model_shapes(read)
     if packed_bytes is None or shapes is None:
         return None
     phases = Phases(prefill=config.batch.prefill_step_size)
-    float32_bytes = estimate_weight_bytes(model_dir, "float32")
+    float32_bytes = estimate_weight_bytes(read, "float32")
     budget = server.budget_bytes  # unset: the default share of memory (host_memory.py)
 
     def decided(timings: Timings | None, cached: bool = False) -> Choice:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,24 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _DEFAULT_GROUP_SIZE = 64
 # The safetensors format caps the header at 100 MB; a larger length means a corrupt file.
 _MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True)
+class Headers:
+    """What the estimates read of a model's weights, none of them loaded: each tensor's
+    safetensors header entry (dtype, shape, data_offsets) by name, and mlx-lm's quantization
+    config. A model directory's come from its files (`headers`); a GGUF's from its own header,
+    as its conversion will write them (models/sizing.py)."""
+
+    tensors: dict[str, dict[str, Any]]
+    quantization: dict[str, Any]
+
+
+def headers(source: Path | Headers) -> Headers:
+    """The headers of the model directory `source` (or `source` itself, already read)."""
+    if isinstance(source, Headers):
+        return source
+    return Headers(_tensors(Path(source)), _quantization(Path(source)))
 
 
 def _read_header(path: Path) -> dict[str, dict[str, Any]]:
@@ -149,19 +168,19 @@ def _tensors(model_dir: Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def quantized_shapes(model_dir: Path) -> dict[str, tuple[int, int, int, int]]:
+def quantized_shapes(source: Path | Headers) -> dict[str, tuple[int, int, int, int]]:
     """Each quantized module's (out, in, group size, bits), read from the headers alone."""
-    return _quantized_modules(_tensors(Path(model_dir)), _quantization(Path(model_dir)))
+    read = headers(source)
+    return _quantized_modules(read.tensors, read.quantization)
 
 
-def packed_weight_bytes(model_dir: Path) -> int | None:
+def packed_weight_bytes(source: Path | Headers) -> int | None:
     """Bytes of the weights packed for the CPU kernels, None when they would not be packed."""
-    model_dir = Path(model_dir)
-    tensors = _tensors(model_dir)
-    return _packed_bytes(tensors, _quantized_modules(tensors, _quantization(model_dir)))
+    read = headers(source)
+    return _packed_bytes(read.tensors, _quantized_modules(read.tensors, read.quantization))
 
 
-def estimate_weight_bytes(model_dir: Path, dtype: str, *, packs: bool = True) -> int:
+def estimate_weight_bytes(model_dir: Path | Headers, dtype: str, *, packs: bool = True) -> int:
     """Bytes of the model's parameters once loaded with `dtype` (see loader.load_llm).
 
     `packs`: whether the loader may pack quantized weights for the CPU kernel (not for a
@@ -172,13 +191,13 @@ def estimate_weight_bytes(model_dir: Path, dtype: str, *, packs: bool = True) ->
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    if not isinstance(model_dir, Headers) and not Path(model_dir).is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
-    return tensors_weight_bytes(_tensors(model_dir), _quantization(model_dir), dtype, packs=packs)
+    read = headers(model_dir)
+    return _weight_bytes(read.tensors, read.quantization, dtype, packs=packs)
 
 
-def tensors_weight_bytes(
+def _weight_bytes(
     tensors: dict[str, dict[str, Any]], quant: dict[str, Any], dtype: str, *, packs: bool = True
 ) -> int:
     """`estimate_weight_bytes` of tensors given as safetensors header entries (dtype, shape,

@@ -73,6 +73,13 @@ class Converted:
     rel_error: float = 0.0  # relative RMS error against the GGUF values (requantized only)
 
 
+def scales_dtype(qtype: GGMLQuantizationType) -> str:
+    """The safetensors dtype the conversion gives a quantized tensor's scales and biases:
+    float16 for the legacy types, whose values are float16s (unless a bias overflows one,
+    which no header tells), float32 for the others."""
+    return "F16" if qtype in _HALF_SCALES else "F32"
+
+
 def requant_bits(qtype: GGMLQuantizationType) -> int:
     """MLX width for a type MLX cannot hold exactly: above its own bits per weight.
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from mlxd.config import TEXT_KINDS, ModelConfig
 from mlxd.memory_need import MemoryNeed
-from mlxd.models.estimate import tensors_weight_bytes
+from mlxd.models.estimate import Headers, estimate_weight_bytes
 from mlxd.models.gguf_arch import architecture_of
 from mlxd.models.gguf_header import GGUFFile
-from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits
+from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits, scales_dtype
 from mlxd.models.kernel_layers import stores_half_kv
 from mlxd.models.loader import _target_dtype
 
@@ -25,6 +25,7 @@ from mlxd.models.loader import _target_dtype
 EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q8_0": 8}
 # GGML float types as safetensors dtypes.
 _FLOATS = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}
+_ITEMSIZES = {"F32": 4, "F16": 2}
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,22 @@ def gguf_weights_and_geometry(
     gguf: GGUFFile, dtype: str, *, packs: bool
 ) -> tuple[int, KVGeometry | None]:
     """A GGUF's weight bytes once imported and loaded with `dtype`, and its KV geometry, from
-    its header: each quantized matrix as the affine layout the importer writes, the rest as
-    stored, then counted by the same rules as a converted directory (estimate.py)."""
+    its header: counted by the same rules as a converted directory (estimate.py)."""
+    weights = estimate_weight_bytes(gguf_headers(gguf), dtype, packs=packs)
+    return weights, _gguf_geometry(gguf.metadata)
+
+
+def gguf_headers(gguf: GGUFFile) -> Headers:
+    """The safetensors headers the GGUF's conversion will write (models/gguf.py), from its own
+    header: each tensor under its MLX name (where the architecture is known), each quantized
+    matrix in the affine layout the importer gives it, the rest as stored."""
+    arch = architecture_of(gguf.metadata)
     tensors: dict[str, dict[str, Any]] = {}
     for tensor in gguf.tensors:
+        if arch is not None and arch.is_rope_tensor(tensor.name):
+            continue  # read into config.json's rope scaling, not written
+        name = (arch.mlx_name(tensor.name) if arch else None) or tensor.name
         kind = tensor.tensor_type.name
-        name = tensor.name.replace("token_embd", "model.embed_tokens")  # its rules apply
         rows, columns = list(tensor.shape[:-1]), tensor.shape[-1]
         if kind in _FLOATS:
             safetensors_dtype, itemsize = _FLOATS[kind]
@@ -97,11 +108,11 @@ def gguf_weights_and_geometry(
         bits = EXACT_BITS.get(kind) or requant_bits(tensor.tensor_type)
         module = name.removesuffix(".weight")
         groups = [*rows, columns // GROUP_SIZE]
+        scales = scales_dtype(tensor.tensor_type)
         tensors[f"{module}.weight"] = _entry("U32", [*rows, columns * bits // 32], 4)
-        tensors[f"{module}.scales"] = _entry("F16", groups, 2)
-        tensors[f"{module}.biases"] = _entry("F16", groups, 2)
-    weights = tensors_weight_bytes(tensors, {"group_size": GROUP_SIZE}, dtype, packs=packs)
-    return weights, _gguf_geometry(gguf.metadata)
+        tensors[f"{module}.scales"] = _entry(scales, groups, _ITEMSIZES[scales])
+        tensors[f"{module}.biases"] = _entry(scales, groups, _ITEMSIZES[scales])
+    return Headers(tensors, {"group_size": GROUP_SIZE})
 
 
 def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:

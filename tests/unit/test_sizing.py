@@ -5,15 +5,20 @@ prefix cache, and the default budget."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from mlxd import host_memory
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.models.estimate import estimate_weight_bytes
+from mlxd.models.cpu_path_timing import model_shapes
+from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
 from mlxd.models.gguf_header import GGUFFile
-from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_need
+from mlxd.models.sizing import dir_geometry, gguf_headers, gguf_weights_and_geometry, model_need
 from mlxd.models.source_paths import source_path
+from mlxd.models.sources import resolve_source
+from tests.tiny_gguf import tiny_config, tiny_weights, write_gguf
 from tests.unit.conftest import SMOL_GGUF
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, keys and values.
@@ -28,6 +33,34 @@ def test_a_gguf_is_sized_from_its_header_as_its_conversion_is(smol, dtype: str):
     assert geometry == dir_geometry(smol.path)
     assert geometry is not None and geometry.bytes_per_token(4) == SMOL_KV_TOKEN_F32
     assert geometry.context == 8192
+
+
+@pytest.mark.parametrize(
+    ("model_type", "qtype"),
+    [
+        ("llama", Q.Q4_K),
+        ("llama", Q.Q6_K),  # requantized to 8 bits
+        ("qwen3", Q.Q5_K),
+        ("gemma3_text", Q.Q4_1),  # a tied embedding
+        ("qwen3_moe", Q.Q8_0),  # expert stacks
+    ],
+)
+def test_a_ggufs_header_gives_its_conversions_shapes_and_bytes(
+    tmp_path: Path, model_type: str, qtype: Q
+) -> None:
+    """What the CPU path is chosen from before a conversion (models/fresh_weights.py) is what
+    the converted directory gives after it: the timings' key and the bytes."""
+    config = tiny_config(model_type, hidden_size=256, intermediate_size=512)
+    if "moe_intermediate_size" in config:
+        config["moe_intermediate_size"] = 256
+    write_gguf(tmp_path / "tiny.gguf", config, tiny_weights(config), qtype)
+    model_dir = resolve_source(str(tmp_path / "tiny.gguf"), model_name="tiny", cache_dir=tmp_path)
+    header = gguf_headers(GGUFFile(tmp_path / "tiny.gguf"))
+    assert quantized_shapes(header) == quantized_shapes(model_dir)
+    assert model_shapes(header) == model_shapes(model_dir) is not None
+    assert packed_weight_bytes(header) == packed_weight_bytes(model_dir)
+    for dtype in ("auto", "float32", "keep"):
+        assert estimate_weight_bytes(header, dtype) == estimate_weight_bytes(model_dir, dtype)
 
 
 def test_the_need_counts_kv_at_full_batch_and_context_and_the_prefix_cache(smol):
