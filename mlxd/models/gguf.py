@@ -2,9 +2,10 @@
 
 The file is memory-mapped (models/gguf_header.py reads its header); each tensor is converted
 straight into MLX's layout (models/gguf_quants.py), renamed by its architecture's table
-(models/gguf_arch.py) and written into safetensors shards of about 1 GiB (one written while the next
-fills), never the whole model as floats; the arrays written are kept for this process's load where
-there is room (models/fresh_weights.py). config.json describes the mlx-lm model of that family and
+(models/gguf_arch.py) and written into safetensors shards of about 256 MiB (one written while the
+next fills), never the whole model as floats; the arrays written, or the matrices packed as the
+load will pack them, are kept for this process's load where there is room
+(models/fresh_weights.py). config.json describes the mlx-lm model of that family and
 the tokenizer is rebuilt with the `tokenizers` library (models/gguf_tokenizer.py).
 (transformers' own GGUF import needs torch, which mlxd does not install.)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +26,9 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from mlxd.kernels import Packed
 from mlxd.models import direct_write, fresh_weights
+from mlxd.models.fresh_weights import Fresh, PackLayout
 from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta, architecture_of
 from mlxd.models.gguf_errors import (
     GGUFError,
@@ -47,13 +51,21 @@ from mlxd.models.gguf_tokenizer import (
     tokenizer_config,
     tokenizer_problem,
 )
+from mlxd.models.packability import why_not_packable
+from mlxd.models.packed import pack
 
 log = logging.getLogger(__name__)
 
 # Part of the conversion cache key: bump it whenever the directory this writes changes.
 FORMAT_VERSION = 3  # 3: Q6_K requantized by csrc/convert.cpp's rule
 _REQUIRED_METADATA = ("embedding_length", "feed_forward_length", "block_count")
-_SHARD_BYTES = 1 << 30
+# Small enough that the arrays waiting for the disk (two shards) are a small part of a load
+# whose conversion packs (those are not held): an 8B Q4_K_M's conversion peaked at 6.7 GiB
+# resident with 1 GiB shards, 5.9 GiB with these (its packed matrices 5.1 GiB).
+_SHARD_BYTES = 256 << 20
+# The modules a conversion packs for its load (models/fresh_weights.py): a decoder layer's
+# matrices and a separate head. The load packs the rest itself (a tied embedding, experts).
+_PACKED_EARLY = re.compile(r"(?:^|\.)layers\.\d+\.|^lm_head$")
 
 
 def gguf_metadata(path: Path) -> dict[str, Any]:
@@ -146,7 +158,7 @@ def _unpermute(array: mx.array, heads: int) -> mx.array:
 
 
 class _ShardWriter:
-    """Writes converted tensors into ~1 GiB safetensors shards as they come, each on a thread of
+    """Writes converted tensors into ~256 MiB safetensors shards as they come, each on a thread of
     its own while the next fills, past the page cache (models/direct_write.py): the disk and
     the conversion overlap, and at most two shards are held."""
 
@@ -161,9 +173,10 @@ class _ShardWriter:
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="gguf-shards")
         self._writing: Future[None] | None = None
 
-    def add(self, name: str, array: mx.array) -> None:
-        """Add an evaluated array (the writing thread only reads it)."""
-        if self.written is not None:
+    def add(self, name: str, array: mx.array, hold: bool = True) -> None:
+        """Add an evaluated array (the writing thread only reads it), kept in `written` for
+        the load if `hold`."""
+        if self.written is not None and hold:
             self.written[name] = array
         self.pending[name] = array
         self.pending_bytes += array.nbytes
@@ -231,14 +244,42 @@ def _converted(
     return converted
 
 
+def _packed(module: str, converted: Converted, layout: PackLayout | None) -> Packed | None:
+    """`module`'s matrix packed as the load will pack it (models/packed.py's `pack`, of
+    float32 scales and biases: the loader casts them first), or None where the load packs it
+    itself, or not at all."""
+    weight, scales, biases = converted.weight, converted.scales, converted.biases
+    if layout is None or scales is None or biases is None or weight.ndim != 2:
+        return None
+    assert converted.bits is not None
+    if not _PACKED_EARLY.search(module) or why_not_packable(
+        weight.shape[0], GROUP_SIZE, converted.bits
+    ):
+        return None
+    packed = pack(
+        weight,
+        scales.astype(mx.float32),
+        biases.astype(mx.float32),
+        GROUP_SIZE,
+        converted.bits,
+        layout.dot,
+        layout.precise,
+    )
+    mx.eval(packed.weight, packed.scale_bias)
+    return packed
+
+
 def _write_weights(
     reader: GGUFFile, arch: Architecture, config: dict[str, Any], out_dir: Path, bar: tqdm
-) -> tuple[dict[str, mx.array], dict[str, int]]:
-    """Convert and write every tensor; returns the arrays written, by name, and the bit width
-    of each quantized module."""
+) -> tuple[Fresh, dict[str, int]]:
+    """Convert and write every tensor; returns what the load may take (the arrays written, by
+    name, or their matrices packed where `fresh_weights.packing` asks), and the bit width of
+    each quantized module."""
     bits: dict[str, int] = {}
     requantized: dict[tuple[str, int | None], list[float]] = defaultdict(list)
     writer = _ShardWriter(out_dir)
+    layout = fresh_weights.pack_layout()
+    packed: dict[str, Packed] = {}
     try:
         for tensor in reader.tensors:
             bar.update(tensor.n_bytes)
@@ -249,11 +290,16 @@ def _write_weights(
             converted = _converted(reader, tensor, arch, config)
             mx.eval(converted.weight, converted.scales, converted.biases)
             reader.release(tensor)
-            writer.add(name, converted.weight)
+            module = name.removesuffix(".weight")
+            if writer.written is None:  # no room to hold anything for the load
+                layout, packed = None, {}
+            early = _packed(module, converted, layout)
+            if early is not None:
+                packed[module] = early
+            writer.add(name, converted.weight, hold=early is None)
             if converted.scales is not None and converted.biases is not None:
-                module = name.removesuffix(".weight")
-                writer.add(f"{module}.scales", converted.scales)
-                writer.add(f"{module}.biases", converted.biases)
+                writer.add(f"{module}.scales", converted.scales, hold=early is None)
+                writer.add(f"{module}.biases", converted.biases, hold=early is None)
                 assert converted.bits is not None
                 bits[module] = converted.bits
             if not converted.exact:
@@ -263,7 +309,7 @@ def _write_weights(
         writer.finish()
     finally:
         writer.close()
-        mx.clear_cache()  # the shards' buffers: ≈2 GiB an 8B's load would keep resident
+        mx.clear_cache()  # the shards' buffers, which the load would keep resident
     for (qtype, width), errors in requantized.items():
         log.warning(
             "%d %s tensors requantized to %d-bit groups of %d (MLX has no exact equivalent): "
@@ -275,7 +321,7 @@ def _write_weights(
             float(np.mean(errors)),
             max(errors),
         )
-    return writer.written or {}, bits
+    return Fresh(writer.written or {}, packed if writer.written is not None else {}), bits
 
 
 def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
@@ -297,10 +343,10 @@ def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
     return config
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, mx.array]:
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Fresh:
     """Write config.json, safetensors weights and tokenizer files for `gguf_path` into `out_dir`;
-    returns the weights written, by name (evaluated: a load may take them instead of reading the
-    files, models/fresh_weights.py).
+    returns what a load may take instead of reading the files (models/fresh_weights.py): the
+    weights written, by name (evaluated), or packed.
 
     Raises GGUFError for unreadable files, its subclass UnsupportedGGUF (as UnsupportedArchitecture,
     UnsupportedQuantType or UnsupportedTokenizer) for files it cannot import.
@@ -332,8 +378,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, mx.array]:
     with tqdm(
         total=total, desc=f"converting {gguf_path.name}", unit="B", unit_scale=True, disable=None
     ) as bar:
-        arrays, bits = _write_weights(reader, arch, config, out_dir, bar)
+        fresh, bits = _write_weights(reader, arch, config, out_dir, bar)
     if quantization := quantization_config(bits):
         config["quantization"] = quantization
     _write_json(out_dir / "config.json", config)
-    return arrays
+    return fresh

@@ -25,6 +25,7 @@ from mlx_lm.utils import dequantize_model, load, load_adapters
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.errors import ModelLoadError
+from mlxd.kernels import Packed
 from mlxd.models import fresh_weights
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
@@ -144,19 +145,21 @@ def _pack_model_kept(
     dot: bool,
     precise: bool,
     cache_dir: Path | None,
+    fresh: dict[str, Packed],
 ) -> None:
-    """`pack_model`, reading the packed layers kept under `cache_dir` and keeping them there
-    for the next load when some had to be packed (models/packed_cache.py)."""
+    """`pack_model`, taking the layers its conversion just packed (`fresh`) and those kept
+    under `cache_dir`, and keeping them there for the next load when some did not come from
+    there (models/packed_cache.py)."""
     if cache_dir is None:
-        pack_model(model, path_for, dot, precise=precise)
+        pack_model(model, path_for, dot, fresh, precise)
         return
     cache = PackedCache.for_model(cache_dir, path, dot, precise)
     seen = cache.stamp()
-    layers, packed_here = pack_model(model, path_for, dot, cache.read(), precise)
-    if packed_here:
-        log.info(
-            "model '%s': packed %d layers, keeping them in %s", model_name, packed_here, cache.path
-        )
+    kept = cache.read() or {}
+    layers, _ = pack_model(model, path_for, dot, {**kept, **fresh}, precise)
+    new = sum(1 for name, weights in layers.items() if kept.get(name) is not weights)
+    if new:
+        log.info("model '%s': packed %d layers, keeping them in %s", model_name, new, cache.path)
         cache.write_in_background(layers, seen)
 
 
@@ -207,6 +210,9 @@ def load_llm(
         if plan is not None and cpu_path is not None:
             log.info("model '%s': %s", model_name, cpu_path.summary())
         packed = plan in ("packed", "mixed")
+        # What this process just converted into `path`, if anything: packing then reads
+        # memory, not the files just written (models/fresh_weights.py).
+        fresh = fresh_weights.take(path)
         if not packed and target == "float32" and not kernels.available():
             log.warning(
                 "model '%s': mlxd's CPU kernels are not built (python -m mlxd.kernels.build); "
@@ -219,9 +225,7 @@ def load_llm(
         compute = "float32" if packed else target  # the activations' dtype (None: as stored)
         half_kv = stores_half_kv(str(config.get("model_type", "")), compute, kv_dtype)
         if packed:
-            # What this process just converted into `path`, if anything: packing then reads
-            # memory, not the files just written (models/fresh_weights.py).
-            _use_fresh(model, fresh_weights.take(path))
+            _use_fresh(model, fresh.arrays)
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32
             target = None
             dequantize_layers(model, unpackable)
@@ -241,7 +245,7 @@ def load_llm(
             precise = cpu_path is None or cpu_path.precise
             # LoRA layers rename the layers they wrap: only a base model's are kept.
             kept = cache_dir if adapter is None else None
-            _pack_model_kept(model, path, model_name, path_for, dot, precise, kept)
+            _pack_model_kept(model, path, model_name, path_for, dot, precise, kept, fresh.packed)
         if before_eval is not None:
             model = before_eval(model, config)
         # Private arrays too (Llama 3's scaled rope frequencies): one left lazy holds the

@@ -14,13 +14,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 from huggingface_hub import snapshot_download
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
@@ -132,11 +131,11 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 class Importer:
     """A foreign format imported into the cache: under cache_dir/<folder>/, by `convert(path,
     into)`, at a `version` that is part of the key (a new importer never reuses an old output).
-    `convert` may return the arrays it wrote: they are held for this process's load
+    `convert` may return what it wrote (arrays, packed matrices): held for this process's load
     (models/fresh_weights.py)."""
 
     folder: str
-    convert: Callable[[Path, Path], Mapping[str, mx.array] | None]
+    convert: Callable[[Path, Path], fresh_weights.Fresh | None]
     version: int
 
 
@@ -177,8 +176,8 @@ def _converted(
                 if not final.is_dir():
                     with _scratch(root, final.name) as partial:
                         started = time.perf_counter()
-                        arrays = importer.convert(path, partial)
-                        _publish(partial, final, arrays, path, started)
+                        fresh = importer.convert(path, partial)
+                        _publish(partial, final, fresh, path, started)
                     # Whichever way the digest came (an Ollama blob's name, a remembered one):
                     # a copy of this content must find this conversion, not make another
                     # beside its hash. Recorded here, not at every load (a 16 MiB read).
@@ -205,12 +204,12 @@ def _convert_hashing(
     hashing = _hasher.submit(file_digest.digest, weights, cache_dir)
     with _scratch(root, probe) as partial:
         started = time.perf_counter()
-        arrays = importer.convert(path, partial)
+        fresh = importer.convert(path, partial)
         digest = hashing.result()
         final = root / _name(digest, importer)
         with exclusive(root / f".{final.name}.lock"):
             if not final.is_dir():  # else the same content, converted meanwhile as a known digest
-                _publish(partial, final, arrays, path, started)
+                _publish(partial, final, fresh, path, started)
     file_digest.record(probe, digest, cache_dir)
     return final
 
@@ -233,11 +232,11 @@ def _scratch(root: Path, stem: str) -> Iterator[Path]:
 
 
 def _publish(
-    partial: Path, final: Path, arrays: Mapping[str, mx.array] | None, path: Path, started: float
+    partial: Path, final: Path, fresh: fresh_weights.Fresh | None, path: Path, started: float
 ) -> None:
-    """Rename a finished conversion into place; hold the arrays it wrote for this process's load
+    """Rename a finished conversion into place; hold what it wrote for this process's load
     (models/fresh_weights.py)."""
     os.rename(partial, final)
-    if arrays:
-        fresh_weights.hold(final, arrays)
+    if fresh is not None and (fresh.arrays or fresh.packed):
+        fresh_weights.hold(final, fresh)
     log.info("converted %s into %s in %.1fs", path, final, time.perf_counter() - started)

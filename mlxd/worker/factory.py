@@ -15,9 +15,10 @@ from mlxd.models import fresh_weights
 from mlxd.models.adapters import adapter_bytes
 from mlxd.models.cpu_path_timing import choose_cpu_path
 from mlxd.models.estimate import estimate_model_bytes, estimate_weight_bytes
+from mlxd.models.fresh_weights import PackLayout
 from mlxd.models.gguf_errors import GGUFError
 from mlxd.models.gguf_header import GGUFFile
-from mlxd.models.sizing import dir_geometry, gguf_weights_and_geometry, model_need
+from mlxd.models.sizing import dir_geometry, gguf_headers, gguf_weights_and_geometry, model_need
 from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
 from mlxd.runtime.engine import Engine
@@ -35,11 +36,13 @@ async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[
     first sized from its header: one that cannot fit server.memory_budget even alone is refused
     before it is converted (read). A quantized LLM on the CPU has its weights' path chosen here
     (models/cpu_path.py: timed once per CPU and shapes, then cached), as the bytes depend on it."""
-    await asyncio.to_thread(_refuse_a_gguf_that_cannot_fit, name, config, server)
+    header = await asyncio.to_thread(_refuse_a_gguf_that_cannot_fit, name, config, server)
+    layout = await asyncio.to_thread(_conversion_layout, header, config, server)
     cache_dir = server.cache_dir
-    path: Path = await asyncio.to_thread(
-        resolve_source, config.source, model_name=name, cache_dir=cache_dir
-    )
+    with fresh_weights.packing(layout):
+        path: Path = await asyncio.to_thread(
+            resolve_source, config.source, model_name=name, cache_dir=cache_dir
+        )
     # A distributed rank loads its shard as float32 (models/loader.py packs only whole models).
     packs = config.distributed is None
     choice = await asyncio.to_thread(choose_cpu_path, path, config, server)
@@ -57,10 +60,14 @@ async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[
     return path, model_need(config, weights, dir_geometry(path), extra)
 
 
-def _refuse_a_gguf_that_cannot_fit(name: str, config: ModelConfig, server: ServerConfig) -> None:
+def _refuse_a_gguf_that_cannot_fit(
+    name: str, config: ModelConfig, server: ServerConfig
+) -> GGUFFile | None:
+    """The header of the GGUF file `config.source` names (None: it names none); ModelLoadError
+    where the model cannot fit server.memory_budget even alone."""
     gguf = _gguf_file(config.source, name)
     if gguf is None:
-        return
+        return None
     try:
         header = GGUFFile(gguf)
     except GGUFError as exc:
@@ -70,6 +77,21 @@ def _refuse_a_gguf_that_cannot_fit(name: str, config: ModelConfig, server: Serve
     )
     if refusal := model_need(config, weights, geometry).over_budget(name, server):
         raise ModelLoadError(refusal)
+    return header
+
+
+def _conversion_layout(
+    header: GGUFFile | None, config: ModelConfig, server: ServerConfig
+) -> PackLayout | None:
+    """How a GGUF's conversion packs its matrices for this load (models/fresh_weights.py): as
+    the CPU path chosen from its header packs them, where it packs them all. None: not a GGUF,
+    an adapter (its layers wrap the matrices), a plan that keeps float32 weights."""
+    if header is None or config.adapter is not None:
+        return None
+    choice = choose_cpu_path(gguf_headers(header), config, server)
+    if choice is None or choice.plan != "packed":
+        return None
+    return PackLayout(choice.dot, choice.precise)
 
 
 def _gguf_file(source: str, name: str) -> Path | None:
