@@ -10,7 +10,6 @@ strings and keeps one sequence's failure from failing the batch.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -35,6 +34,7 @@ from mlxd.models.lora import MultiLoRA
 from mlxd.scheduler import Budget, Running, StepPlan, Waiting, schedule
 from mlxd.types import Delta, Finished, FinishReason, GenerationRequest
 from mlxd.worker import warm_up
+from mlxd.worker.prompt_stores import PromptStores
 from mlxd.worker.sequence import (
     FINAL_STATUS,
     CoreStats,
@@ -69,8 +69,7 @@ class LLMCore:
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by uid, in admission order
         self._uids = itertools.count()
-        # First responses whose prompt blocks the prefix cache keeps next step (_store_prompts).
-        self._unstored: list[tuple[Sequence, TokenOut]] = []
+        self._prompt_stores = PromptStores(lambda uid: self.executor.extract_cache(uid))
         self._eos = set(tokenizer.eos_token_ids)
         self._vocab_size = len(tokenizer)
         self._executor: BatchExecutor | None = None
@@ -147,7 +146,7 @@ class LLMCore:
         """Keep the prompt blocks of the last step's new sequences, then plan one step, start
         the sequences it admits and run it."""
         outputs: list[Output] = []
-        self._store_prompts()
+        self._prompt_stores.store_due(self._running)
         plan = schedule(self._waiting_view(), self._running_view(), self._budget())
         self._reject(plan.rejected, outputs)
         self._admit(plan.admitted, outputs)
@@ -294,8 +293,8 @@ class LLMCore:
             if sequence is None:
                 continue
             if sequence.fault is None:
-                if sequence.status is SequenceStatus.PREFILLING and sequence.lease:
-                    self._unstored.append((sequence, response))
+                if sequence.status is SequenceStatus.PREFILLING:
+                    self._prompt_stores.defer(sequence, response)
                 try:
                     self._advance(sequence, response, outputs)
                 except Exception as exc:
@@ -352,40 +351,12 @@ class LLMCore:
             self._running.pop(sequence.uid, None)
             if in_executor:
                 if event.reason != "error":
-                    self._store_prompt_now(sequence)
+                    self._prompt_stores.store_now(sequence)
                 self.executor.remove([sequence.uid])
         sequence.status = FINAL_STATUS[event.reason]
         if sequence.lease is not None:
             sequence.lease.release()
         outputs.append((sequence, event))
-
-    def _store_prompts(self) -> None:
-        """The prefix cache keeps the prompt blocks of the sequences that had their first
-        token last step, now that it has been delivered: extracting and copying them took
-        17–26 ms of a 1,600-token prompt's time to first token on SmolLM2. A sequence that
-        went meanwhile without finishing (aborted, failed) has no KV left to keep."""
-        for sequence, response in self._unstored:
-            if response.prompt_cache is not None or sequence.uid in self._running:
-                self._store_prompt(sequence, response)
-        self._unstored.clear()
-
-    def _store_prompt_now(self, sequence: Sequence) -> None:
-        """Keep the prompt of a sequence that leaves the executor before its deferred store
-        (a stop string in its first token, an abort): its KV is gone once it is removed."""
-        for entry in [e for e in self._unstored if e[0] is sequence]:
-            self._unstored.remove(entry)
-            self._store_prompt(*entry)
-
-    def _store_prompt(self, sequence: Sequence, response: TokenOut) -> None:
-        if sequence.lease:
-            sequence.lease.store(functools.partial(self._prompt_cache, response))
-
-    def _prompt_cache(self, response: TokenOut) -> list[Any]:
-        """A sequence's per-layer KV right after its prompt (set on the response when the
-        sequence already finished)."""
-        if response.prompt_cache is not None:
-            return response.prompt_cache
-        return self.executor.extract_cache(response.uid)
 
     def _new_executor(self) -> BatchExecutor:
         model = SkipPrefillLogits(self.model)
