@@ -283,22 +283,30 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
         }
         const float amax = hmax(largest), inverse = amax > 0 ? 127 / amax : 0;
         const float step = amax / 127;
-        int32_t total8 = 0, rest8 = 0;
-        for (int k = 0; k < BLOCK; ++k) {
-          qb[k] = int8_t(__builtin_lrintf(xb[k] * inverse));
-          total8 += qb[k];
+        // W values at a time: one at a time, this was 14% of a 32-row SmolLM2 decode step.
+        const vf by = vf{} + inverse, low = vf{} - 127, high = vf{} + 127;
+        vf total = {};
+        [[maybe_unused]] vf rest_total = {};
+        for (int k = 0; k < BLOCK; k += W) {
+          const vf v = load(xb + k);
+          const vi q = round_to_int(v * by);
+          store_i8(qb + k, q);
+          const vf qf = __builtin_convertvector(q, vf);
+          total += qf;
           if constexpr (TERMS == 2) {
-            const float rest = (xb[k] - qb[k] * step) * inverse * 254;
-            qb[K + k] = int8_t(imax(-127, imin(127, int(__builtin_lrintf(rest)))));
-            rest8 += qb[K + k];
+            vf rest = __builtin_convertvector(round_to_int((v - qf * step) * by * 254), vf);
+            rest = rest < low ? low : rest;
+            rest = rest > high ? high : rest;
+            store_i8(qb + K + k, __builtin_convertvector(rest, vi));
+            rest_total += rest;
           }
         }
         const size_t at = size_t(m) * TERMS * blocks + b;
         d[at] = step;
-        sum8[at] = float(total8);
+        sum8[at] = hsum(total);  // exact: |sum| <= 32 * 127
         if constexpr (TERMS == 2) {
           d[at + blocks] = step / 254;
-          sum8[at + blocks] = float(rest8);
+          sum8[at + blocks] = hsum(rest_total);
         }
       }
     }

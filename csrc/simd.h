@@ -163,6 +163,38 @@ inline float hmax(vf v) {
 #endif
 }
 
+// Each lane rounded to the nearest integer, ties to even (lrintf in the default rounding mode).
+inline vi round_to_int(vf v) {
+#if defined(MLXD_ISA_AVX512)
+  return (vi)_mm512_cvtps_epi32((__m512)v);
+#elif defined(MLXD_ISA_AVX2)
+  return (vi)_mm256_cvtps_epi32((__m256)v);
+#elif defined(MLXD_ISA_NEON)
+  return (vi)vcvtnq_s32_f32((float32x4_t)v);
+#else
+  vi out;
+  for (int i = 0; i < W; ++i) {
+    out[i] = int32_t(__builtin_lrintf(v[i]));
+  }
+  return out;
+#endif
+}
+
+// W lanes in [-128, 127] stored as W bytes (narrowed by each ISA's instruction, as load_u8).
+inline void store_i8(int8_t* p, vi v) {
+#if defined(MLXD_ISA_AVX512)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8((__m512i)v));
+#elif defined(MLXD_ISA_AVX2)
+  const __m256i wide = (__m256i)v;
+  const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(halves, halves));
+#else
+  for (int i = 0; i < W; ++i) {
+    p[i] = int8_t(v[i]);
+  }
+#endif
+}
+
 // A float scratch buffer (not std::vector: see the top of this file), 64-byte aligned.
 class Scratch {
  public:
