@@ -180,8 +180,9 @@ def packed_weight_bytes(source: Path | Headers) -> int | None:
     return _packed_bytes(read.tensors, _quantized_modules(read.tensors, read.quantization))
 
 
-def estimate_weight_bytes(model_dir: Path | Headers, dtype: str, *, packs: bool = True) -> int:
-    """Bytes of the model's parameters once loaded with `dtype` (see loader.load_llm).
+def estimate_weight_bytes(source: Path | Headers, dtype: str, *, packs: bool = True) -> int:
+    """Bytes of the model's parameters once loaded with `dtype` (see loader.load_llm), from a
+    model directory or its headers already read.
 
     `packs`: whether the loader may pack quantized weights for the CPU kernel (not for a
     distributed rank). Kept weights count as stored. A cast turns every float tensor into
@@ -191,9 +192,9 @@ def estimate_weight_bytes(model_dir: Path | Headers, dtype: str, *, packs: bool 
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if not isinstance(model_dir, Headers) and not Path(model_dir).is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    read = headers(model_dir)
+    if not isinstance(source, Headers) and not Path(source).is_dir():
+        raise ModelLoadError(f"model directory {source} does not exist")
+    read = headers(source)
     return _weight_bytes(read.tensors, read.quantization, dtype, packs=packs)
 
 
