@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from mlxd.models.read_once import Passed
+
 FOLDER = "digests"
 _HASH_CHUNK = 8 << 20
 _PROBE_BYTES = 16 << 20
@@ -33,19 +35,23 @@ def remembered(path: Path, cache_dir: Path) -> str | None:
     return None
 
 
-def digest(path: Path, cache_dir: Path) -> str:
-    """The sha256 of the file at `path` (hex): remembered, or hashed and remembered."""
+def digest(path: Path, cache_dir: Path, passed: Passed | None = None) -> str:
+    """The sha256 of the file at `path` (hex): remembered, or hashed and remembered (`passed`
+    told of each range read, models/read_once.py)."""
     if (known := remembered(path, cache_dir)) is not None:
+        if passed is not None:
+            passed(0, path.stat().st_size)
         return known
     memo = _memo(path, cache_dir)  # the file as it was before it was read
-    hashed = sha256(path)
+    hashed = sha256(path, passed)
     if _memo(path, cache_dir) == memo:  # not rewritten while it was read
         _write(memo, hashed)
     return hashed
 
 
-def sha256(path: Path) -> str:
+def sha256(path: Path, passed: Passed | None = None) -> str:
     hasher = hashlib.sha256()
+    read = 0
     with (
         path.open("rb") as f,
         tqdm(
@@ -59,6 +65,9 @@ def sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             hasher.update(chunk)
             bar.update(len(chunk))
+            if passed is not None:
+                passed(read, read + len(chunk))
+            read += len(chunk)
     return hasher.hexdigest()
 
 

@@ -53,6 +53,7 @@ from mlxd.models.gguf_tokenizer import (
 )
 from mlxd.models.packability import why_not_packable
 from mlxd.models.packed import pack
+from mlxd.models.read_once import Passed, ReadOnce
 
 log = logging.getLogger(__name__)
 
@@ -270,26 +271,34 @@ def _packed(module: str, converted: Converted, layout: PackLayout | None) -> Pac
 
 
 def _write_weights(
-    reader: GGUFFile, arch: Architecture, config: dict[str, Any], out_dir: Path, bar: tqdm
+    reader: GGUFFile,
+    arch: Architecture,
+    config: dict[str, Any],
+    out_dir: Path,
+    bar: tqdm,
+    passed: Passed,
 ) -> tuple[Fresh, dict[str, int]]:
-    """Convert and write every tensor; returns what the load may take (the arrays written, by
-    name, or their matrices packed where `fresh_weights.packing` asks), and the bit width of
-    each quantized module."""
+    """Convert and write every tensor, telling `passed` of each one's bytes once converted;
+    returns what the load may take (the arrays written, by name, or their matrices packed
+    where `fresh_weights.packing` asks), and the bit width of each quantized module."""
     bits: dict[str, int] = {}
     requantized: dict[tuple[str, int | None], list[float]] = defaultdict(list)
     writer = _ShardWriter(out_dir)
     layout = fresh_weights.pack_layout()
     packed: dict[str, Packed] = {}
+    passed(0, reader.data_start)  # the header, metadata and tensor infos: read already
     try:
         for tensor in reader.tensors:
             bar.update(tensor.n_bytes)
-            if arch.is_rope_tensor(tensor.name):
+            if arch.is_rope_tensor(tensor.name):  # read into config.json already
+                passed(*reader.span(tensor))
                 continue
             name = arch.mlx_name(tensor.name)
             assert name is not None  # _problems() rejected unknown tensors
             converted = _converted(reader, tensor, arch, config)
             mx.eval(converted.weight, converted.scales, converted.biases)
             reader.release(tensor)
+            passed(*reader.span(tensor))
             module = name.removesuffix(".weight")
             if writer.written is None:  # no room to hold anything for the load
                 layout, packed = None, {}
@@ -307,6 +316,10 @@ def _write_weights(
                 error = converted.rel_error
                 log.debug("%s requantized: relative RMS error %.2e", tensor.name, error)
         writer.finish()
+        # Reading a tensor mapped its neighbours too (fault-around), some passed already:
+        # unmapped now, they can leave the page cache.
+        reader.unmap()
+        passed(0, reader.size)
     finally:
         writer.close()
         mx.clear_cache()  # the shards' buffers, which the load would keep resident
@@ -343,10 +356,11 @@ def model_config(reader: GGUFFile, arch: Architecture) -> dict[str, Any]:
     return config
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Fresh:
+def convert_gguf(gguf_path: Path, out_dir: Path, passed: Passed | None = None) -> Fresh:
     """Write config.json, safetensors weights and tokenizer files for `gguf_path` into `out_dir`;
     returns what a load may take instead of reading the files (models/fresh_weights.py): the
-    weights written, by name (evaluated), or packed.
+    weights written, by name (evaluated), or packed. `passed` is told of each range of the file
+    converted (models/read_once.py); by default those leave the page cache at once.
 
     Raises GGUFError for unreadable files, its subclass UnsupportedGGUF (as UnsupportedArchitecture,
     UnsupportedQuantType or UnsupportedTokenizer) for files it cannot import.
@@ -378,7 +392,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Fresh:
     with tqdm(
         total=total, desc=f"converting {gguf_path.name}", unit="B", unit_scale=True, disable=None
     ) as bar:
-        fresh, bits = _write_weights(reader, arch, config, out_dir, bar)
+        if passed is None:
+            passed = ReadOnce(gguf_path, 1).reader(0)
+        fresh, bits = _write_weights(reader, arch, config, out_dir, bar, passed)
     if quantization := quantization_config(bits):
         config["quantization"] = quantization
     _write_json(out_dir / "config.json", config)

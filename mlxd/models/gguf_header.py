@@ -102,6 +102,7 @@ class GGUFFile:
             self.metadata, self.tensors = self._parse()
         except (GGUFError, struct.error, UnicodeDecodeError, OverflowError) as exc:
             raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
+        self.unmap()  # parsed; touching the header mapped its neighbours too (fault-around)
 
     def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
         cursor = _Cursor(self._map)
@@ -124,6 +125,7 @@ class GGUFFile:
             infos.append((name, dims, raw_type, offset))
         alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         start = -(-cursor.pos // alignment) * alignment
+        self.alignment, self.data_start = alignment, start
         tensors = []
         for name, dims, raw_type, offset in infos:
             try:
@@ -147,8 +149,23 @@ class GGUFFile:
         """The tensor's raw bytes (uint8), mapped from the file: read only when used."""
         return np.frombuffer(self._map, np.uint8, tensor.n_bytes, tensor.offset)
 
+    def span(self, tensor: TensorInfo) -> tuple[int, int]:
+        """The file's bytes [start, end) that hold the tensor: its data and the padding after
+        it (the next tensor starts aligned)."""
+        end = tensor.offset + tensor.n_bytes
+        return tensor.offset, min(-(-end // self.alignment) * self.alignment, self.size)
+
+    @property
+    def size(self) -> int:
+        return len(self._map)
+
+    def unmap(self) -> None:
+        """Drop every page of the file from this process (they stay in the page cache)."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
     def release(self, tensor: TensorInfo) -> None:
         """Drop the tensor's pages from this process (they stay in the page cache): without
         this a conversion's resident set grows by the whole file as it reads it."""
-        start = tensor.offset - tensor.offset % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.n_bytes - start)
+        start, end = self.span(tensor)
+        start -= start % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)

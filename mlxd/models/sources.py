@@ -29,6 +29,7 @@ from mlxd.models import file_digest, fresh_weights
 from mlxd.models.ctranslate2 import CTranslate2Error
 from mlxd.models.gguf import FORMAT_VERSION as GGUF_VERSION
 from mlxd.models.gguf import GGUFError, convert_gguf
+from mlxd.models.read_once import Passed, ReadOnce
 from mlxd.models.source_paths import source_path
 from mlxd.models.whisper_ct2 import FORMAT_VERSION as CT2_VERSION
 from mlxd.models.whisper_ct2 import convert_ct2_whisper, is_ct2_whisper
@@ -130,17 +131,23 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 @dataclass(frozen=True)
 class Importer:
     """A foreign format imported into the cache: under cache_dir/<folder>/, by `convert(path,
-    into)`, at a `version` that is part of the key (a new importer never reuses an old output).
-    `convert` may return what it wrote (arrays, packed matrices): held for this process's load
-    (models/fresh_weights.py)."""
+    into, passed)`, at a `version` that is part of the key (a new importer never reuses an old
+    output). `convert` tells `passed` which bytes of the weights file it is done with
+    (models/read_once.py), and may return what it wrote (arrays, packed matrices): held for
+    this process's load (models/fresh_weights.py)."""
 
     folder: str
-    convert: Callable[[Path, Path], fresh_weights.Fresh | None]
+    convert: Callable[[Path, Path, Passed], fresh_weights.Fresh | None]
     version: int
 
 
+def _convert_ct2(source: Path, target: Path, passed: Passed) -> None:
+    convert_ct2_whisper(source, target)
+    passed(0, (source / "model.bin").stat().st_size)  # read whole, into memory
+
+
 GGUF = Importer("gguf", convert_gguf, GGUF_VERSION)
-CT2_WHISPER = Importer("ct2", convert_ct2_whisper, CT2_VERSION)
+CT2_WHISPER = Importer("ct2", _convert_ct2, CT2_VERSION)
 
 
 def _converted(
@@ -176,7 +183,7 @@ def _converted(
                 if not final.is_dir():
                     with _scratch(root, final.name) as partial:
                         started = time.perf_counter()
-                        fresh = importer.convert(path, partial)
+                        fresh = importer.convert(path, partial, ReadOnce(weights, 1).reader(0))
                         _publish(partial, final, fresh, path, started)
                     # Whichever way the digest came (an Ollama blob's name, a remembered one):
                     # a copy of this content must find this conversion, not make another
@@ -200,11 +207,12 @@ def _convert_hashing(
     importer: Importer, path: Path, weights: Path, root: Path, cache_dir: Path, probe: str
 ) -> Path:
     """Convert while another thread computes the digest that names the result (the caller holds
-    the probe's lock)."""
-    hashing = _hasher.submit(file_digest.digest, weights, cache_dir)
+    the probe's lock). The file's pages leave the page cache once both have read them."""
+    once = ReadOnce(weights, 2)
+    hashing = _hasher.submit(file_digest.digest, weights, cache_dir, once.reader(1))
     with _scratch(root, probe) as partial:
         started = time.perf_counter()
-        fresh = importer.convert(path, partial)
+        fresh = importer.convert(path, partial, once.reader(0))
         digest = hashing.result()
         final = root / _name(digest, importer)
         with exclusive(root / f".{final.name}.lock"):

@@ -18,6 +18,7 @@ import pytest
 from mlxd.errors import ModelLoadError
 from mlxd.models import file_digest, sources
 from mlxd.models.gguf import FORMAT_VERSION as VERSION
+from mlxd.models.read_once import Passed
 from mlxd.models.sources import resolve_source
 from tests.unit.test_gguf import write_tiny_gguf
 
@@ -98,7 +99,9 @@ def test_a_gguf_is_hashed_once_until_it_changes(
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     hashed: list[Path] = []
     sha256 = file_digest.sha256
-    monkeypatch.setattr(file_digest, "sha256", lambda path: hashed.append(path) or sha256(path))
+    monkeypatch.setattr(
+        file_digest, "sha256", lambda path, passed=None: hashed.append(path) or sha256(path)
+    )
     converted = resolve(gguf, cache)
     assert resolve(gguf, cache) == converted and hashed == [gguf]
     # Rewritten in place, same size, the old mtime put back: its ctime still moved.
@@ -122,11 +125,11 @@ def test_a_new_gguf_is_hashed_while_it_converts(
     converting = threading.Event()
     convert = sources.GGUF.convert
 
-    def converts(path: Path, into: Path) -> Mapping[str, mx.array] | None:
+    def converts(path: Path, into: Path, passed: Passed) -> Mapping[str, mx.array] | None:
         converting.set()
-        return convert(path, into)
+        return convert(path, into, passed)
 
-    def hashes(path: Path) -> str:
+    def hashes(path: Path, passed: Passed | None = None) -> str:
         assert converting.wait(timeout=60), "the conversion waited for the hash"
         return hashlib.sha256(path.read_bytes()).hexdigest()
 
