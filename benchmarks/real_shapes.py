@@ -15,7 +15,10 @@ same machine:
 - mlxd-gguf-int8 / mlxd-mlx-int8 (asked for in --only): the same with `cpu_activations: int8`
   (x as one int8 term in the integer dot products, llama.cpp's own arithmetic).
 
-It reports each one's load time (process start to GET /health answering 200), the peak RSS
+Every first load starts with the weights in the page cache, read whole just before (as after a
+download; mlxd's conversion hands a GGUF's pages back as it passes them, so the server after it
+would otherwise read the file from the disk). It reports each one's load time (process start to
+GET /health answering 200), the peak RSS
 (VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
 the first load (mlxd's: conversion and packing too), after the cached load and after each
 level, and tok/s and TTFT at each level from mlxd's load generator (same prompts, greedy or
@@ -100,6 +103,15 @@ def timed_start(
         yield url, proc.pid, time.perf_counter() - started
 
 
+def in_page_cache(source: Path) -> None:
+    """Read `source` (a file, or a directory's files) whole."""
+    for path in [source] if source.is_file() else sorted(source.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
 def sweep_level(url: str, level: int, args: argparse.Namespace) -> LevelResult:
     sampling = SAMPLING[args.sampling]
     sweep = run_sweep(url, MODEL_NAME, [level], args.max_tokens, args.requests, sampling=sampling)
@@ -135,6 +147,8 @@ def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) ->
         port = free_port()
         cmd = llama_command(binary, gguf, port, level, threads=args.threads)
         print(f"== llama.cpp C={level}: {' '.join(cmd)}", flush=True)
+        if not loads:
+            in_page_cache(gguf)
         with timed_start(cmd, port, logs / f"llama-{level}.log", args.startup_timeout) as (
             url,
             pid,
@@ -177,6 +191,8 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
         budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
         cmd = mlxd_command(source, port, workdir, model_options=options, server_options=budget)
         print(f"== {name} ({phase} load): {' '.join(cmd)}", flush=True)
+        if phase == "first":
+            in_page_cache(source)
         with timed_start(cmd, port, logs / f"{name}-{phase}.log", args.startup_timeout) as (
             url,
             _,
@@ -236,6 +252,16 @@ def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
     for name, run in runs.items():
         if peer is None or name == "llama.cpp":
             continue
+        loads = [
+            f"{label} {ours / theirs:.2f}x"
+            for label, ours, theirs in (
+                ("first", run.first_load_s, peer.first_load_s),
+                ("cached", run.cached_load_s, peer.cached_load_s),
+            )
+            if ours and theirs
+        ]
+        if loads:
+            print(f"{name} / llama.cpp load time: {', '.join(loads)}")
         for level in levels:
             ours, theirs = run.level_rss.get(level), peer.level_rss.get(level)
             a, b = run.results.get(level), peer.results.get(level)
