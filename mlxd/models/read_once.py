@@ -5,9 +5,9 @@ mlxd never reads the file again once it is converted, and the conversion fills a
 memory as the file holds (an 8B Q4_K_M: 4.9 GB read, 5.5 GiB packed). Pages just freed are the
 cheapest the conversion can get: on these VMs, whose host takes back the memory the guest frees
 (virtio-balloon free page reporting), filling 4 GiB of pages never touched took 8.8–9.2 s and
-0.5–0.9 s right after the file's cached pages were dropped; an 8B's conversion took 13.6 s with
-15 s of system time, and 7.4–8.8 s with 3–5 s. Elsewhere the machine holds one copy of the
-weights instead of two. Pages another process maps stay (the kernel skips mapped pages).
+0.5–0.9 s right after the file's cached pages were dropped; an 8B Q4_K_M's first load took
+22.5 / 18.0 s before this and 15.8 / 14.2 s after (alternating). Elsewhere the machine holds one
+copy of the weights instead of two. Pages another process maps stay (the kernel skips them).
 """
 
 from __future__ import annotations
