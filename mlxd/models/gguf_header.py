@@ -99,12 +99,13 @@ class GGUFFile:
         except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
             raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
         try:
-            self.metadata, self.tensors = self._parse()
+            self.metadata, self.tensors, self.alignment, self.data_start = self._parse()
         except (GGUFError, struct.error, UnicodeDecodeError, OverflowError) as exc:
             raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
         self.unmap()  # parsed; touching the header mapped its neighbours too (fault-around)
 
-    def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
+    def _parse(self) -> tuple[dict[str, Any], list[TensorInfo], int, int]:
+        """The metadata, the tensor infos, the data's alignment and where the data starts."""
         cursor = _Cursor(self._map)
         if self._map[:4] != _MAGIC:
             raise GGUFError("not a GGUF file (bad magic)")
@@ -125,7 +126,6 @@ class GGUFFile:
             infos.append((name, dims, raw_type, offset))
         alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         start = -(-cursor.pos // alignment) * alignment
-        self.alignment, self.data_start = alignment, start
         tensors = []
         for name, dims, raw_type, offset in infos:
             try:
@@ -143,7 +143,7 @@ class GGUFFile:
                 raise GGUFError(f"tensor {name!r} runs past the end of the file (truncated?)")
             shape = tuple(int(d) for d in reversed(dims))
             tensors.append(TensorInfo(name, qtype, shape, start + offset, n_bytes))
-        return metadata, tensors
+        return metadata, tensors, alignment, start
 
     def data(self, tensor: TensorInfo) -> np.ndarray:
         """The tensor's raw bytes (uint8), mapped from the file: read only when used."""
