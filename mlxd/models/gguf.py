@@ -2,9 +2,9 @@
 
 The file is memory-mapped (models/gguf_header.py reads its header); each tensor is converted
 straight into MLX's layout (models/gguf_quants.py), renamed by its architecture's table
-(models/gguf_arch.py) and written into safetensors shards of about 256 MiB (one written while the
-next fills), never the whole model as floats; the arrays written, or the matrices packed as the
-load will pack them, are kept for this process's load where there is room
+(models/gguf_arch.py) and written into safetensors shards of about 256 MiB as it goes
+(models/shard_writer.py), never the whole model as floats; the arrays written, or the matrices
+packed as the load will pack them, are kept for this process's load where there is room
 (models/fresh_weights.py). config.json describes the mlx-lm model of that family and
 the tokenizer is rebuilt with the `tokenizers` library (models/gguf_tokenizer.py).
 (transformers' own GGUF import needs torch, which mlxd does not install.)
@@ -14,11 +14,9 @@ the tokenizer is rebuilt with the `tokenizers` library (models/gguf_tokenizer.py
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import Counter, defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mlxd.kernels import Packed
-from mlxd.models import direct_write, fresh_weights
+from mlxd.models import fresh_weights
 from mlxd.models.fresh_weights import Fresh, PackLayout
 from mlxd.models.gguf_arch import ARCHITECTURES, Architecture, Meta, architecture_of
 from mlxd.models.gguf_errors import (
@@ -54,16 +52,13 @@ from mlxd.models.gguf_tokenizer import (
 from mlxd.models.packability import why_not_packable
 from mlxd.models.packed import pack
 from mlxd.models.read_once import Passed, ReadOnce
+from mlxd.models.shard_writer import ShardWriter, write_json
 
 log = logging.getLogger(__name__)
 
 # Part of the conversion cache key: bump it whenever the directory this writes changes.
 FORMAT_VERSION = 3  # 3: Q6_K requantized by csrc/convert.cpp's rule
 _REQUIRED_METADATA = ("embedding_length", "feed_forward_length", "block_count")
-# Small enough that the arrays waiting for the disk (two shards) are a small part of a load
-# whose conversion packs (those are not held): an 8B Q4_K_M's conversion peaked at 6.7 GiB
-# resident with 1 GiB shards, 5.9 GiB with these (its packed matrices 5.1 GiB).
-_SHARD_BYTES = 256 << 20
 # The modules a conversion packs for its load (models/fresh_weights.py): a decoder layer's
 # matrices and a separate head. The load packs the rest itself (a tied embedding, experts).
 _PACKED_EARLY = re.compile(r"(?:^|\.)layers\.\d+\.|^lm_head$")
@@ -158,76 +153,6 @@ def _unpermute(array: mx.array, heads: int) -> mx.array:
     return grouped.swapaxes(1, 2).reshape(rows, *rest)
 
 
-class _ShardWriter:
-    """Writes converted tensors into ~256 MiB safetensors shards as they come, each on a thread of
-    its own while the next fills, past the page cache (models/direct_write.py): the disk and
-    the conversion overlap, and at most two shards are held."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.pending: dict[str, mx.array] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[Path, list[str]]] = []
-        # Every array added, by name; None once there was no room to hold them
-        # (models/fresh_weights.py).
-        self.written: dict[str, mx.array] | None = {}
-        self._disk = ThreadPoolExecutor(1, thread_name_prefix="gguf-shards")
-        self._writing: Future[None] | None = None
-
-    def add(self, name: str, array: mx.array, hold: bool = True) -> None:
-        """Add an evaluated array (the writing thread only reads it), kept in `written` for
-        the load if `hold`."""
-        if self.written is not None and hold:
-            self.written[name] = array
-        self.pending[name] = array
-        self.pending_bytes += array.nbytes
-        if self.pending_bytes >= _SHARD_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        # Asked once a shard (the most a writer holds anyway) has filled: the answer reads
-        # /proc and the cgroup's files.
-        if self.written is not None and not fresh_weights.room_to_hold():
-            self.written = None  # those held go once their shards are written
-        path = self.out_dir / f"shard-{len(self.files):05d}.safetensors"
-        self._wait()
-        self._writing = self._disk.submit(
-            direct_write.save_safetensors, path, self.pending, {"format": "mlx"}
-        )
-        self.files.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def _wait(self) -> None:
-        """Wait for the shard being written; raises what its write raised."""
-        if self._writing is not None:
-            writing, self._writing = self._writing, None
-            writing.result()
-
-    def close(self) -> None:
-        """Wait for any write still running (a failed conversion's too), raising nothing."""
-        self._disk.shutdown(wait=True)
-
-    def finish(self) -> None:
-        """Name the shards as mlx-lm and Hugging Face expect, with an index if there are many."""
-        self.flush()
-        self._wait()
-        if len(self.files) == 1:
-            self.files[0][0].rename(self.out_dir / "model.safetensors")
-            return
-        index: dict[str, str] = {}
-        for number, (path, names) in enumerate(self.files, 1):
-            final = f"model-{number:05d}-of-{len(self.files):05d}.safetensors"
-            path.rename(self.out_dir / final)
-            index.update(dict.fromkeys(names, final))
-        _write_json(self.out_dir / "model.safetensors.index.json", {"weight_map": index})
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-
-
 def _converted(
     reader: GGUFFile, tensor: TensorInfo, arch: Architecture, config: dict[str, Any]
 ) -> Converted:
@@ -283,7 +208,7 @@ def _write_weights(
     where `fresh_weights.packing` asks), and the bit width of each quantized module."""
     bits: dict[str, int] = {}
     requantized: dict[tuple[str, int | None], list[float]] = defaultdict(list)
-    writer = _ShardWriter(out_dir)
+    writer = ShardWriter(out_dir)
     layout = fresh_weights.pack_layout()
     packed: dict[str, Packed] = {}
     passed(0, reader.data_start)  # the header, metadata and tensor infos: read already
@@ -383,11 +308,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, passed: Passed | None = None) -
     except GGUFError as exc:
         raise type(exc)(f"{gguf_path}: {exc}") from exc
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(
+    write_json(
         out_dir / "tokenizer_config.json",
         tokenizer_config(metadata, config.get("max_position_embeddings")),
     )
-    _write_json(out_dir / "generation_config.json", generation_config(metadata))
+    write_json(out_dir / "generation_config.json", generation_config(metadata))
     total = sum(int(t.n_bytes) for t in reader.tensors)
     with tqdm(
         total=total, desc=f"converting {gguf_path.name}", unit="B", unit_scale=True, disable=None
@@ -397,5 +322,5 @@ def convert_gguf(gguf_path: Path, out_dir: Path, passed: Passed | None = None) -
         fresh, bits = _write_weights(reader, arch, config, out_dir, bar, passed)
     if quantization := quantization_config(bits):
         config["quantization"] = quantization
-    _write_json(out_dir / "config.json", config)
+    write_json(out_dir / "config.json", config)
     return fresh

@@ -205,9 +205,9 @@ def test_inconsistent_vocabulary_is_a_gguf_error(tmp_path: Path) -> None:
 
 
 def test_sharded_output_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import mlxd.models.gguf as importer
+    import mlxd.models.shard_writer as shards
 
-    monkeypatch.setattr(importer, "_SHARD_BYTES", 20_000)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 20_000)
     config = tiny_config("llama", num_hidden_layers=1)
     path = tmp_path / "m.gguf"
     write_gguf(path, config, tiny_weights(config), gguf.GGMLQuantizationType.Q8_0)
