@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load, load_adapters
 
@@ -39,7 +39,7 @@ from mlxd.models.packability import (
     unpackable_layers,
 )
 from mlxd.models.packed import dequantize_layers, pack_model
-from mlxd.models.packed_cache import PackedCache
+from mlxd.models.packed_cache import Kept, PackedCache, keeps
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,33 @@ def _use_fresh(model: nn.Module, fresh: dict[str, mx.array]) -> None:
     model.load_weights(same, strict=False)
 
 
+def other_arrays(model: nn.Module, layers: dict[str, Packed]) -> dict[str, mx.array]:
+    """The model's parameters that no packed layer holds and a packed file keeps (large ones:
+    models/packed_cache.py), by parameter path; lazy where not yet evaluated."""
+    packed = {id(array) for p in layers.values() for array in (p.weight, p.scale_bias)}
+    return {
+        name: array
+        for name, array in flat_parameters(model)
+        if id(array) not in packed and keeps(array)
+    }
+
+
+def take_others(
+    model: nn.Module, layers: dict[str, Packed], kept: dict[str, mx.array]
+) -> dict[str, mx.array]:
+    """Put the `kept` arrays in place of the model's own others (`other_arrays`) where name,
+    shape and dtype agree: mapped, never read or cast again. The model's others as they now
+    are."""
+    others = other_arrays(model, layers)
+    same = {
+        name: kept[name]
+        for name, array in others.items()
+        if name in kept and kept[name].shape == array.shape and kept[name].dtype == array.dtype
+    }
+    model.update(tree_unflatten(list(same.items())))
+    return {**others, **same}
+
+
 def _pack_model_kept(
     model: nn.Module,
     path: Path,
@@ -155,12 +182,13 @@ def _pack_model_kept(
         return
     cache = PackedCache.for_model(cache_dir, path, dot, precise)
     seen = cache.stamp()
-    kept = cache.read() or {}
-    layers, _ = pack_model(model, path_for, dot, {**kept, **fresh}, precise)
-    new = sum(1 for name, weights in layers.items() if kept.get(name) is not weights)
-    if new:
+    kept = cache.read() or Kept()
+    layers, _ = pack_model(model, path_for, dot, {**kept.layers, **fresh}, precise)
+    others = take_others(model, layers, kept.others)
+    new = sum(1 for name, weights in layers.items() if kept.layers.get(name) is not weights)
+    if new or any(kept.others.get(name) is not array for name, array in others.items()):
         log.info("model '%s': packed %d layers, keeping them in %s", model_name, new, cache.path)
-        cache.write_in_background(layers, seen)
+        cache.write_in_background(Kept(layers, others), seen)
 
 
 def load_llm(

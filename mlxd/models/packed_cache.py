@@ -29,6 +29,13 @@ a mapped array is a buffer as it makes them (csrc/mapped.cpp). A layer's q, k an
 back into it without a copy (the concatenation copied 0.45 GiB of an 8B at every load, ≈1.1 of
 its 3.1 s cached load on this project's 2-core VMs).
 
+Beside the packed layers, the file keeps the model's other large arrays as the load made them
+(`others`: an untied embedding with its scales and biases in float32, layers dequantized for
+BLAS), so that a cached load maps those too: a Llama-3.1-8B's embedding (0.39 GiB) was read
+and cast at every load, 0.5 of its 1.0 s in the worker. An array is taken from the file only
+where the model's own has the same name, shape and dtype (the key covers the code that makes
+them, models/loader.py, and MLX's version).
+
 Files live under `packed/<model directory key>/<key>.packed`: writing one removes the
 others of the same directory (another layout, weights since rewritten), so the cache holds one
 packed copy per model, as the conversion cache holds one converted copy per GGUF. Writes are
@@ -46,7 +53,8 @@ import os
 import struct
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +71,21 @@ from mlxd.process_exit import before_exit
 log = logging.getLogger(__name__)
 
 FOLDER = "packed"
-FORMAT = "mlxd-packed-3"
+FORMAT = "mlxd-packed-4"
 SUFFIX = ".packed"
 _ALIGN = 64  # each array's offset: a cache line, and room for the byte count before it
-_DTYPES = {"uint8": mx.uint8, "uint32": mx.uint32, "float16": mx.float16, "float32": mx.float32}
+_DTYPES = {
+    "uint8": mx.uint8,
+    "uint32": mx.uint32,
+    "int32": mx.int32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+}
+# The other arrays worth mapping: an embedding, a dequantized layer; not a norm's few KiB.
+OTHERS_MIN_BYTES = 1 << 20
 _MAX_HEADER = 64 << 20  # a garbage length is not read as one
+_OTHER = ":other"  # the suffix of an other array's name in the file (a layer's: .weight)
 # The code that writes the layout: any change to it is a new layout (packability.py holds the
 # width each stored width is packed at).
 _LAYOUT_SOURCES = (
@@ -77,6 +95,7 @@ _LAYOUT_SOURCES = (
     Path(__file__).with_name("packed.py"),
     Path(__file__).with_name("packability.py"),
     Path(__file__).with_name("fused.py"),  # which layers are kept as one
+    Path(__file__).with_name("loader.py"),  # which makes the other arrays (casts, dequantizing)
 )
 
 
@@ -194,9 +213,25 @@ def layout_identity(dot: bool, precise: bool = True) -> dict[str, Any]:
         "format": FORMAT,
         "sources": sources.hexdigest()[:32],
         "isa": kernels.isa(),
+        "mlx": version("mlx"),
         "dot": dot,
         "precise": dot and precise,
     }
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a file holds: the packed layers by module name, and the model's other large
+    arrays by parameter path (models/loader.py `take_others`)."""
+
+    layers: dict[str, Packed] = field(default_factory=dict)
+    others: dict[str, mx.array] = field(default_factory=dict)
+
+
+def keeps(array: mx.array) -> bool:
+    """Whether a file keeps `array` among a model's others: large enough, and mappable."""
+    dtype = str(array.dtype).removeprefix("mlx.core.")
+    return array.nbytes >= OTHERS_MIN_BYTES and dtype in _DTYPES
 
 
 @dataclass(frozen=True)
@@ -222,10 +257,10 @@ class PackedCache:
             return None
         return stat.st_ino, stat.st_mtime_ns
 
-    def read(self) -> dict[str, Packed] | None:
-        """The packed layers by module name, mapped from the file; None when there is no
+    def read(self) -> Kept | None:
+        """The packed layers and other arrays, mapped from the file; None when there is no
         readable file (each layer is still checked against its module before use:
-        models/packed.py)."""
+        models/packed.py, each other array by models/loader.py `take_others`)."""
         if not self.path.is_file():
             return None
         try:
@@ -247,7 +282,7 @@ class PackedCache:
                 for part, rows in parts:
                     views[part] = whole.rows(first, rows)
                     first += rows
-            return {
+            packed = {
                 name: views.get(name)
                 or Packed(
                     arrays[f"{name}.weight"],
@@ -258,6 +293,7 @@ class PackedCache:
                 )
                 for name, (bits, dot, precise) in layers.items()
             }
+            return Kept(packed, {name: arrays[f"{name}{_OTHER}"] for name in header["others"]})
         except (
             RuntimeError,
             ValueError,
@@ -271,30 +307,26 @@ class PackedCache:
             log.warning("packed cache %s is unreadable, packing again: %s", self.path, exc)
             return None
 
-    def write_in_background(
-        self, layers: Mapping[str, Packed], seen: tuple[int, int] | None
-    ) -> None:
+    def write_in_background(self, kept: Kept, seen: tuple[int, int] | None) -> None:
         """`write` on a thread of its own, so the load does not wait for the disk (an 8B's
         4.6 GiB); the process waits for it before it exits (`wait_for_writes`)."""
         # Here: a layer packed by this load may still be lazy, and MLX arrays are evaluated
         # on the thread whose stream they belong to.
-        mx.eval(
-            [array for packed in layers.values() for array in (packed.weight, packed.scale_bias)]
-        )
-        thread = threading.Thread(
-            target=self.write, args=(dict(layers), seen), name="packed-cache-write"
-        )
+        packed = [array for p in kept.layers.values() for array in (p.weight, p.scale_bias)]
+        mx.eval(packed, list(kept.others.values()))
+        thread = threading.Thread(target=self.write, args=(kept, seen), name="packed-cache-write")
         with _writes_lock:
             _writes.append(thread)
         before_exit(wait_for_writes)
         thread.start()
 
-    def write(self, layers: Mapping[str, Packed], seen: tuple[int, int] | None) -> None:
-        """Store `layers` (evaluated) for the next load and drop other layouts of the same
+    def write(self, kept: Kept, seen: tuple[int, int] | None) -> None:
+        """Store `kept` (evaluated) for the next load and drop other layouts of the same
         weights, unless a file other than the one this load found (`seen`, its `stamp`
         before reading) took this key meanwhile: a process started beside a write still
         running (an 8B's takes 15–60 s) packs too, and the file the first wrote stands.
         Best effort: a full disk or read-only cache costs the next load a repacking."""
+        layers = kept.layers
         fused = fused_groups(layers)
         in_groups = {part for parts in fused.values() for part in parts}
         arrays: dict[str, mx.array | list[mx.array]] = {}
@@ -310,7 +342,9 @@ class PackedCache:
             whole: [[part, layers[part].shape[0]] for part in parts]
             for whole, parts in fused.items()
         }
-        header = {"format": FORMAT, "layers": meta, "fused": groups}
+        for name, array in kept.others.items():
+            arrays[f"{name}{_OTHER}"] = array
+        header = {"format": FORMAT, "layers": meta, "fused": groups, "others": list(kept.others)}
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)

@@ -157,6 +157,68 @@ def test_a_layers_q_k_and_v_are_kept_as_one_and_fused_without_a_copy(
     assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
 
 
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama GGUF whose embedding is its own (untied): looked up, never packed."""
+    from mlxd.models.gguf import convert_gguf
+
+    root = tmp_path_factory.mktemp("packed-cache-untied")
+    config = tiny_config("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    write_gguf(root / "m.gguf", config, tiny_weights(config), Q.Q4_0)
+    (root / "model").mkdir()
+    convert_gguf(root / "m.gguf", root / "model")
+    return root / "model"
+
+
+def _in_file(array: mx.array, path: Path) -> bool:
+    from mlxd import kernels
+
+    address = kernels.numpy_view(array).__array_interface__["data"][0]
+    return any(start <= address < end for start, end in _mapped_ranges(path))
+
+
+def test_the_other_arrays_are_kept_and_mapped_as_the_load_made_them(
+    untied_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from mlxd.models import packed_cache
+
+    monkeypatch.setattr(packed_cache, "OTHERS_MIN_BYTES", 1)  # a tiny model's: every one
+    fresh = _load(untied_dir, None)
+    _load(untied_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    others = read_arrays(kept)[1]["others"]
+    embedding = ["model.embed_tokens.weight", "model.embed_tokens.scales"]
+    assert set(embedding) | {"model.norm.weight"} <= set(others)
+    assert not any(name.endswith("proj.weight") for name in others)  # those are packed
+    loaded = _load(untied_dir, tmp_path)
+    table = loaded.model.model.embed_tokens
+    assert table.scales.dtype == mx.float32  # as the load cast them, not as stored
+    assert all(_in_file(table[name.rsplit(".", 1)[1]], kept) for name in embedding)
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+    assert _greedy(loaded.model, PROMPT, 8) == _greedy(fresh.model, PROMPT, 8)
+
+
+def test_a_kept_array_that_does_not_fit_its_parameter_is_not_taken(
+    untied_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from mlxd.models import packed_cache
+
+    monkeypatch.setattr(packed_cache, "OTHERS_MIN_BYTES", 1)
+    fresh = _load(untied_dir, None)
+    _load(untied_dir, tmp_path)
+    (kept,) = _files(tmp_path)
+    arrays, header = read_arrays(kept)
+    name = "model.embed_tokens.scales:other"
+    arrays[name] = arrays[name][:-1].astype(mx.float16)  # another shape and dtype
+    _rewrite(kept, arrays, header)
+    del arrays
+    loaded = _load(untied_dir, tmp_path)  # the model's own, and the file written again
+    assert not _in_file(loaded.model.model.embed_tokens.scales, kept)
+    assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
+    again = _load(untied_dir, tmp_path)
+    assert _in_file(again.model.model.embed_tokens.scales, kept)
+
+
 def test_writing_into_a_mapped_array_leaves_the_file_as_it_is(tmp_path: Path):
     from mlxd import kernels
 
