@@ -183,7 +183,7 @@ def _pack_model_kept(
     cache = PackedCache.for_model(cache_dir, path, dot, precise)
     seen = cache.stamp()
     kept = cache.read() or Kept()
-    layers, _ = pack_model(model, path_for, dot, {**kept.layers, **fresh}, precise)
+    layers, _ = pack_model(model, path_for, dot, {**kept.layers, **fresh}, precise, kept.others)
     others = take_others(model, layers, kept.others)
     new = sum(1 for name, weights in layers.items() if kept.layers.get(name) is not weights)
     if new or any(kept.others.get(name) is not array for name, array in others.items()):

@@ -136,10 +136,11 @@ class PackedEmbedding(nn.Module):
         embedding: nn.QuantizedEmbedding,
         packed: Packed,
         path_for: Callable[[int], str] | None = None,
+        dense: mx.array | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
-        self.output = _packed_linear(embedding, None, path_for, packed)
+        self.output = _packed_linear(embedding, None, path_for, packed, dense)
 
     def __call__(self, ids: mx.array) -> mx.array:
         if isinstance(self.output, SplitLinear):
@@ -251,10 +252,15 @@ def _packed_linear(
     bias: mx.array | None,
     path_for: Callable[[int], str] | None,
     weights: Packed,
+    kept: mx.array | None = None,
 ) -> nn.Module:
+    """The packed layer, with `path_for` beside its float32 weights: `kept` where it is
+    their shape (mapped from the packed file), else dequantized here."""
     packed = PackedLinear(weights, bias)
     if path_for is None:
         return packed
+    if kept is not None and kept.shape == tuple(weights.shape) and kept.dtype == mx.float32:
+        return SplitLinear(packed, kept, path_for)
     assert module.biases is not None  # affine (see why_layer_not_packable)
     dense = mx.dequantize(
         module.weight, module.scales, module.biases, module.group_size, module.bits
@@ -298,6 +304,7 @@ def pack_model(
     dot: bool = False,
     cached: Mapping[str, Packed] | None = None,
     precise: bool = True,
+    dense: Mapping[str, mx.array] | None = None,
 ) -> tuple[dict[str, Packed], int]:
     """Swap `model`'s quantized layers the kernels take for packed ones in place (a mixture of
     experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
@@ -305,8 +312,10 @@ def pack_model(
     multiplied as int8 dot products (kernels.pack_dot, x as two int8 terms unless not
     `precise`: cpu_activations int8), a tied embedding too (its lookups read
     either layout: kernels.take_rows). A layer whose packed weights are
-    in `cached` (by name) and `fits` takes them as they are. Returns the packed weights by
-    layer name, and how many layers were packed here.
+    in `cached` (by name) and `fits` takes them as they are, and a float32 copy for `path_for`
+    found in `dense` (by parameter path, as models/packed_cache.py keeps a model's other arrays)
+    is taken instead of dequantizing. Returns the packed weights by layer name, and how many
+    layers were packed here.
 
     One layer at a time: packing reads the stored arrays, and each layer's are released (and
     MLX's buffer cache emptied) as soon as its packed one is in place, so a load holds the
@@ -338,9 +347,11 @@ def pack_model(
         if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy
             replacement = PackedSwitchLinear(weights, module.get("bias"))
         elif isinstance(module, nn.QuantizedLinear):
-            replacement = _packed_linear(module, module.get("bias"), path_for, weights)
+            kept = (dense or {}).get(f"{name}.dense")
+            replacement = _packed_linear(module, module.get("bias"), path_for, weights, kept)
         else:
-            replacement = PackedEmbedding(module, weights, path_for)
+            kept = (dense or {}).get(f"{name}.output.dense")
+            replacement = PackedEmbedding(module, weights, path_for, kept)
         del module  # the last reference but the model's, which the update drops
         model.update_modules(tree_unflatten([(name, replacement)]))
         mx.clear_cache()
