@@ -31,10 +31,10 @@ its 3.1 s cached load on this project's 2-core VMs).
 
 Beside the packed layers, the file keeps the model's other large arrays as the load made them
 (`others`: an untied embedding with its scales and biases in float32, layers dequantized for
-BLAS), so that a cached load maps those too: a Llama-3.1-8B's embedding (0.39 GiB) was read
-and cast at every load, 0.5 of its 1.0 s in the worker. An array is taken from the file only
-where the model's own has the same name, shape and dtype (the key covers the code that makes
-them, models/loader.py, and MLX's version).
+BLAS, a mixed plan's float32 copies), so that a cached load maps those too: a Llama-3.1-8B's
+embedding (0.39 GiB) was read and cast at every load, 0.5 of its 1.0 s in the worker. An array
+is taken from the file only where the model's own has the same name, shape and dtype (the key
+covers the code that makes them, models/loader.py, and MLX's version).
 
 Files live under `packed/<model directory key>/<key>.packed`: writing one removes the
 others of the same directory (another layout, weights since rewritten), so the cache holds one
