@@ -18,7 +18,8 @@ same machine:
 Every first load starts with the weights in the page cache, read whole just before (as after a
 download; mlxd's conversion hands a GGUF's pages back as it passes them, so the server after it
 would otherwise read the file from the disk). It reports each one's load time (process start to
-GET /health answering 200), the peak RSS
+GET /health answering 200; the cached one: the median of every start after the first, with
+--restarts more of each server after the sweeps, alternating between them), the peak RSS
 (VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
 the first load (mlxd's: conversion and packing too), after the cached load and after each
 level, and tok/s and TTFT at each level from mlxd's load generator (same prompts, greedy or
@@ -31,14 +32,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
+import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
@@ -77,12 +81,18 @@ class PeerRun:
     """One server's figures: load times, peak RSS after load and per level, results."""
 
     first_load_s: float | None = None
-    cached_load_s: float | None = None
+    cached_loads: list[float] = field(default_factory=list)  # every start after the first
     load_rss: int | None = None  # VmHWM right after the load
     first_load_rss: int | None = None  # VmHWM right after the first load (mlxd: conversion too)
     level_rss: dict[int, int] = field(default_factory=dict)  # VmHWM after each level
     results: dict[int, LevelResult] = field(default_factory=dict)
     note: str = ""
+
+    @property
+    def cached_load_s(self) -> float | None:
+        """The median of the starts after the first (a single start moves by seconds on a
+        shared VM: llama.cpp's between 2.6 and 8.1 s in one session)."""
+        return statistics.median(self.cached_loads) if self.cached_loads else None
 
 
 def peak_rss(pid: int) -> int:
@@ -159,10 +169,17 @@ def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) ->
             run.load_rss = run.load_rss or peak_rss(pid)
             run.results[level] = sweep_level(url, level, args)
             run.level_rss[level] = peak_rss(pid)
-    run.first_load_s = loads[0]
-    run.cached_load_s = min(loads[1:]) if len(loads) > 1 else None
-    run.note = "cached load: the fastest later start (nothing to convert; file in page cache)"
+    run.first_load_s, run.cached_loads = loads[0], loads[1:]
+    run.note = "cached load: the median of its later starts (file in page cache)"
     return run
+
+
+def restart_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) -> float:
+    """One more start of llama-server at the top level's size, timed and stopped."""
+    port = free_port()
+    cmd = llama_command(binary, gguf, port, max(args.levels), threads=args.threads)
+    with timed_start(cmd, port, logs / "llama-restart.log", args.startup_timeout) as started:
+        return started[2]
 
 
 def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> PeerRun:
@@ -172,13 +189,6 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
     workdir = logs / name
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir()
-    # llama.cpp's sizing at the top level: that many sequences of LLAMA_SLOT_TOKENS each.
-    options = {
-        "batch": {"max_batch_size": max(args.levels)},
-        "context_length": LLAMA_SLOT_TOKENS,
-    }
-    if name.endswith("-int8"):
-        options["cpu_activations"] = "int8"
     first_worker: int | None = None
     for phase in ("first", "cached"):
         if first_worker is not None:
@@ -188,8 +198,7 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(first_worker).wait(timeout=args.startup_timeout)
         port = free_port()
-        budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
-        cmd = mlxd_command(source, port, workdir, model_options=options, server_options=budget)
+        cmd = _mlxd_command(source, name, args, workdir, port)
         print(f"== {name} ({phase} load): {' '.join(cmd)}", flush=True)
         if phase == "first":
             in_page_cache(source)
@@ -198,15 +207,12 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
             _,
             load_s,
         ):
-            status = httpx.get(f"{url}/v1/status", timeout=30, trust_env=False).json()
-            model = status["models"][MODEL_NAME]
-            if model.get("state") != "loaded":
-                raise RuntimeError(f"{name}: model not loaded: {model.get('error')}")
+            model = _loaded_model(url, name)
             if phase == "first":
                 run.first_load_s, run.first_load_rss = load_s, peak_rss(model["pid"])
                 first_worker = model["pid"]
                 continue
-            run.cached_load_s, pid = load_s, model["pid"]
+            run.cached_loads, pid = [load_s], model["pid"]
             run.load_rss = peak_rss(pid)
             path = model.get("cpu_path") or {}
             run.note = f"weights {model.get('dtype')}, CPU path: {path.get('summary', '-')}"
@@ -214,6 +220,50 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
                 run.results[level] = sweep_level(url, level, args)
                 run.level_rss[level] = peak_rss(pid)
     return run
+
+
+def _mlxd_command(
+    source: Path, name: str, args: argparse.Namespace, workdir: Path, port: int
+) -> list[str]:
+    # llama.cpp's sizing at the top level: that many sequences of LLAMA_SLOT_TOKENS each.
+    options: dict[str, object] = {
+        "batch": {"max_batch_size": max(args.levels)},
+        "context_length": LLAMA_SLOT_TOKENS,
+    }
+    if name.endswith("-int8"):
+        options["cpu_activations"] = "int8"
+    budget = {"memory_budget": args.memory_budget} if args.memory_budget else {}
+    return mlxd_command(source, port, workdir, model_options=options, server_options=budget)
+
+
+def _loaded_model(url: str, name: str) -> dict[str, Any]:
+    status = httpx.get(f"{url}/v1/status", timeout=30, trust_env=False).json()
+    model: dict[str, Any] = status["models"][MODEL_NAME]
+    if model.get("state") != "loaded":
+        raise RuntimeError(f"{name}: model not loaded: {model.get('error')}")
+    return model
+
+
+def restart_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> float:
+    """One more cached start of mlxd (run_mlxd's cache dir), timed and stopped."""
+    port = free_port()
+    cmd = _mlxd_command(source, name, args, logs / name, port)
+    with timed_start(cmd, port, logs / f"{name}-restart.log", args.startup_timeout) as started:
+        url, _, load_s = started
+        pid = _loaded_model(url, name)["pid"]
+    with contextlib.suppress(psutil.NoSuchProcess):  # its worker gone before the next start
+        psutil.Process(pid).wait(timeout=args.startup_timeout)
+    return load_s
+
+
+def alternate_restarts(
+    runs: dict[str, PeerRun], restarts: dict[str, Callable[[], float]], rounds: int
+) -> None:
+    """`rounds` more cached starts of every server, one of each in turn: a VM's drift then
+    falls on all of them alike."""
+    for _ in range(rounds):
+        for name, run in runs.items():
+            run.cached_loads.append(restarts[name]())
 
 
 def _gib(value: int | None) -> str:
@@ -271,6 +321,10 @@ def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
                     f"tok/s {a.tokens_per_s / b.tokens_per_s:.2f}x"
                 )
     for name, run in runs.items():
+        if run.cached_loads:
+            starts = " / ".join(f"{seconds:.2f}" for seconds in run.cached_loads)
+            print(f"{name}: cached starts {starts} s")
+    for name, run in runs.items():
         if run.note:
             print(f"{name}: {run.note}")
 
@@ -302,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
     parser.add_argument(
+        "--restarts",
+        type=int,
+        default=3,
+        help="cached starts of every server after the sweeps, alternating (the cached load "
+        "reported: the median of all)",
+    )
+    parser.add_argument(
         "--memory-budget",
         default=None,
         help="mlxd's server.memory_budget, e.g. 4GiB: one float32 weights do not fit skips the "
@@ -327,13 +388,21 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, PeerRun] = {}
     failed = False
-    peers = {
-        "llama.cpp": lambda: run_llama(binary, gguf, args, logs),
-        "mlxd-gguf": lambda: run_mlxd(gguf, "mlxd-gguf", args, logs),
-        "mlxd-mlx": lambda: run_mlxd(mlx_dir, "mlxd-mlx", args, logs),
-        "mlxd-gguf-int8": lambda: run_mlxd(gguf, "mlxd-gguf-int8", args, logs),
-        "mlxd-mlx-int8": lambda: run_mlxd(mlx_dir, "mlxd-mlx-int8", args, logs),
+    sources = {
+        "mlxd-gguf": gguf,
+        "mlxd-mlx": mlx_dir,
+        "mlxd-gguf-int8": gguf,
+        "mlxd-mlx-int8": mlx_dir,
     }
+    peers: dict[str, Callable[[], PeerRun]] = {
+        "llama.cpp": lambda: run_llama(binary, gguf, args, logs)
+    }
+    restarts: dict[str, Callable[[], float]] = {
+        "llama.cpp": lambda: restart_llama(binary, gguf, args, logs)
+    }
+    for name, source in sources.items():
+        peers[name] = functools.partial(run_mlxd, source, name, args, logs)
+        restarts[name] = functools.partial(restart_mlxd, source, name, args, logs)
     for name, run in peers.items():
         if name not in args.only:
             continue
@@ -345,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"-- {name}")
         print_results(list(runs[name].results.values()))
+    try:
+        alternate_restarts(runs, restarts, args.restarts)
+    except (ServerFailed, RuntimeError) as exc:
+        print(f"a cached start failed: {exc} (logs: {logs})", file=sys.stderr, flush=True)
+        failed = True
     report(runs, args.levels)
     print(f"server logs: {logs}")
     return 1 if failed else 0
