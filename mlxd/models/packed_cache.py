@@ -54,7 +54,6 @@ import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +212,7 @@ def layout_identity(dot: bool, precise: bool = True) -> dict[str, Any]:
         "format": FORMAT,
         "sources": sources.hexdigest()[:32],
         "isa": kernels.isa(),
-        "mlx": version("mlx"),
+        "mlx": getattr(mx, "__version__", ""),  # (the type stubs do not declare it)
         "dot": dot,
         "precise": dot and precise,
     }
