@@ -219,8 +219,9 @@ def test_a_kept_array_that_does_not_fit_its_parameter_is_not_taken(
     assert _in_file(again.model.model.embed_tokens.scales, kept)
 
 
+@pytest.mark.parametrize("weights", ["untied_dir", "model_dir"])  # lm_head, or the embedding
 def test_a_mixed_plans_float32_weights_are_kept_and_not_dequantized_again(
-    untied_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    weights: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ):
     from mlxd.models import packed_cache
     from mlxd.models.cpu_path import Choice, Phases, Timings
@@ -231,8 +232,9 @@ def test_a_mixed_plans_float32_weights_are_kept_and_not_dequantized_again(
     timings = Timings((4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0))
     mixed = Choice("mixed", ("packed", "packed", "packed", "float32"), Phases(64), timings, 0)
     prompt = mx.arange(40).reshape(1, 40)  # on the float32 weights
-    fresh = _load(untied_dir, None, mixed)
-    _load(untied_dir, tmp_path, mixed)
+    model_dir = request.getfixturevalue(weights)
+    fresh = _load(model_dir, None, mixed)
+    _load(model_dir, tmp_path, mixed)
     (kept,) = _files(tmp_path)
     dequantized = 0
     original = mx.dequantize
@@ -243,7 +245,7 @@ def test_a_mixed_plans_float32_weights_are_kept_and_not_dequantized_again(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(mx, "dequantize", counted)
-    loaded = _load(untied_dir, tmp_path, mixed)
+    loaded = _load(model_dir, tmp_path, mixed)
     assert dequantized == 0
     split = [m for _, m in loaded.model.named_modules() if isinstance(m, SplitLinear)]
     assert split and all(_in_file(m.dense, kept) for m in split)
