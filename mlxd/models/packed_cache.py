@@ -229,8 +229,7 @@ class Kept:
 
 def keeps(array: mx.array) -> bool:
     """Whether a file keeps `array` among a model's others: large enough, and mappable."""
-    dtype = str(array.dtype).removeprefix("mlx.core.")
-    return array.nbytes >= OTHERS_MIN_BYTES and dtype in _DTYPES
+    return array.nbytes >= OTHERS_MIN_BYTES and array.dtype in _DTYPES.values()
 
 
 @dataclass(frozen=True)
