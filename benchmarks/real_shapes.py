@@ -195,8 +195,7 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
             # The first start's worker writes the packed layout for the next load (an 8B's
             # 6 GiB) before it exits, after its daemon stopped: the cached start finds it
             # written, as a restart some time later would.
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(first_worker).wait(timeout=args.startup_timeout)
+            _wait_gone(first_worker, args.startup_timeout)
         port = free_port()
         cmd = _mlxd_command(source, name, args, workdir, port)
         print(f"== {name} ({phase} load): {' '.join(cmd)}", flush=True)
@@ -251,9 +250,14 @@ def restart_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) 
     with timed_start(cmd, port, logs / f"{name}-restart.log", args.startup_timeout) as started:
         url, _, load_s = started
         pid = _loaded_model(url, name)["pid"]
-    with contextlib.suppress(psutil.NoSuchProcess):  # its worker gone before the next start
-        psutil.Process(pid).wait(timeout=args.startup_timeout)
+    _wait_gone(pid, args.startup_timeout)  # its worker gone before the next start
     return load_s
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    """Return once process `pid` (a daemon's worker, which outlives it a while) has exited."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(timeout=timeout_s)
 
 
 def alternate_restarts(

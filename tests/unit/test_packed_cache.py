@@ -136,11 +136,16 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
+def _in_file(array: mx.array, path: Path) -> bool:
+    from mlxd import kernels
+
+    address = kernels.numpy_view(array).__array_interface__["data"][0]
+    return any(start <= address < end for start, end in _mapped_ranges(path))
+
+
 def test_a_layers_q_k_and_v_are_kept_as_one_and_fused_without_a_copy(
     model_dir: Path, tmp_path: Path
 ):
-    from mlxd import kernels
-
     fresh = _load(model_dir, None)
     _load(model_dir, tmp_path)
     (kept,) = _files(tmp_path)
@@ -148,12 +153,9 @@ def test_a_layers_q_k_and_v_are_kept_as_one_and_fused_without_a_copy(
     layers = {name.split(".")[2] for name in header["fused"]}
     assert len(layers) == fresh.config["num_hidden_layers"]  # every layer's, as one matrix
     loaded = _load(model_dir, tmp_path)
-    ranges = _mapped_ranges(kept)
     for layer in loaded.model.model.layers:
         fused = layer.self_attn.qkv_proj
-        for array in (fused.weight, fused.scale_bias):
-            address = kernels.numpy_view(array).__array_interface__["data"][0]
-            assert any(start <= address < end for start, end in ranges)  # the file's pages
+        assert _in_file(fused.weight, kept) and _in_file(fused.scale_bias, kept)  # its pages
     assert mx.array_equal(loaded.model(PROMPT), fresh.model(PROMPT)).item()
 
 
@@ -168,13 +170,6 @@ def untied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "model").mkdir()
     convert_gguf(root / "m.gguf", root / "model")
     return root / "model"
-
-
-def _in_file(array: mx.array, path: Path) -> bool:
-    from mlxd import kernels
-
-    address = kernels.numpy_view(array).__array_interface__["data"][0]
-    return any(start <= address < end for start, end in _mapped_ranges(path))
 
 
 def test_the_other_arrays_are_kept_and_mapped_as_the_load_made_them(
