@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -38,6 +39,31 @@ def test_openapi_bodies_are_the_validation_models():
     schema = document()["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert {"model", "messages", "max_tokens", "stream"} <= set(schema["properties"])
     assert "messages" in schema["required"]
+
+
+def test_openapi_summaries_say_what_the_routes_answer():
+    # /api/pull was listed as a 501 after it had come to answer Ollama's success stream.
+    operations = [
+        (method, path)
+        for path, ops in document()["paths"].items()
+        for method, op in ops.items()
+        if op["summary"].startswith("501")
+    ]
+
+    async def statuses() -> list[int]:
+        client = create_app(Daemon(Config())).test_client()
+        return [
+            (await client.open(path, method=m.upper(), json={})).status_code
+            for m, path in operations
+        ]
+
+    assert ("post", "/api/push") in operations and ("post", "/api/pull") not in operations
+    assert asyncio.run(statuses()) == [501] * len(operations)
+    pull = document()["paths"]["/api/pull"]["post"]
+    ref = pull["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert {"model", "name", "stream"} <= set(
+        document()["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+    )
 
 
 def test_json_log_lines_carry_request_fields():

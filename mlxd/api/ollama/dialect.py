@@ -13,6 +13,7 @@ from mlxd.api.ollama.protocol import (
     EmbeddingsRequest,
     EmbedRequest,
     GenerateRequest,
+    PullRequest,
     ShowRequest,
 )
 from mlxd.errors import MlxdError
@@ -28,7 +29,9 @@ ROUTES = (
     Route("get", "/api/ps", "Loaded models", "ollama"),
     Route("post", "/api/show", "One model", "ollama", ShowRequest),
     Route("get", "/api/version", "Ollama API version", "ollama"),
-    Route("post", "/api/pull", "501: models are declared in the YAML", "ollama"),
+    Route("post", "/api/pull", "Pull: success at once for a model the YAML declares, 404 for "
+          "another (NDJSON unless stream: false)", "ollama", PullRequest,
+          content_type="application/x-ndjson"),
     Route("post", "/api/push", "501: models are declared in the YAML", "ollama"),
     Route("post", "/api/create", "501: models are declared in the YAML", "ollama"),
     Route("post", "/api/copy", "501: models are declared in the YAML", "ollama"),
