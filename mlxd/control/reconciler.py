@@ -6,7 +6,8 @@ removed engines drain — they close once idle or after `server.drain_timeout`.
 
 Before a load the memory budget makes room (control/memory_budget.py); models that differ only
 in their adapter share an engine (control/share_groups.py); `status()` is the report of
-control/status_report.py.
+control/status_report.py. Each tick also keeps a worker ready for the next load where one could
+be needed (control/spare_policy.py).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from mlxd.control.plan import (
 )
 from mlxd.control.routes import ModelEntry, RouteTable
 from mlxd.control.share_groups import share_key
+from mlxd.control.spare_policy import spare_wanted
 from mlxd.control.status_report import status_report
 from mlxd.errors import MlxdError, ModelLoadError, Unavailable
 from mlxd.memory_need import MemoryNeed
+from mlxd.runtime import spare_worker
 from mlxd.runtime.engine import Engine, EngineStarter
 from mlxd.runtime.shared_pool import AdapterHost, EnginePool
 from mlxd.runtime.worker_proxy import WorkerEngine
@@ -95,7 +98,16 @@ class Reconciler:
             log.info("reconcile: %s", describe(action))
             self._apply(action)
         self._publish()
+        self._keep_spare(now)
         return actions
+
+    def _keep_spare(self, now: float) -> None:
+        """A worker imported ahead of the next load while some model could take it."""
+        want = spare_wanted(self.models.values(), self.server, now)
+        if want == "spawn":
+            spare_worker.keep()
+        elif want == "discard":
+            spare_worker.discard()
 
     def _count_deaths(self, now: float) -> None:
         for runtime in self.models.values():

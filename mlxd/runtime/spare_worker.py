@@ -1,17 +1,19 @@
-"""One worker process started before the daemon's own imports, for the first model to take.
+"""A worker process started ahead of the model it will run: the first before the daemon's own
+imports, later ones while the daemon is quiet (control/spare_policy.py says when).
 
 A worker spends about 1.2 s importing mlx, mlx-lm and transformers before it reads its spec
 (worker/host.py); the daemon spends about 0.5 s importing its API and config schema before it
 asks for its first model. Started one after the other, a cached Llama-3.1-8B came up in 2.9 s
 against llama-server's 2.7 s. Spawned first, the worker's imports run beside the daemon's on
-another core, and the first model (eager, or the first lazy one asked for) skips them.
+another core, and the first model (eager, or the first lazy one asked for) skips them. Later
+loads (a lazy model's first request, a parked model's next) take the spare kept since.
 
 A spare is what `python -m mlxd.worker --fd N` is before it is given a model, so taking it
 changes nothing else: the same command, environment and session as a worker spawned later. It
-is spawned with `subprocess` (there is no event loop yet) and adopted by the loop when taken
-(`SpareProcess`). One not taken (only lazy models, none asked for yet) waits for its spec at no
-CPU and about 100 MiB of memory; it is killed when the daemon ends, or at once where no model
-of the config could take it (models inline, every model distributed, none declared).
+is spawned with `subprocess` (the first before there is an event loop) and adopted by the loop
+when taken (`SpareProcess`). One not taken waits for its spec at no CPU and about 100 MiB of
+memory; it is killed when the daemon ends, or as soon as no model of the config could take it
+(models inline, every model distributed or loaded, none declared).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mlxd.process_exit import before_exit
 log = logging.getLogger("mlxd.worker")
 
 _spare: tuple[subprocess.Popen[bytes], socket.socket] | None = None
+_ended = False  # a spare exited by itself: spawn no more
 
 
 def worker_command(fd: int) -> list[str]:
@@ -63,14 +66,37 @@ class SpareProcess:
 
 
 def start() -> None:
-    """Spawn the spare (call once, before the slow imports)."""
+    """Spawn the spare (before the slow imports; later from the event loop, control/
+    spare_policy.py decides when)."""
     global _spare
     parent, child = socket.socketpair()
     with child:
         popen = subprocess.Popen(worker_command(child.fileno()), **spawn_options(child.fileno()))
     _spare = popen, parent
     before_exit(discard)
-    log.debug("worker pid %d started ahead of the first model", popen.pid)
+    log.debug("worker pid %d started ahead of its model", popen.pid)
+
+
+def keep() -> None:
+    """A spare alive: spawn one where there is none, unless one already ended by itself (a
+    broken install or the OOM killer would end the next as well: models then spawn their
+    own workers, as without a spare)."""
+    global _spare, _ended
+    if _spare is not None and _spare[0].poll() is not None:
+        log.warning(
+            "the worker started ahead of the next model exited with %s; workers now start "
+            "with their model",
+            _spare[0].returncode,
+        )
+        _spare[1].close()
+        _spare, _ended = None, True
+    if _spare is None and not _ended:
+        start()
+
+
+def pid() -> int | None:
+    """The waiting spare's process id (None: there is none)."""
+    return _spare[0].pid if _spare is not None else None
 
 
 def take() -> tuple[SpareProcess, socket.socket] | None:
@@ -81,10 +107,10 @@ def take() -> tuple[SpareProcess, socket.socket] | None:
     popen, parent = _spare
     _spare = None
     if popen.poll() is not None:
-        log.warning("the worker started ahead of the first model exited with %s", popen.returncode)
+        log.warning("the worker started ahead of its model exited with %s", popen.returncode)
         parent.close()
         return None
-    log.info("worker pid %d (started ahead of the first model) takes a model", popen.pid)
+    log.info("worker pid %d (started ahead of its model) takes a model", popen.pid)
     return SpareProcess(popen), parent
 
 

@@ -76,7 +76,7 @@ def test_each_model_runs_in_its_own_process(daemon: Daemon):
 def test_a_model_takes_the_worker_started_before_the_daemons_imports(daemon: Daemon):
     """runtime/spare_worker.py: one worker is spawned before the daemon's own imports, and the
     first model to load runs in it."""
-    taken = re.findall(r"worker pid (\d+) \(started ahead of the first model\) takes", daemon.log())
+    taken = re.findall(r"worker pid (\d+) \(started ahead of its model\) takes", daemon.log())
     assert len(taken) == 1
     assert int(taken[0]) in {row["pid"] for row in models(daemon).values()}
 
@@ -102,6 +102,43 @@ def test_a_worker_no_model_took_ends_with_the_daemon(
     finally:
         assert running.stop() == 0
     assert not any(spare.is_running() for spare in spares)
+
+
+def spare_pid(daemon: Daemon) -> int | None:
+    spare = daemon.status()["spare_worker"]
+    return None if spare is None else spare["pid"]
+
+
+def test_a_worker_waits_imported_for_the_next_model_to_load(tmp_path: Path, mlxd_cache_dir: Path):
+    """control/spare_policy.py: while a declared model could need a worker, one is kept
+    imported (once the daemon is quiet) and the next load runs in it; none is kept once every
+    model is loaded, and one is again once a model is unloaded."""
+    config = {
+        "server": {"cache_dir": str(mlxd_cache_dir)},
+        "models": {
+            "smol": {"source": SMOL_GGUF, "load": "lazy", "context_length": 512},
+            "minilm": {"kind": "embedding", "source": MINILM, "load": "lazy"},
+        },
+    }
+    running = start_daemon(tmp_path, config)
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+    try:
+        first = spare_pid(running)  # the one started before the daemon's imports
+        assert first is not None
+        client.completions.create(model="smol", prompt="Hello", max_tokens=1)
+        assert models(running)["smol"]["pid"] == first
+        wait_for(lambda: spare_pid(running) not in (None, first))
+        second = spare_pid(running)
+        assert psutil.Process(second).ppid() == running.process.pid
+        client.embeddings.create(model="minilm", input="Hello")
+        assert models(running)["minilm"]["pid"] == second
+        wait_for(lambda: spare_pid(running) is None)  # nothing left to take one
+        httpx.post(f"{running.url}/admin/models/smol/unload", timeout=60).raise_for_status()
+        wait_for(lambda: spare_pid(running) is not None)
+        third = psutil.Process(spare_pid(running))
+    finally:
+        assert running.stop() == 0
+    assert not third.is_running()
 
 
 async def stream_one(

@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import psutil
 from quart import Blueprint, Response
 
 from mlxd import accel
@@ -14,6 +15,8 @@ from mlxd.api.middleware.auth import keys_required
 from mlxd.api.ops.metrics import CONTENT_TYPE
 from mlxd.control.plan import describe
 from mlxd.control.routes import OPEN  # /admin/ needs a server key (middleware/auth.py)
+from mlxd.runtime import spare_worker
+from mlxd.runtime.worker_process import process_handle
 
 blueprint = Blueprint("admin", __name__)
 
@@ -60,7 +63,20 @@ async def status() -> Any:
         "daemon": asdict(daemon.footprint) if daemon.footprint else None,
         "config": {**_config_status(), "path": str(daemon.config_path)},
         "models": {name: _model_status(name, row) for name, row in models.items()},
+        "spare_worker": _spare_status(),
     }
+
+
+def _spare_status() -> dict[str, Any] | None:
+    """The worker waiting for the next load (runtime/spare_worker.py), if one is."""
+    pid = spare_worker.pid()
+    handle = process_handle(pid) if pid is not None else None
+    if handle is None:
+        return None
+    try:
+        return {"pid": pid, "rss_bytes": handle.memory_info().rss}
+    except psutil.Error:  # ended since
+        return None
 
 
 def _model_status(name: str, row: dict[str, Any]) -> dict[str, Any]:
