@@ -19,7 +19,8 @@ Every first load starts with the weights in the page cache, read whole just befo
 download; mlxd's conversion hands a GGUF's pages back as it passes them, so the server after it
 would otherwise read the file from the disk). It reports each one's load time (process start to
 GET /health answering 200; the cached one: the median of every start after the first, with
---restarts more of each server after the sweeps, alternating between them), the peak RSS
+--restarts more of each server after the sweeps, alternating between them; for mlxd also the
+model unloaded and asked for again in its running daemon, --loads-on-request times), the peak RSS
 (VmHWM) of the process holding the model (mlxd's model worker, llama-server itself) after
 the first load (mlxd's: conversion and packing too), after the cached load and after each
 level, and tok/s and TTFT at each level from mlxd's load generator (same prompts, greedy or
@@ -86,6 +87,8 @@ class PeerRun:
     first_load_rss: int | None = None  # VmHWM right after the first load (mlxd: conversion too)
     level_rss: dict[int, int] = field(default_factory=dict)  # VmHWM after each level
     results: dict[int, LevelResult] = field(default_factory=dict)
+    # mlxd: a load on request in the running daemon (`load_on_request`), each time
+    loads_on_request: list[float] = field(default_factory=list)
     note: str = ""
 
     @property
@@ -152,7 +155,7 @@ def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
 
 def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) -> PeerRun:
     """llama-server sized per level (-np C): a start per level; the first is the first load."""
-    run, loads = PeerRun(), []
+    run, loads = PeerRun(), list[float]()
     for level in args.levels:
         port = free_port()
         cmd = llama_command(binary, gguf, port, level, threads=args.threads)
@@ -218,7 +221,38 @@ def run_mlxd(source: Path, name: str, args: argparse.Namespace, logs: Path) -> P
             for level in args.levels:
                 run.results[level] = sweep_level(url, level, args)
                 run.level_rss[level] = peak_rss(pid)
+            for _ in range(args.loads_on_request):
+                run.loads_on_request.append(load_on_request(url, name, args.startup_timeout))
     return run
+
+
+def load_on_request(url: str, name: str, timeout_s: float) -> float:
+    """Seconds from a request for the model, unloaded in the running daemon with a worker
+    imported for it (control/spare_policy.py), to its one-token answer: what a lazy model's
+    first request, a parked model's next one or a switch between models waits. (llama-swap
+    starts llama-server for such a request: llama.cpp's cached start.)"""
+    pid = _loaded_model(url, name)["pid"]
+    unload = f"{url}/admin/models/{MODEL_NAME}/unload"
+    httpx.post(unload, timeout=timeout_s, trust_env=False).raise_for_status()
+    _wait_gone(pid, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while (spare := _status(url)["spare_worker"]) is None or _busy(spare["pid"]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: no worker made ready for the next load")
+        time.sleep(0.2)
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1}
+    started = time.perf_counter()
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s, trust_env=False)
+    reply.raise_for_status()
+    return time.perf_counter() - started
+
+
+def _busy(pid: int) -> bool:
+    """Whether process `pid` used CPU over the last half second (a spare still importing)."""
+    process = psutil.Process(pid)
+    before = sum(process.cpu_times()[:2])
+    time.sleep(0.5)
+    return sum(process.cpu_times()[:2]) - before > 0.01
 
 
 def _mlxd_command(
@@ -235,9 +269,13 @@ def _mlxd_command(
     return mlxd_command(source, port, workdir, model_options=options, server_options=budget)
 
 
+def _status(url: str) -> dict[str, Any]:
+    status: dict[str, Any] = httpx.get(f"{url}/v1/status", timeout=30, trust_env=False).json()
+    return status
+
+
 def _loaded_model(url: str, name: str) -> dict[str, Any]:
-    status = httpx.get(f"{url}/v1/status", timeout=30, trust_env=False).json()
-    model: dict[str, Any] = status["models"][MODEL_NAME]
+    model: dict[str, Any] = _status(url)["models"][MODEL_NAME]
     if model.get("state") != "loaded":
         raise RuntimeError(f"{name}: model not loaded: {model.get('error')}")
     return model
@@ -329,6 +367,16 @@ def report(runs: dict[str, PeerRun], levels: list[int]) -> None:
             starts = " / ".join(f"{seconds:.2f}" for seconds in run.cached_loads)
             print(f"{name}: cached starts {starts} s")
     for name, run in runs.items():
+        if run.loads_on_request:
+            samples = " / ".join(f"{seconds:.2f}" for seconds in run.loads_on_request)
+            median = statistics.median(run.loads_on_request)
+            start = peer.cached_load_s if peer else None
+            ratio = f"; {median / start:.2f}x llama.cpp's cached start" if start else ""
+            print(
+                f"{name}: a load on request in the running daemon (a worker ready) {samples} s, "
+                f"to one token (median {median:.2f} s{ratio})"
+            )
+    for name, run in runs.items():
         if run.note:
             print(f"{name}: {run.note}")
 
@@ -365,6 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="cached starts of every server after the sweeps, alternating (the cached load "
         "reported: the median of all)",
+    )
+    parser.add_argument(
+        "--loads-on-request",
+        type=int,
+        default=3,
+        help="times mlxd's model is unloaded and asked for again in the running daemon after "
+        "the sweeps (what llama-swap does with a start of llama-server)",
     )
     parser.add_argument(
         "--memory-budget",
