@@ -156,7 +156,12 @@ class Daemon:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self.reconciler.tick()
+            try:
+                self.reconciler.tick()
+                if not self.draining:  # a worker for a next load that will not come
+                    self.reconciler.keep_spare()
+            except Exception:  # the next tick tries again; a dead ticker would stop restarts
+                log.exception("reconcile tick failed")
 
     async def close(self) -> None:
         if self._ticker is not None:

@@ -6,7 +6,7 @@ removed engines drain — they close once idle or after `server.drain_timeout`.
 
 Before a load the memory budget makes room (control/memory_budget.py); models that differ only
 in their adapter share an engine (control/share_groups.py); `status()` is the report of
-control/status_report.py. Each tick also keeps a worker ready for the next load where one could
+control/status_report.py. `keep_spare` keeps a worker ready for the next load where one could
 be needed (control/spare_policy.py).
 """
 
@@ -98,16 +98,26 @@ class Reconciler:
             log.info("reconcile: %s", describe(action))
             self._apply(action)
         self._publish()
-        self._keep_spare(now)
         return actions
 
-    def _keep_spare(self, now: float) -> None:
-        """A worker imported ahead of the next load while some model could take it."""
-        want = spare_wanted(self.models.values(), self.server, now)
+    def keep_spare(self) -> None:
+        """A worker imported ahead of the next load while some model could take it
+        (control/spare_policy.py); the daemon calls this every second beside `tick`."""
+        want = spare_wanted(
+            self.models.values(),
+            self.server,
+            time.monotonic(),
+            removed=self.removed,
+            joins=self._joins_running_engine,
+        )
         if want == "spawn":
             spare_worker.keep()
         elif want == "discard":
             spare_worker.discard()
+
+    def _joins_running_engine(self, runtime: ModelRuntime) -> bool:
+        key = share_key(runtime.name, runtime.config, self.desired)
+        return key is not None and self.pool.serves(key)
 
     def _count_deaths(self, now: float) -> None:
         for runtime in self.models.values():

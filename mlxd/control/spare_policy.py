@@ -12,7 +12,7 @@ it waits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from mlxd.config import ServerConfig
@@ -24,10 +24,11 @@ Want = Literal["spawn", "discard", "keep"]
 
 
 def _waits(runtime: ModelRuntime) -> bool:
-    """Whether this model's next load would start a worker of its own: not loaded, not
-    loading, not given up on, and not distributed (its ranks start their own processes)."""
+    """Whether this model's next load would start a worker: not loaded (or its worker dead,
+    to be restarted), not loading, not given up on, and not distributed (its ranks start their
+    own processes)."""
     return (
-        runtime.engine is None
+        (runtime.engine is None or runtime.dead())
         and runtime.loading is None
         and not runtime.gave_up
         and runtime.config.distributed is None
@@ -40,14 +41,25 @@ def _quiet(runtime: ModelRuntime, now: float) -> bool:
     return all(engine.idle and now - engine.last_used >= QUIET_S for engine in engines)
 
 
-def spare_wanted(models: Iterable[ModelRuntime], server: ServerConfig, now: float) -> Want:
+def spare_wanted(
+    models: Iterable[ModelRuntime],
+    server: ServerConfig,
+    now: float,
+    *,
+    removed: Iterable[ModelRuntime] = (),
+    joins: Callable[[ModelRuntime], bool] = lambda runtime: False,
+) -> Want:
     """What to do with the spare: spawn one (where none is alive), discard it, or keep things as
-    they are (a load running may still take it, or requests are running)."""
+    they are (a load running may still take it, or requests are running). `removed`: models a
+    reload removed whose engines still drain (busy or not, they take no worker); `joins`:
+    whether a model's load would join an engine already running (a LoRA adapter's shared base)
+    instead of starting a worker."""
     runtimes = list(models)
     if server.workers != "process":
         return "discard"
     if any(runtime.loading is not None for runtime in runtimes):
         return "keep"
-    if not any(_waits(runtime) for runtime in runtimes):
+    if not any(_waits(runtime) and not joins(runtime) for runtime in runtimes):
         return "discard"
-    return "spawn" if all(_quiet(runtime, now) for runtime in runtimes) else "keep"
+    quiet = all(_quiet(runtime, now) for runtime in [*runtimes, *removed])
+    return "spawn" if quiet else "keep"

@@ -62,6 +62,11 @@ class EnginePool:
         self._bases: dict[str, _Base] = {}
         self._ids = itertools.count(1)
 
+    def serves(self, key: str) -> bool:
+        """Whether an engine runs (or starts) under `key`: a model of that group joins it."""
+        base = self._bases.get(key)
+        return base is not None and not base.failed
+
     async def view(
         self,
         name: str,

@@ -70,8 +70,14 @@ def start() -> None:
     spare_policy.py decides when)."""
     global _spare
     parent, child = socket.socketpair()
-    with child:
-        popen = subprocess.Popen(worker_command(child.fileno()), **spawn_options(child.fileno()))
+    try:
+        with child:
+            popen = subprocess.Popen(
+                worker_command(child.fileno()), **spawn_options(child.fileno())
+            )
+    except BaseException:
+        parent.close()
+        raise
     _spare = popen, parent
     before_exit(discard)
     log.debug("worker pid %d started ahead of its model", popen.pid)
@@ -81,22 +87,29 @@ def keep() -> None:
     """A spare alive: spawn one where there is none, unless one already ended by itself (a
     broken install or the OOM killer would end the next as well: models then spawn their
     own workers, as without a spare)."""
-    global _spare, _ended
+    global _spare
     if _spare is not None and _spare[0].poll() is not None:
-        log.warning(
-            "the worker started ahead of the next model exited with %s; workers now start "
-            "with their model",
-            _spare[0].returncode,
-        )
+        _give_up(f"exited with {_spare[0].returncode}")
         _spare[1].close()
-        _spare, _ended = None, True
+        _spare = None
     if _spare is None and not _ended:
-        start()
+        try:
+            start()
+        except OSError as exc:  # no memory or file descriptors left to spawn it
+            _give_up(f"could not be started ({exc})")
+
+
+def _give_up(why: str) -> None:
+    global _ended
+    _ended = True
+    log.warning(
+        "the worker started ahead of the next model %s; workers now start with their model", why
+    )
 
 
 def pid() -> int | None:
-    """The waiting spare's process id (None: there is none)."""
-    return _spare[0].pid if _spare is not None else None
+    """The waiting spare's process id (None: there is none, or it has exited)."""
+    return _spare[0].pid if _spare is not None and _spare[0].poll() is None else None
 
 
 def take() -> tuple[SpareProcess, socket.socket] | None:
@@ -107,7 +120,7 @@ def take() -> tuple[SpareProcess, socket.socket] | None:
     popen, parent = _spare
     _spare = None
     if popen.poll() is not None:
-        log.warning("the worker started ahead of its model exited with %s", popen.returncode)
+        _give_up(f"exited with {popen.returncode}")
         parent.close()
         return None
     log.info("worker pid %d (started ahead of its model) takes a model", popen.pid)

@@ -130,7 +130,12 @@ async def _spawn() -> tuple[WorkerProcess, asyncio.StreamReader, asyncio.StreamW
                 *spare_worker.worker_command(child.fileno()),
                 **spare_worker.spawn_options(child.fileno()),
             )
-    return process, *await asyncio.open_unix_connection(sock=parent)
+    try:
+        return process, *await asyncio.open_unix_connection(sock=parent)
+    except BaseException:  # cancelled (a superseded load): the worker is ours to end
+        parent.close()
+        await reap(process)
+        raise
 
 
 async def reap(process: WorkerProcess) -> None:

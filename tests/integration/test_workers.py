@@ -16,7 +16,9 @@ import httpx
 import openai
 import psutil
 import pytest
+import yaml
 
+from mlxd.control.spare_policy import QUIET_S
 from tests.integration.daemon import FAULT_HOOKS, SMOL_GGUF, Daemon, start_daemon
 
 pytestmark = pytest.mark.integration
@@ -112,7 +114,8 @@ def spare_pid(daemon: Daemon) -> int | None:
 def test_a_worker_waits_imported_for_the_next_model_to_load(tmp_path: Path, mlxd_cache_dir: Path):
     """control/spare_policy.py: while a declared model could need a worker, one is kept
     imported (once the daemon is quiet) and the next load runs in it; none is kept once every
-    model is loaded, and one is again once a model is unloaded."""
+    model is loaded, one is again once a model is unloaded, and a reload that leaves no model
+    to take it ends it."""
     config = {
         "server": {"cache_dir": str(mlxd_cache_dir)},
         "models": {
@@ -129,16 +132,25 @@ def test_a_worker_waits_imported_for_the_next_model_to_load(tmp_path: Path, mlxd
         assert models(running)["smol"]["pid"] == first
         wait_for(lambda: spare_pid(running) not in (None, first))
         second = spare_pid(running)
-        assert psutil.Process(second).ppid() == running.process.pid
+        assert second is not None and psutil.Process(second).ppid() == running.process.pid
         client.embeddings.create(model="minilm", input="Hello")
         assert models(running)["minilm"]["pid"] == second
-        wait_for(lambda: spare_pid(running) is None)  # nothing left to take one
+        time.sleep(QUIET_S + 2)  # quiet long enough: still none, as no model could take it
+        assert spare_pid(running) is None
+        children = psutil.Process(running.process.pid).children()
+        assert sum("mlxd.worker" in " ".join(p.cmdline()) for p in children) == 2
         httpx.post(f"{running.url}/admin/models/smol/unload", timeout=60).raise_for_status()
         wait_for(lambda: spare_pid(running) is not None)
         third = psutil.Process(spare_pid(running))
+        # The unloaded model leaves the config: nothing could take the spare any more.
+        del config["models"]["smol"]
+        running.config_path.write_text(
+            yaml.safe_dump({**running.config, "models": config["models"]})
+        )
+        httpx.post(f"{running.url}/admin/reload", timeout=60).raise_for_status()
+        wait_for(lambda: spare_pid(running) is None and not third.is_running())
     finally:
         assert running.stop() == 0
-    assert not third.is_running()
 
 
 async def stream_one(

@@ -26,6 +26,7 @@ class Served:
 
     idle: bool = True
     last_used: float = 0.0
+    failure: str | None = None
 
 
 def model(engine: Served | None = None, **fields: object) -> ModelRuntime:
@@ -44,6 +45,11 @@ def test_a_model_that_would_start_a_worker_gets_one_once_the_daemon_is_quiet():
     assert spare_wanted([waiting, model(Served(idle=False))], PROCESS, NOW) == "keep"
     recent = Served(last_used=NOW - QUIET_S / 2)
     assert spare_wanted([waiting, model(Served(), draining=[recent])], PROCESS, NOW) == "keep"
+    # A model a reload removed, its engine still draining requests.
+    gone = model(draining=[Served(idle=False)])
+    assert spare_wanted([waiting], PROCESS, NOW, removed=[gone]) == "keep"
+    # A worker that died is restarted in a new one.
+    assert spare_wanted([model(Served(failure="killed"))], PROCESS, NOW) == "spawn"
 
 
 def test_a_running_load_may_take_the_spare_so_it_is_kept():
@@ -62,6 +68,8 @@ def test_no_spare_where_no_model_would_take_it():
     )
     assert spare_wanted([ranks], PROCESS, NOW) == "discard"  # its ranks start their own
     assert spare_wanted([model()], ServerConfig(workers="inline"), NOW) == "discard"
+    # A LoRA adapter whose base engine runs joins it.
+    assert spare_wanted([model()], PROCESS, NOW, joins=lambda runtime: True) == "discard"
 
 
 @pytest.fixture
@@ -90,3 +98,18 @@ def test_a_spare_that_ended_by_itself_is_not_replaced(
         spare_worker.keep()
     assert spare_worker.pid() is None and spare_worker.take() is None
     assert "workers now start with their model" in caplog.text
+
+
+def test_a_spare_that_cannot_be_spawned_is_given_up_on_without_raising(
+    no_spare: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    # keep() runs on the daemon's ticker: an exception there would stop every later tick.
+    def no_fork(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(spare_worker.subprocess, "Popen", no_fork)
+    with caplog.at_level(logging.WARNING, "mlxd.worker"):
+        spare_worker.keep()
+        spare_worker.keep()
+    assert spare_worker.pid() is None
+    assert caplog.text.count("could not be started ([Errno 12] Cannot allocate memory)") == 1
