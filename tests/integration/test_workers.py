@@ -239,19 +239,22 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(daemon: Daemon
     assert client.chat.completions.create(model="smol", messages=COUNT).choices[0].message.content
 
 
-def family_rss(pid: int) -> int:
-    """Resident bytes of the daemon and every worker it runs."""
-    daemon = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [daemon, *daemon.children(recursive=True)])
+def family_rss(daemon: Daemon) -> int:
+    """Resident bytes of the daemon and every worker it runs a model in (not a spare waiting
+    for the next load, which an unloaded model may have the daemon spawn meanwhile)."""
+    parent = psutil.Process(daemon.process.pid)
+    spare = spare_pid(daemon)
+    family = [parent, *(p for p in parent.children(recursive=True) if p.pid != spare)]
+    return sum(p.memory_info().rss for p in family)
 
 
 def test_unloading_a_model_gives_its_memory_back(daemon: Daemon):
     worker_rss = models(daemon)["smol"]["rss_bytes"]
-    before = family_rss(daemon.process.pid)
+    before = family_rss(daemon)
     httpx.post(f"{daemon.url}/admin/models/smol/unload", timeout=60).raise_for_status()
-    after_unload = family_rss(daemon.process.pid)
+    after_unload = family_rss(daemon)
     httpx.post(f"{daemon.url}/admin/models/smol/load", timeout=120).raise_for_status()
-    after_reload = family_rss(daemon.process.pid)
+    after_reload = family_rss(daemon)
     print(f"RSS daemon+workers: {before >> 20} MiB, unloaded {after_unload >> 20} MiB, "
           f"reloaded {after_reload >> 20} MiB (smol's worker {worker_rss >> 20} MiB)")  # fmt: skip
     assert before - after_unload > 0.9 * worker_rss  # the whole worker's memory came back
