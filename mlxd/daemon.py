@@ -23,6 +23,9 @@ log = logging.getLogger("mlxd")
 
 # How often lifecycle facts (deaths, idleness, ended backoffs) are reconciled.
 TICK_S = 1.0
+# Server settings a reload cannot change in a running daemon (its sockets, its workers' kind, its
+# caches' place): they keep their value until a restart.
+RESTART_ONLY = ("host", "port", "ollama_port", "cache_dir", "workers")
 
 
 @dataclass
@@ -108,11 +111,15 @@ class Daemon:
                     exc.message,
                 )
                 raise
-            for key in ("host", "port", "ollama_port", "cache_dir", "workers"):
+            running = {}
+            for key in RESTART_ONLY:
                 if getattr(config.server, key) != getattr(self.config.server, key):
                     log.warning("server.%s changed: takes effect after a restart", key)
+                running[key] = getattr(self.config.server, key)
+            # Until then, loads keep what the daemon runs with (where workers and caches are).
+            server = config.server.model_copy(update=running)
             self.reloads["applied"] += 1
-            return self._apply(config)
+            return self._apply(config.model_copy(update={"server": server}))
 
     def _apply(self, config: Config) -> list[Action]:
         self.config = config
