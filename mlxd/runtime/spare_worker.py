@@ -24,6 +24,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 from typing import Any
 
 from mlxd.process_exit import before_exit
@@ -32,6 +33,7 @@ log = logging.getLogger("mlxd.worker")
 
 _spare: tuple[subprocess.Popen[bytes], socket.socket] | None = None
 _ended = False  # a spare exited by itself: spawn no more
+REAP_S = 0.5  # how long discarding waits for the killed spare on the caller's thread
 
 
 def worker_command(fd: int) -> list[str]:
@@ -137,4 +139,7 @@ def discard() -> None:
     parent.close()
     with contextlib.suppress(ProcessLookupError):
         popen.kill()
-    popen.wait()
+    try:
+        popen.wait(timeout=REAP_S)
+    except subprocess.TimeoutExpired:  # stuck in the kernel: reaped off the event loop
+        threading.Thread(target=popen.wait, name="reap-spare", daemon=True).start()
