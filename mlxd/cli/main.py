@@ -185,6 +185,8 @@ def _ps(args: argparse.Namespace) -> int:
             print(
                 f"{name} rank {rank['rank']}: pid {rank['pid']} on {rank['host']} ({rank['state']})"
             )
+    if spare := status.get("spare_worker"):  # runtime/spare_worker.py
+        print(f"worker pid {spare['pid']} ({_mib(spare['rss_bytes'])}) waits for the next load")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,11 @@ def mlxd(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_ps_lists_models_as_a_table(daemon: Daemon):
+    # The lazy model has a worker imported for it once the daemon is quiet (spare_policy.py).
+    deadline = time.monotonic() + 120
+    while (spare := daemon.status()["spare_worker"]) is None:
+        assert time.monotonic() < deadline, "no worker was made ready for the lazy model"
+        time.sleep(0.2)
     result = mlxd("ps", "--url", daemon.url)
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
@@ -71,6 +77,8 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
     # The CPU path its load chose (models/cpu_path.py), one line of figures under the table.
     assert table["smol"][8] == daemon.status()["models"]["smol"]["cpu_path"]["plan"]
     assert table["spare"][1:9] == ["llm", "unloaded", "-", "-", "-", "-", "-", "-"]
+    assert f"worker pid {spare['pid']} (" in result.stdout
+    assert "MiB) waits for the next load" in result.stdout
 
 
 def test_ps_reports_an_unreachable_daemon(daemon: Daemon):
