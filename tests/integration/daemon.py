@@ -40,6 +40,11 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/v1/status", timeout=10).json()
 
+    def spare_pid(self) -> int | None:
+        """The worker kept imported for the next load (runtime/spare_worker.py), if any."""
+        spare = self.status()["spare_worker"]
+        return None if spare is None else spare["pid"]
+
     def status_with(self, key: str) -> dict[str, Any]:
         """`/v1/status` with a server key (daemons started with api_keys)."""
         headers = {"Authorization": f"Bearer {key}"}

@@ -44,7 +44,7 @@ def mlxd(*args: str) -> subprocess.CompletedProcess:
 def test_ps_lists_models_as_a_table(daemon: Daemon):
     # The lazy model has a worker imported for it once the daemon is quiet (spare_policy.py).
     deadline = time.monotonic() + 120
-    while (spare := daemon.status()["spare_worker"]) is None:
+    while (spare := daemon.spare_pid()) is None:
         assert time.monotonic() < deadline, "no worker was made ready for the lazy model"
         time.sleep(0.2)
     result = mlxd("ps", "--url", daemon.url)
@@ -77,7 +77,7 @@ def test_ps_lists_models_as_a_table(daemon: Daemon):
     # The CPU path its load chose (models/cpu_path.py), one line of figures under the table.
     assert table["smol"][8] == daemon.status()["models"]["smol"]["cpu_path"]["plan"]
     assert table["spare"][1:9] == ["llm", "unloaded", "-", "-", "-", "-", "-", "-"]
-    assert f"worker pid {spare['pid']} (" in result.stdout
+    assert f"worker pid {spare} (" in result.stdout
     assert "MiB) waits for the next load" in result.stdout
 
 

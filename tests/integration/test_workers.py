@@ -106,11 +106,6 @@ def test_a_worker_no_model_took_ends_with_the_daemon(
     assert not any(spare.is_running() for spare in spares)
 
 
-def spare_pid(daemon: Daemon) -> int | None:
-    spare = daemon.status()["spare_worker"]
-    return None if spare is None else spare["pid"]
-
-
 def test_a_worker_waits_imported_for_the_next_model_to_load(tmp_path: Path, mlxd_cache_dir: Path):
     """control/spare_policy.py: while a declared model could need a worker, one is kept
     imported (once the daemon is quiet) and the next load runs in it; none is kept once every
@@ -126,29 +121,29 @@ def test_a_worker_waits_imported_for_the_next_model_to_load(tmp_path: Path, mlxd
     running = start_daemon(tmp_path, config)
     client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
     try:
-        first = spare_pid(running)  # the one started before the daemon's imports
+        first = running.spare_pid()  # the one started before the daemon's imports
         assert first is not None
         client.completions.create(model="smol", prompt="Hello", max_tokens=1)
         assert models(running)["smol"]["pid"] == first
-        wait_for(lambda: spare_pid(running) not in (None, first))
-        second = spare_pid(running)
+        wait_for(lambda: running.spare_pid() not in (None, first))
+        second = running.spare_pid()
         assert second is not None and psutil.Process(second).ppid() == running.process.pid
         client.embeddings.create(model="minilm", input="Hello")
         assert models(running)["minilm"]["pid"] == second
         time.sleep(QUIET_S + 2)  # quiet long enough: still none, as no model could take it
-        assert spare_pid(running) is None
+        assert running.spare_pid() is None
         children = psutil.Process(running.process.pid).children()
         assert sum("mlxd.worker" in " ".join(p.cmdline()) for p in children) == 2
         httpx.post(f"{running.url}/admin/models/smol/unload", timeout=60).raise_for_status()
-        wait_for(lambda: spare_pid(running) is not None)
-        third = psutil.Process(spare_pid(running))
+        wait_for(lambda: running.spare_pid() is not None)
+        third = psutil.Process(running.spare_pid())
         # The unloaded model leaves the config: nothing could take the spare any more.
         del config["models"]["smol"]
         running.config_path.write_text(
             yaml.safe_dump({**running.config, "models": config["models"]})
         )
         httpx.post(f"{running.url}/admin/reload", timeout=60).raise_for_status()
-        wait_for(lambda: spare_pid(running) is None and not third.is_running())
+        wait_for(lambda: running.spare_pid() is None and not third.is_running())
     finally:
         assert running.stop() == 0
 
@@ -243,7 +238,7 @@ def family_rss(daemon: Daemon) -> int:
     """Resident bytes of the daemon and every worker it runs a model in (not a spare waiting
     for the next load, which an unloaded model may have the daemon spawn meanwhile)."""
     parent = psutil.Process(daemon.process.pid)
-    spare = spare_pid(daemon)
+    spare = daemon.spare_pid()
     family = [parent, *(p for p in parent.children(recursive=True) if p.pid != spare)]
     return sum(p.memory_info().rss for p in family)
 
