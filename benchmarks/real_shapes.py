@@ -155,7 +155,8 @@ def prepare(args: argparse.Namespace, quantizer: Path) -> tuple[Path, Path]:
 
 def run_llama(binary: Path, gguf: Path, args: argparse.Namespace, logs: Path) -> PeerRun:
     """llama-server sized per level (-np C): a start per level; the first is the first load."""
-    run, loads = PeerRun(), list[float]()
+    run = PeerRun()
+    loads: list[float] = []
     for level in args.levels:
         port = free_port()
         cmd = llama_command(binary, gguf, port, level, threads=args.threads)
