@@ -22,7 +22,8 @@ mx::array attention(
     const mx::array& v,
     float scale,
     const std::optional<mx::array>& mask,
-    bool causal) {
+    bool causal,
+    bool heads_last) {
   for (const auto* a : {&q, &k, &v}) {
     if (a->ndim() != 4) {
       throw std::invalid_argument("attention: q, k, v must be [B, H, L, D]");
@@ -44,10 +45,11 @@ mx::array attention(
     auto m = mask->dtype() == mx::bool_ ? *mask : mx::astype(*mask, mx::float32, stream);
     inputs.push_back(mx::broadcast_to(m, {B, Hq, Lq, Lk}, stream));
   }
+  const int Dv = v.shape(3);
   return mx::array(
-      {B, Hq, Lq, v.shape(3)},
+      heads_last ? mx::Shape{B, Lq, Hq * Dv} : mx::Shape{B, Hq, Lq, Dv},
       mx::float32,
-      std::make_shared<Attention>(stream, scale, causal, mask.has_value()),
+      std::make_shared<Attention>(stream, scale, causal, mask.has_value(), heads_last),
       inputs);
 }
 
@@ -95,6 +97,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       has_mask && inputs[3].dtype() == mx::bool_,
       causal_,
       kv_half,
+      heads_last_,
       shape[0],
       shape[1],
       shape[2],

@@ -101,7 +101,7 @@ struct Args : AttentionArgs {
     return static_cast<const KV*>(v) + b * vs[0] + hk * vs[1];
   }
   float* out_row(int b, int h, int i) const {
-    return y + ((size_t(b) * Hq + h) * Lq + i) * Dv;
+    return y + (heads_last ? (size_t(b) * Lq + i) * Hq + h : (size_t(b) * Hq + h) * Lq + i) * Dv;
   }
 };
 

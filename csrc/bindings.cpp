@@ -186,6 +186,20 @@ NB_MODULE(_cpu, m) {
       "scale"_a,
       "Rotary position embedding of float32 x [B, H, L, D] (mx.fast.rope's arithmetic).");
   m.def(
+      "rope_qkv",
+      &mlxd::rope_qkv,
+      "qkv"_a,
+      "inv_freq"_a,
+      "offsets"_a,
+      "n_heads"_a,
+      "n_kv_heads"_a,
+      "dims"_a,
+      "traditional"_a,
+      "scale"_a,
+      "kv_dtype"_a,
+      "A fused projection's float32 qkv [B, L, (H + 2 KV) * D] as q [B, H, L, D] and k rotated, "
+      "v; k and v in kv_dtype (float32 or float16).");
+  m.def(
       "attention",
       &mlxd::attention,
       "q"_a,
@@ -194,8 +208,9 @@ NB_MODULE(_cpu, m) {
       "scale"_a,
       "mask"_a.none(),
       "causal"_a,
+      "heads_last"_a = false,
       "Scaled dot-product attention of float32 q and float32 or float16 k, v [B, H, L, D] "
-      "(grouped-query heads; float32 result).");
+      "(grouped-query heads; float32 result [B, H, L, D], or [B, L, H * D] heads_last).");
   m.def(
       "sample",
       &mlxd::sample,

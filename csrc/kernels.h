@@ -20,6 +20,7 @@ struct AttentionArgs {
   const void* mask;  // nullptr, or bool / float32 [B, Hq, Lq, Lk] with strides ms
   int64_t ms[4];
   bool bool_mask, causal, kv_half;
+  bool heads_last;  // y [B, Lq, Hq, Dv], else [B, Hq, Lq, Dv]
   int B, Hq, Lq, D, Hkv, Lk, Dv;
   float scale;
 };

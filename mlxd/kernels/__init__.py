@@ -152,17 +152,42 @@ def rope(
     return result
 
 
+def rope_qkv(
+    qkv: mx.array,
+    inv_freq: mx.array,
+    offsets: mx.array,
+    heads: tuple[int, int],
+    dims: int,
+    traditional: bool,
+    scale: float,
+    kv_dtype: mx.Dtype,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A fused projection's float32 qkv [B, L, (H + 2 KV) * D] split into q [B, H, L, D] and
+    k, v [B, KV, L, D], q and k rotated as `rope` does; k and v in `kv_dtype` (float32 or
+    float16). `heads`: (H, KV)."""
+    q, k, v = _module().rope_qkv(qkv, inv_freq, offsets, *heads, dims, traditional, scale, kv_dtype)
+    return q, k, v
+
+
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: mx.array | str | None,
+    heads_last: bool = False,
 ) -> mx.array:
     """mx.fast.scaled_dot_product_attention for float32 q and k, v [B, H, L, D] both float32
-    or both float16 (a 16-bit KV cache), no sinks; float32 out."""
+    or both float16 (a 16-bit KV cache), no sinks; float32 out, [B, H, L, D] or (`heads_last`)
+    [B, L, H * D], as an output projection takes it."""
     if _cpu is None:
         raise RuntimeError("mlxd's CPU kernels are not built: python -m mlxd.kernels.build")
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"unknown mask {mask!r}")
-    result: mx.array = _module().attention(q, k, v, scale, None if causal else mask, causal)
+    result: mx.array = _module().attention(
+        q, k, v, scale, None if causal else mask, causal, heads_last
+    )
     return result
 
 

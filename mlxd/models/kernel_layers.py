@@ -60,6 +60,22 @@ class KernelRoPE(nn.Module):
             x, self._inv_freq, _offsets(offset, x.shape[0]), self.dims, self.traditional, self.scale
         )
 
+    def rotate_qkv(
+        self, qkv: mx.array, offset: int | mx.array, heads: tuple[int, int], kv_dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """A fused projection's float32 output [B, L, (H + 2 KV) * D] as q, k rotated as this
+        rotates them, and v, each [B, heads, L, D]; k and v in `kv_dtype`. `heads`: (H, KV)."""
+        return kernels.rope_qkv(
+            qkv,
+            self._inv_freq,
+            _offsets(offset, qkv.shape[0]),
+            heads,
+            self.dims,
+            self.traditional,
+            self.scale,
+            kv_dtype,
+        )
+
 
 def _angles_per_position(rope: nn.Module) -> mx.array:
     """Each frequency pair's angle per position, read off `rope` itself: (1, 0) in every pair
@@ -126,9 +142,13 @@ def kernel_attention(
     scale: float,
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
+    *,
+    heads_last: bool = False,
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` (models/base.py), on the kernel where it can:
-    float32 queries, float32 or float16 keys and values."""
+    float32 queries, float32 or float16 keys and values. `heads_last`: the result as
+    [B, L, H * D], what the output projection takes (the kernel writes it so: no transpose
+    and copy after), else [B, H, L, D]."""
     quantized = hasattr(cache, "bits")  # a quantized KV cache: keys and values are tuples
     if (
         sinks is None
@@ -138,13 +158,16 @@ def kernel_attention(
         and keys.dtype in (mx.float32, mx.float16)
         and all(a.ndim == 4 for a in (queries, keys, values))
     ):
-        return kernels.attention(queries, keys, values, scale, mask)
+        return kernels.attention(queries, keys, values, scale, mask, heads_last)
     if not quantized and keys.dtype != queries.dtype:  # a float16 cache: MLX wants one dtype
         keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
     # mlx-lm passes "causal" as the mask too, which its annotation leaves out.
     result: mx.array = base.scaled_dot_product_attention(
         queries, keys, values, cache, scale=scale, mask=cast(Any, mask), sinks=sinks
     )
+    if heads_last:
+        B, H, L, D = result.shape
+        return result.transpose(0, 2, 1, 3).reshape(B, L, H * D)
     return result
 
 
@@ -212,6 +235,43 @@ class KernelAttention(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if self.eager:
             mx.async_eval(x)
+        offset = 0 if cache is None else cache.offset
+        rotated = self._project_rotated(x, offset, cache)
+        if rotated is None:
+            queries, keys, values = self._project_each(x, offset, cache)
+        else:
+            queries, keys, values = rotated
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        return self.o_proj(
+            kernel_attention(queries, keys, values, cache, self.scale, mask, heads_last=True)
+        )
+
+    def _project_rotated(
+        self, x: mx.array, offset: int | mx.array, cache: Any
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """q, k and v from the fused projection, split, rotated and cast in one kernel call
+        (`kernels.rope_qkv`: one graph node where the steps of `_project_each` take twelve, of
+        a layer's ≈31); None where that does not apply."""
+        fused = self.get("qkv_proj")  # read once: split_projections may remove it meanwhile
+        if (
+            fused is None
+            or self.per_head_norm
+            or not isinstance(self.rope, KernelRoPE)
+            or x.dtype != mx.float32
+            or hasattr(cache, "bits")
+        ):
+            return None
+        qkv = fused(x)
+        if qkv.dtype != mx.float32:
+            return None
+        stored = self.kv_dtype if cache is not None and self.kv_dtype is not None else mx.float32
+        return self.rope.rotate_qkv(qkv, offset, (self.n_heads, self.n_kv_heads), stored)
+
+    def _project_each(
+        self, x: mx.array, offset: int | mx.array, cache: Any
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """q and k rotated, v, each [B, heads, L, D], step by step on MLX's ops."""
         B, L, _ = x.shape
         queries, keys, values = self._project(x)
         queries = queries.reshape(B, L, self.n_heads, -1)
@@ -220,18 +280,15 @@ class KernelAttention(nn.Module):
         if self.per_head_norm:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
         queries, keys = self.rope(queries, offset=offset), self.rope(keys, offset=offset)
-        if cache is not None:
-            if (
-                self.kv_dtype is not None
-                and keys.dtype == mx.float32
-                and not hasattr(cache, "bits")
-            ):
-                keys, values = keys.astype(self.kv_dtype), values.astype(self.kv_dtype)
-            keys, values = cache.update_and_fetch(keys, values)
-        output = kernel_attention(queries, keys, values, cache, self.scale, mask)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        if (
+            cache is not None
+            and self.kv_dtype is not None
+            and keys.dtype == mx.float32
+            and not hasattr(cache, "bits")
+        ):
+            keys, values = keys.astype(self.kv_dtype), values.astype(self.kv_dtype)
+        return queries, keys, values
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         # Read once: split_projections may remove it from another thread meanwhile.

@@ -80,7 +80,7 @@ int check(const Kernels& k) {
     const void* kp = half ? static_cast<const void*>(kh.data()) : kk.data();
     const void* vp = half ? static_cast<const void*>(vh.data()) : v.data();
     AttentionArgs a{q.data(), kp, vp, y.data(), {Hq*Lq*D, Lq*D, D}, {Hkv*Lk*D, Lk*D, D}, {Hkv*Lk*D, Lk*D, D},
-                    nullptr, {0,0,0,0}, false, true, half, B, Hq, Lq, D, Hkv, Lk, D, 0.125f};
+                    nullptr, {0,0,0,0}, false, true, half, false, B, Hq, Lq, D, Hkv, Lk, D, 0.125f};
     k.attention(a, 2);
     double worst = 0;
     for (int h = 0; h < Hq; ++h) for (int i = 0; i < Lq; ++i) {

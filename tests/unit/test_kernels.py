@@ -144,6 +144,40 @@ def test_packed_layers_start_computing_as_built_with_the_same_arithmetic(smol_pa
             attention.eager = True
 
 
+def test_packed_attention_splits_and_rotates_in_one_node(smol_packed, tmp_path) -> None:
+    """A packed layer's fused q/k/v output is split, rotated and cast for its float16 cache by
+    one kernel call, bit for bit what the separate steps give; a decode step's graph then has
+    no transposes or separate rotations left (each was a node and a dispatch)."""
+    import re
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = smol_packed.model
+    cache = make_prompt_cache(model)
+    ids = mx.array([smol_packed.tokenizer.encode("The capital of France is")])
+    mx.eval(model(ids, cache=cache))
+    attention = model.layers[3].self_attn
+    assert attention.kv_dtype == mx.float16
+    x = mx.random.normal((2, 3, model.args.hidden_size))
+    for offset in (0, cache[3].offset, mx.array([4, 90], dtype=mx.int32)):
+        rotated = attention._project_rotated(x, offset, cache[3])
+        assert rotated is not None
+        separate = attention._project_each(x, offset, cache[3])
+        for got, want in zip(rotated, separate, strict=True):
+            assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+    for layer in model.layers:
+        layer.self_attn.eager = False
+    try:
+        step = model(ids[:, :1], cache=cache)
+        mx.export_to_dot(str(tmp_path / "step.dot"), step)
+    finally:
+        for layer in model.layers:
+            layer.self_attn.eager = True
+    nodes = re.findall(r'label ="([A-Za-z]+)"', (tmp_path / "step.dot").read_text())
+    assert nodes.count("RoPEQKVCPU") == len(model.layers)
+    assert "RoPECPU" not in nodes and "Transpose" not in nodes, sorted(set(nodes))
+
+
 def test_only_the_engine_thread_runs_kernels_on_several_threads() -> None:
     """One multi-threaded stream per process (csrc/threads.h): once a thread is the engine's,
     kernels evaluated on another thread's stream run on one thread, with the same results. In
@@ -259,6 +293,62 @@ def test_llama3_rope_runs_on_the_kernel_as_mlx_lm_computes_it(traditional: bool)
     assert not mx.allclose(plain(x, offset=9000), rope(x, offset=9000), atol=1e-2).item()
 
 
+@pytest.mark.parametrize(
+    "heads",
+    [
+        # (q heads, kv heads, head dim, rotated dims): SmolLM2, Llama-3.2-1B, Llama-3.1-8B,
+        # a partial rotation (the other features copied).
+        (9, 3, 64, 64),
+        (32, 8, 64, 64),
+        (32, 8, 128, 128),
+        (4, 2, 64, 32),
+    ],
+)
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_qkv_is_the_split_the_rotations_and_the_casts(
+    heads: tuple[int, int, int, int], traditional: bool
+) -> None:
+    """One call does what KernelAttention's steps did: slice a fused projection's output into
+    q, k and v, put heads first, rotate q and k, cast k and v to the cache's dtype; bit for
+    bit, at decode rows and a prefill chunk, one offset or one per row."""
+    h, kv, d, dims = heads
+    rope = KernelRoPE(nn.RoPE(dims, traditional=traditional, base=500000.0))
+    mx.random.seed(h + d + dims)
+    for b, length in ((1, 1), (4, 1), (2, 37)):
+        qkv = mx.random.normal((b, length, (h + 2 * kv) * d))
+        for offset in (0, 1000, mx.array([7 * i for i in range(b)], dtype=mx.int32)):
+            for stored in (mx.float32, mx.float16):
+                q, k, v = rope.rotate_qkv(qkv, offset, (h, kv), stored)
+                parts = [
+                    part.reshape(b, length, count, d).transpose(0, 2, 1, 3)
+                    for part, count in zip(
+                        mx.split(qkv, [h * d, (h + kv) * d], axis=-1), (h, kv, kv), strict=True
+                    )
+                ]
+                expected = [
+                    rope(parts[0], offset=offset),
+                    rope(parts[1], offset=offset).astype(stored),
+                    parts[2].astype(stored),
+                ]
+                for got, want in zip((q, k, v), expected, strict=True):
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    assert mx.array_equal(got, want).item(), (heads, b, length, offset, stored)
+
+
+def test_rope_qkv_refuses_what_does_not_fit() -> None:
+    rope = KernelRoPE(nn.RoPE(64, traditional=False, base=10000.0))
+    qkv = mx.zeros((1, 1, 15 * 64))
+    with pytest.raises(ValueError, match="width"):
+        rope.rotate_qkv(qkv, 0, (9, 4), mx.float32)  # 960 is not 17 heads' width
+    with pytest.raises(ValueError, match="kv_dtype"):
+        rope.rotate_qkv(qkv, 0, (9, 3), mx.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        rope.rotate_qkv(qkv.astype(mx.float16), 0, (9, 3), mx.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        wide = KernelRoPE(nn.RoPE(96, traditional=False, base=10000.0))
+        wide.rotate_qkv(qkv, 0, (9, 3), mx.float32)  # 96 dims rotated in heads of 64
+
+
 def test_rms_norm_equals_mlx(kernel_isa: str) -> None:
     norm = nn.RMSNorm(576, eps=1e-5)
     norm.weight = mx.random.normal((576,))
@@ -318,6 +408,10 @@ def test_attention_equals_mlx(kernel_isa: str, shape: tuple[int, ...]) -> None:
         expected = mx.where(mx.isnan(expected), 0.0, expected)
         # Float32 sums in another order: a relative bound too (d = 256 terms per score).
         assert mx.allclose(got, expected, rtol=1e-4, atol=1e-5).item(), (shape, mask)
+        # Written heads last, as the output projection takes it: the same numbers.
+        merged = kernel_attention(q, k, v, cache=None, scale=0.125, mask=mask, heads_last=True)
+        heads_last = got.transpose(0, 2, 1, 3).reshape(b, lq, hq * d)
+        assert mx.array_equal(merged, heads_last).item(), (shape, mask)
     # Row 0 sees no key: zeros, in a tile of rows too (where MLX averages every value).
     hidden = mx.broadcast_to(mx.arange(lq)[:, None] > 0, (lq, lk))
     got = kernel_attention(q, k, v, cache=None, scale=0.125, mask=hidden)
