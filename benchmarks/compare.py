@@ -42,6 +42,7 @@ if __package__ in (None, ""):
 
 import httpx2 as httpx  # noqa: E402
 
+from benchmarks import held_isa  # noqa: E402
 from mlxd.cli.loadgen import (  # noqa: E402
     SAMPLING,
     LevelResult,
@@ -404,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     parser.add_argument(
+        "--isa",
+        choices=held_isa.ISAS,
+        default=None,
+        help="hold both servers to this ISA (benchmarks/held_isa.py: a stand-in for a CPU "
+        "without AVX-512)",
+    )
+    parser.add_argument(
         "--model-dir", type=Path, default=None, help=f"MLX model dir (default: {DEMO_SOURCE})"
     )
     parser.add_argument(
@@ -433,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sampling: unknown {', '.join(sorted(unknown))}")
 
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
+    if args.isa:
+        held_isa.hold_mlxd_to(args.isa)
     env = server_env()
     log_dir = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
     print(f"model dir: {model_dir}")
@@ -449,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only is not None and name not in args.only:
             continue
         if name == "llama.cpp":
-            binary = find_llama_server(args.llama_server)
+            binary = held_isa.held_llama_server(
+                args.isa, args.llama_server, find_llama_server(args.llama_server)
+            )
             if binary is None:
                 print("llama.cpp: no llama-server binary; skipped", file=sys.stderr, flush=True)
                 continue

@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 
 import openai  # noqa: E402
 
+from benchmarks import held_isa  # noqa: E402
 from benchmarks.compare import (  # noqa: E402
     BASELINE_MODEL_ID,
     MODEL_NAME,
@@ -169,9 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         "--only", type=lambda text: text.split(","), default=None, help=", ".join(SERVERS)
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
+    parser.add_argument(
+        "--isa",
+        choices=held_isa.ISAS,
+        default=None,
+        help="hold both servers to this ISA (benchmarks/held_isa.py)",
+    )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)
+    if args.isa:
+        held_isa.hold_mlxd_to(args.isa)
     model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
     workdir = Path(tempfile.mkdtemp(prefix="prefix-bench-"))
     print(machine())
@@ -182,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     wanted = [s for s in SERVERS if args.only is None or s in args.only]
     if "llama.cpp" in wanted:
-        binary, gguf = find_llama_server(args.llama_server), gguf_path()
+        found = find_llama_server(args.llama_server)
+        binary = held_isa.held_llama_server(args.isa, args.llama_server, found)
+        gguf = gguf_path()
         if binary is None:
             print("llama.cpp: no llama-server binary; skipped", file=sys.stderr)
             wanted.remove("llama.cpp")

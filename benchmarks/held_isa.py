@@ -1,0 +1,86 @@
+"""Both servers held to AVX2 on a CPU that has more: a stand-in for the AVX2-only CPUs most home
+labs own (AMD Zen 2/3, Intel's consumer parts) when the machine at hand has AVX-512.
+
+`--isa avx2` (benchmarks.compare, benchmarks.prefix_cache): mlxd runs its kernels' `avx2`
+variant (MLXD_KERNELS_ISA, in the servers' environment and this process's, so the printed
+machine line says so), and llama.cpp a build of the same source with AVX2, FMA, F16C and BMI2
+and without AVX-512 or AVX-VNNI, made once beside ../shared/tools/build-llama-server's native
+build (`build-avx2`, about 10 minutes on 2 cores). An explicit `--llama-server` is taken as the
+AVX2 build. The CPU still brings its own memory and caches: the stand-in shows the code's side,
+not another CPU's figures (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ISAS = ("avx2",)
+# GGML_NATIVE off, so the compiler targets exactly these; AMX off as build-llama-server has it.
+AVX2_BUILD = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF",
+    "-DGGML_AVX_VNNI=OFF",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+def hold_mlxd_to(isa: str) -> None:
+    """mlxd's kernels on `isa` here and in every server started after (their environment is
+    this process's)."""
+    from mlxd import kernels
+
+    if isa not in kernels.isas():
+        raise SystemExit(f"--isa {isa}: this CPU runs {kernels.isas()}")
+    os.environ[kernels.ISA_ENV] = isa
+    kernels.use_isa(isa)
+
+
+def avx2_llama_server(native: Path) -> Path:
+    """llama-server built without AVX-512 from the source tree of the `native` build
+    (<source>/build/bin/llama-server), once."""
+    source = native.resolve().parents[2]
+    binary = source / "build-avx2" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    if not (source / "CMakeLists.txt").exists():
+        raise SystemExit(
+            f"--isa avx2: {native} is not in a llama.cpp source tree; "
+            "pass an AVX2 build as --llama-server"
+        )
+    print(f"building llama-server for AVX2 in {source / 'build-avx2'} (once)", flush=True)
+    subprocess.run(
+        ["cmake", "-B", "build-avx2", "-G", "Ninja", *AVX2_BUILD],
+        cwd=source,
+        check=True,
+        stdout=sys.stderr,
+    )
+    subprocess.run(
+        ["cmake", "--build", "build-avx2", "--target", "llama-server", f"-j{os.cpu_count()}"],
+        cwd=source,
+        check=True,
+        stdout=sys.stderr,
+    )
+    return binary
+
+
+def held_llama_server(isa: str | None, explicit: Path | None, found: Path | None) -> Path | None:
+    """The llama-server to run: `found` (`explicit`, or the native build), rebuilt for `isa`
+    where one is held and the binary was not given explicitly."""
+    if isa is None or explicit is not None or found is None:
+        return found
+    return avx2_llama_server(found)
