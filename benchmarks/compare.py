@@ -408,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         "--isa",
         choices=held_isa.ISAS,
         default=None,
-        help="hold both servers to this ISA (benchmarks/held_isa.py: a stand-in for a CPU "
-        "without AVX-512)",
+        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py: a stand-in for a "
+        "CPU without AVX-512)",
     )
     parser.add_argument(
         "--model-dir", type=Path, default=None, help=f"MLX model dir (default: {DEMO_SOURCE})"
@@ -454,14 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sampling: {', '.join(f'{k} {dict(SAMPLING[k])}' for k in args.sampling)}")
     print(machine(), flush=True)
 
+    # Found (or built) before any server runs: a build between two measured runs would skew them.
+    binary = None
+    if args.only is None or "llama.cpp" in args.only:
+        found = find_llama_server(args.llama_server)
+        binary = held_isa.held_llama_server(args.isa, args.llama_server, found)
     runs: dict[str, ServerRun] = {}
     for name in SERVERS:
         if args.only is not None and name not in args.only:
             continue
         if name == "llama.cpp":
-            binary = held_isa.held_llama_server(
-                args.isa, args.llama_server, find_llama_server(args.llama_server)
-            )
             if binary is None:
                 print("llama.cpp: no llama-server binary; skipped", file=sys.stderr, flush=True)
                 continue

@@ -3,11 +3,13 @@ labs own (AMD Zen 2/3, Intel's consumer parts) when the machine at hand has AVX-
 
 `--isa avx2` (benchmarks.compare, benchmarks.prefix_cache): mlxd runs its kernels' `avx2`
 variant (MLXD_KERNELS_ISA, in the servers' environment and this process's, so the printed
-machine line says so), and llama.cpp a build of the same source with AVX2, FMA, F16C and BMI2
+machine line says so) and OpenBLAS its Haswell kernels (what it picks on an AVX2-only CPU),
+and llama.cpp a build of the same source with AVX2, FMA, F16C and BMI2
 and without AVX-512 or AVX-VNNI, made once beside ../shared/tools/build-llama-server's native
 build (`build-avx2`, about 10 minutes on 2 cores). An explicit `--llama-server` is taken as the
-AVX2 build. The CPU still brings its own memory and caches: the stand-in shows the code's side,
-not another CPU's figures (docs/performance.md).
+AVX2 build. mlx_lm.server (the `baseline` peer) is not held: MLX's own CPU code is built for
+the machine it runs on. The CPU still brings its own memory and caches: the stand-in shows
+the code's side, not another CPU's figures (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ def hold_mlxd_to(isa: str) -> None:
     this process's)."""
     from mlxd import kernels
 
+    if not kernels.available():
+        raise SystemExit(f"--isa {isa}: mlxd's CPU kernels are not built (make bootstrap)")
     if isa not in kernels.isas():
         raise SystemExit(f"--isa {isa}: this CPU runs {kernels.isas()}")
     os.environ[kernels.ISA_ENV] = isa
     kernels.use_isa(isa)
+    # Before server_env(), which picks SkylakeX on an AVX-512 CPU unless one is set.
+    os.environ["OPENBLAS_CORETYPE"] = "Haswell"
 
 
 def avx2_llama_server(native: Path) -> Path:

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "--isa",
         choices=held_isa.ISAS,
         default=None,
-        help="hold both servers to this ISA (benchmarks/held_isa.py)",
+        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py)",
     )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())

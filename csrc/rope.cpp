@@ -3,7 +3,8 @@
 // MLX 0.32's CPU backend composes mx.fast.rope from element-wise ops (positions, exp, cos,
 // sin, products) evaluated one by one: ≈175 µs for one decode token's 9 query heads, twice a
 // layer, more than the layer's matmuls once those run packed. Here it is one pass: each
-// position's cos/sin computed once and applied to every head.
+// position's cos/sin computed once and applied to every head. `rope_qkv` does the same for
+// q and k straight from a fused projection's output, with the split and the cache's cast.
 #include "rope.h"
 
 #include <cmath>
@@ -183,7 +184,7 @@ std::vector<mx::array> rope_qkv(
   return mx::array::make_arrays(
       {{B, n_heads, L, D}, {B, n_kv_heads, L, D}, {B, n_kv_heads, L, D}},
       {mx::float32, kv_dtype, kv_dtype},
-      std::make_shared<RoPEQKV>(stream, n_heads, n_kv_heads, dims, traditional, scale),
+      std::make_shared<RoPEQKV>(stream, n_heads, n_kv_heads, dims, traditional, scale, kv_dtype),
       {qkv, mx::astype(inv_freq, mx::float32, stream), mx::astype(offsets, mx::int32, stream)});
 }
 
@@ -196,7 +197,7 @@ void RoPEQKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                     qp = q.data<float>(),
                     kp = outputs[1].data<void>(),
                     vp = outputs[2].data<void>(),
-                    half = outputs[1].dtype() == mx::float16,
+                    kv_half = outputs[1].dtype() == mx::float16,
                     B = q.shape(0),
                     L = q.shape(2),
                     D = q.shape(3),
@@ -205,7 +206,7 @@ void RoPEQKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                     dims = dims_,
                     traditional = traditional_,
                     scale = scale_]() {
-    if (half) {
+    if (kv_half) {
       split_rotate(x, fp, op, qp, static_cast<mx::float16_t*>(kp), static_cast<mx::float16_t*>(vp),
                    B, L, H, KV, D, dims, traditional, scale);
     } else {

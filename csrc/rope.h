@@ -58,13 +58,14 @@ class RoPE : public CpuPrimitive {
 class RoPEQKV : public CpuPrimitive {
  public:
   RoPEQKV(mlx::core::Stream stream, int n_heads, int n_kv_heads, int dims, bool traditional,
-          float scale)
+          float scale, mlx::core::Dtype kv_dtype)
       : CpuPrimitive(stream),
         n_heads_(n_heads),
         n_kv_heads_(n_kv_heads),
         dims_(dims),
         traditional_(traditional),
-        scale_(scale) {}
+        scale_(scale),
+        kv_dtype_(kv_dtype) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -76,7 +77,7 @@ class RoPEQKV : public CpuPrimitive {
   bool is_equivalent(const mlx::core::Primitive& other) const override {
     const auto& o = static_cast<const RoPEQKV&>(other);
     return n_heads_ == o.n_heads_ && n_kv_heads_ == o.n_kv_heads_ && dims_ == o.dims_ &&
-        traditional_ == o.traditional_ && scale_ == o.scale_;
+        traditional_ == o.traditional_ && scale_ == o.scale_ && kv_dtype_ == o.kv_dtype_;
   }
 
  private:
@@ -85,6 +86,7 @@ class RoPEQKV : public CpuPrimitive {
   int dims_;
   bool traditional_;
   float scale_;
+  mlx::core::Dtype kv_dtype_;
 };
 
 }  // namespace mlxd

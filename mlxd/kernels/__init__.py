@@ -43,7 +43,7 @@ ISA_ENV = "MLXD_KERNELS_ISA"
 _BINDINGS = (
     "assemble_kv", "attention", "built_isas", "empty", "gather_qmatmul", "integer_dot", "isa",
     "map_file_arrays", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul", "rms_norm",
-    "rope", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
+    "rope", "rope_qkv", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
     "threads_for_rows", "tile_scale_pairs", "tile_weights", "to_affine", "use_isa", "widen_weights",
 )  # fmt: skip
 

@@ -262,9 +262,7 @@ class KernelAttention(nn.Module):
             or hasattr(cache, "bits")
         ):
             return None
-        qkv = fused(x)
-        if qkv.dtype != mx.float32:
-            return None
+        qkv = fused(x)  # float32: the kernel's output (a bias of another dtype promotes to it)
         stored = self.kv_dtype if cache is not None and self.kv_dtype is not None else mx.float32
         return self.rope.rotate_qkv(qkv, offset, (self.n_heads, self.n_kv_heads), stored)
 

@@ -90,6 +90,12 @@ int check(const Kernels& k) {
       for (int e = 0; e < D; ++e) { double o = 0; for (int j = 0; j < vis; ++j) o += s[j] * v[(hk*Lk+j)*D+e]; worst = std::fmax(worst, std::fabs(o / sum - y[(h*Lq+i)*D+e])); }
     }
     if (worst > 1e-5) { printf("%s attention half %d Lq %d: error %g\n", k.isa, half, Lq, worst); ++bad; }
+    // heads last ([B, Lq, Hq, D], as the output projection takes it): the same numbers
+    std::vector<float> last(y.size());
+    a.y = last.data(); a.heads_last = true;
+    k.attention(a, 2);
+    for (int h = 0; h < Hq; ++h) for (int i = 0; i < Lq; ++i) for (int e = 0; e < D; ++e)
+      if (last[(i*Hq+h)*D+e] != y[(h*Lq+i)*D+e]) { printf("%s attention heads_last half %d Lq %d differs\n", k.isa, half, Lq); ++bad; h = Hq; i = Lq; break; }
   }
   // sample: mlx-lm's top_p nucleus (ties kept) and the draw by u in float64; rows peaked, wide (split
   // again and again), all equal; V not whole vectors nor chunks. Draws within 1e-6 of a boundary skipped.

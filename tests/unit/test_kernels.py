@@ -159,12 +159,18 @@ def test_packed_attention_splits_and_rotates_in_one_node(smol_packed, tmp_path) 
     attention = model.layers[3].self_attn
     assert attention.kv_dtype == mx.float16
     x = mx.random.normal((2, 3, model.args.hidden_size))
-    for offset in (0, cache[3].offset, mx.array([4, 90], dtype=mx.int32)):
-        rotated = attention._project_rotated(x, offset, cache[3])
+    for offset, layer_cache in (
+        (0, cache[3]),
+        (cache[3].offset, cache[3]),
+        (mx.array([4, 90], dtype=mx.int32), cache[3]),
+        (0, None),  # no cache: k and v stay float32
+    ):
+        rotated = attention._project_rotated(x, offset, layer_cache)
         assert rotated is not None
-        separate = attention._project_each(x, offset, cache[3])
+        separate = attention._project_each(x, offset, layer_cache)
         for got, want in zip(rotated, separate, strict=True):
             assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+        assert rotated[1].dtype == (mx.float32 if layer_cache is None else mx.float16)
     for layer in model.layers:
         layer.self_attn.eager = False
     try:
