@@ -263,7 +263,7 @@ class KernelAttention(nn.Module):
         ):
             return None
         qkv = fused(x)  # float32: the kernel's output (a bias of another dtype promotes to it)
-        stored = self.kv_dtype if cache is not None and self.kv_dtype is not None else mx.float32
+        stored = self._stored_dtype(cache) or mx.float32
         return self.rope.rotate_qkv(qkv, offset, (self.n_heads, self.n_kv_heads), stored)
 
     def _project_each(
@@ -279,14 +279,17 @@ class KernelAttention(nn.Module):
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
         queries, keys = self.rope(queries, offset=offset), self.rope(keys, offset=offset)
-        if (
-            cache is not None
-            and self.kv_dtype is not None
-            and keys.dtype == mx.float32
-            and not hasattr(cache, "bits")
-        ):
-            keys, values = keys.astype(self.kv_dtype), values.astype(self.kv_dtype)
+        stored = self._stored_dtype(cache)
+        if stored is not None and keys.dtype == mx.float32:
+            keys, values = keys.astype(stored), values.astype(stored)
         return queries, keys, values
+
+    def _stored_dtype(self, cache: Any) -> mx.Dtype | None:
+        """The dtype float32 keys and values go into `cache` in (None: as computed): none
+        without a cache, and a quantized cache rounds them itself."""
+        if cache is None or hasattr(cache, "bits"):
+            return None
+        return self.kv_dtype
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         # Read once: split_projections may remove it from another thread meanwhile.
