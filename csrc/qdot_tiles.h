@@ -22,6 +22,8 @@ constexpr int MAX_ROWS = 4;
 constexpr int MAX_ROWS = 2;
 #endif
 constexpr int ACCUMULATORS = REGISTERS - 2 * NV - 4;
+// precise's second int8 term: what rounding x to int8 left, in steps of 1 / REST_STEPS of x8's.
+constexpr int REST_STEPS = 254;
 
 // Where the dot product takes q as signed (q - OFFSET: sdot is signed x signed; maddubs's pair
 // sums of 255 x 127 would saturate int16), the sum misses OFFSET * sum_k x8_k: the bias term
@@ -68,15 +70,20 @@ inline vi pairs_to_int32(vi pairs) {
 }
 #endif
 
-// A block's partial sum as int32 per lane: the int16 pairs of SUM16's sums added.
-template <int BITS>
+// A block's partial sum as int32 per lane, times FACTOR: the int16 pairs of SUM16's sums added
+// (vpmaddwd by FACTOR: the multiplication costs nothing there).
+template <int BITS, int FACTOR = 1>
 inline vi widen(vi part) {
-#if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
+#if defined(MLXD_ISA_AVX512)
   if constexpr (SUM16<BITS>) {
-    return pairs_to_int32(part);
+    return (vi)_mm512_madd_epi16((__m512i)part, _mm512_set1_epi16(FACTOR));
+  }
+#elif defined(MLXD_ISA_AVX2)
+  if constexpr (SUM16<BITS>) {
+    return (vi)_mm256_madd_epi16((__m256i)part, _mm256_set1_epi16(FACTOR));
   }
 #endif
-  return part;
+  return FACTOR == 1 ? part : part * FACTOR;
 }
 
 // acc[j] += sum_i (w[4j + i] - OFFSET) x[4j + i], w unsigned bytes (q), x signed (x8, |x| <= 127)
@@ -190,8 +197,7 @@ inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
 }
 
 // y[m0 .. m0 + MB / TERMS, work item g] from int8 rows m0 * TERMS .. + MB: per block the int32
-// sums of SPLIT partial accumulators, scaled in float and summed over a row's TERMS into y's
-// vectors, which stay in registers until the last block (stored once, not loaded and stored
+// sums of SPLIT partial accumulators and of a row's TERMS, scaled in float into y's vectors, which stay in registers until the last block (stored once, not loaded and stored
 // again every 32 inputs: at 8 rows that epilogue was as many instructions as the dot products).
 template <int BITS, int MB, int TERMS, typename S>
 void rows_dot(const Problem<S>& p, int g, int m0) {
@@ -244,15 +250,21 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
     for (int v = 0; v < NV; ++v) {
       const vf scale = load_scales(scales[v] + group_at);
       const vf bias = load_scales(scales[v] + group_at + LANES) + OFFSET * scale;
-      for (int r = 0; r < MB; ++r) {
-        vi sum = widen<BITS>(part[r][v][0]);
-        for (int s = 1; s < SPLIT; ++s) {
-          sum += widen<BITS>(part[r][v][s]);
+      for (int i = 0; i < MB / TERMS; ++i) {
+        // A row's TERMS sums as one integer, 254 x8 + rest with precise (see quantize_rows),
+        // then scaled once: half the float work a block of the two sums scaled apart took.
+        vi sum = {};
+        for (int s = 0; s < SPLIT; ++s) {
+          sum += widen<BITS, TERMS == 2 ? REST_STEPS : 1>(part[i * TERMS][v][s]);
+          if constexpr (TERMS == 2) {
+            sum += widen<BITS>(part[i * TERMS + 1][v][s]);
+          }
         }
-        const size_t at = size_t(r) * blocks + b;
-        // Exact in float: |sum| <= 32 * 255 * 127 < 2^24.
+        const size_t at = size_t(i * TERMS + TERMS - 1) * blocks + b;  // the row's d, sum8
+        // Exact in float with one term (|sum| <= 32 * 255 * 127 < 2^24); with two, to float's
+        // 24 bits of a sum as exact as x's 16.
         const vf q_x8 = __builtin_convertvector(sum, vf);
-        y[r / TERMS][v] += (q_x8 * scale + bias * sum8[at]) * d[at];
+        y[i][v] += (q_x8 * scale + bias * sum8[at]) * d[at];
       }
     }
   }
@@ -266,7 +278,7 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
 // x's rows to int8 per block of 32, round to nearest, as llama.cpp's quantize_row_q8_1: int8
 // row m * TERMS. With TERMS = 2, row m * 2 + 1 holds what the rounding left, e = x - d x8, in
 // steps of d / 254 (|e| <= d / 2): x to 1 / 64,516 of its block's largest |x| instead of 1 / 254,
-// for twice the dot products.
+// for twice the dot products. That row's d and sum8 are the pair's, as one term's.
 template <int TERMS>
 void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float* d, float* sum8) {
   const int blocks = K / BLOCK;
@@ -294,7 +306,7 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
           const vf qf = __builtin_convertvector(q, vf);
           total += qf;
           if constexpr (TERMS == 2) {
-            vf rest = __builtin_convertvector(round_to_int((v - qf * step) * by * 254), vf);
+            vf rest = __builtin_convertvector(round_to_int((v - qf * step) * by * REST_STEPS), vf);
             rest = rest < low ? low : rest;
             rest = rest > high ? high : rest;
             store_i8(qb + K + k, __builtin_convertvector(rest, vi));
@@ -305,8 +317,10 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
         d[at] = step;
         sum8[at] = hsum(total);  // exact: |sum| <= 32 * 127
         if constexpr (TERMS == 2) {
-          d[at + blocks] = step / 254;
-          sum8[at + blocks] = hsum(rest_total);
+          // The pair's scale and sum as one term's: x ~ step / 254 (254 x8 + rest), which
+          // rows_dot sums in integers.
+          d[at + blocks] = step / REST_STEPS;
+          sum8[at + blocks] = REST_STEPS * sum8[at] + hsum(rest_total);
         }
       }
     }
