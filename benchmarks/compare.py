@@ -294,10 +294,22 @@ def bench_server(
                 results[label] = asyncio.run(sweep(url, model_id, args.levels, args, label))
                 print(f"-- {name}, {label}")
                 print_results(results[label])
+            print_cpu_path(url)
     except ServerFailed as exc:
         print(f"{name} failed: {exc} (log: {log_path})", file=sys.stderr, flush=True)
         return ServerRun(error=str(exc))
     return ServerRun(results=results)
+
+
+def print_cpu_path(url: str) -> None:
+    """mlxd's CPU path for each model and the timings behind it (its /v1/status); nothing for a
+    server without that endpoint (llama.cpp's)."""
+    reply = httpx.get(f"{url}/v1/status", timeout=30)
+    if reply.status_code != 200:
+        return
+    for name, row in reply.json().get("models", {}).items():
+        if cpu_path := row.get("cpu_path"):
+            print(f"   {name} CPU path: {cpu_path['summary']}", flush=True)
 
 
 async def sweep(
