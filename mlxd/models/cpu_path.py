@@ -199,10 +199,24 @@ class Choice:
         note = "; kernels on one thread" if self.one_thread else ""
         if self.dot:
             note += "; int8 dot products" + ("" if self.precise else ", x as one int8 term")
+        note += self._layouts()
         note += "; one-row kernels leave a core to the engine" if self.spares_a_core else ""
         note += f"; {self.reason}" if self.reason else ""
         note += "" if self.kept else "; timed on a busy machine, not cached"
         return note + (" [cached timings]" if self.cached else "")
+
+    def _layouts(self) -> str:
+        """All packed on every core, both layouts timed and float32 too: the layout not taken
+        and its figures (the plans' figures are the one taken's). Mixed and one-thread plans
+        run the float layout they were timed with."""
+        if self.timings is None or not self.timings.float32 or not self.timings.packed_dot:
+            return ""
+        if self.plan != "packed" or self.one_thread:
+            return ""
+        other = self.timings.packed if self.dot else self.timings.packed_dot
+        name = "float layout" if self.dot else "int8 dot products"
+        taken = "" if self.dot else "; the float layout"
+        return f"{taken} (the {name}: " + "/".join(_ms(ms) for ms in other) + " ms)"
 
     def as_dict(self) -> dict[str, Any]:
         """For /v1/status: the plan, the summary, per phase the path and both timings."""
