@@ -277,9 +277,12 @@ def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_p
     assert choice.packed_ms == dot.packed_dot and "int8 dot products" in choice.summary()
     # The summary names the layout not taken with its figures, either way.
     assert "(the float layout: 5.0/6.0/8.0/100 ms)" in choice.summary()
-    assert "; the float layout (the int8 dot products: 5.0/6.0/8.0/99.0 ms)" in choose(
-        Timings(*(fast.packed, fast.packed_shared, fast.float32), (5.0, 6.0, 8.0, 99.0))
-    ).summary()
+    assert (
+        "; the float layout (the int8 dot products: 5.0/6.0/8.0/99.0 ms)"
+        in choose(
+            Timings(*(fast.packed, fast.packed_shared, fast.float32), (5.0, 6.0, 8.0, 99.0))
+        ).summary()
+    )
     assert choice.as_dict()["dot"] is True
     assert choice.as_dict()["phases"][0]["packed_ms"] == 4.0
     # A tie (same bytes either way) keeps the float layout; no dot figures: the float layout.
