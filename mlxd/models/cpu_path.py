@@ -85,6 +85,11 @@ class Timings:
     # terms, or one under cpu_activations int8); empty where the kernels have no integer dot
     # product.
     packed_dot: tuple[float, ...] = ()
+    # The output head's share of `packed` and of `packed_dot` (0 in the prefill phase, which
+    # projects only its last rows): each part takes the layout it timed faster in. Empty in
+    # timings cached before they were kept: the head then takes the layers' layout.
+    head_packed: tuple[float, ...] = ()
+    head_dot: tuple[float, ...] = ()
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Timings:
@@ -93,11 +98,42 @@ class Timings:
 
     @property
     def dot_faster(self) -> bool:
-        """Whether the int8 dot products ran faster over the phases than the float layout (by
-        the margin: the layouts hold the same bytes, so a tie keeps the float one)."""
-        return (
-            bool(self.packed_dot) and _geomean(self.packed_dot, self.packed) < 1 / MORE_BYTES_MARGIN
+        """Whether the layers' int8 dot products ran faster over the phases than their float
+        layout (by the margin: the layouts hold the same bytes, so a tie keeps the float one)."""
+        if not self.packed_dot:
+            return False
+        if not self._by_part:
+            return _geomean(self.packed_dot, self.packed) < 1 / MORE_BYTES_MARGIN
+        dot = tuple(t - h for t, h in zip(self.packed_dot, self.head_dot, strict=True))
+        float_layout = tuple(t - h for t, h in zip(self.packed, self.head_packed, strict=True))
+        return _geomean(dot, float_layout) < 1 / MORE_BYTES_MARGIN
+
+    @property
+    def head_dot_faster(self) -> bool:
+        """The same for the output head, over the phases that run it. On AVX2 an 8-bit head
+        (SmolLM2's) is the slower as int8 dot products where its 4-bit layers are the faster."""
+        if not self._by_part:
+            return self.dot_faster
+        ran = [(d, f) for d, f in zip(self.head_dot, self.head_packed, strict=True) if f > 0]
+        dot, float_layout = zip(*ran, strict=True)
+        return _geomean(dot, float_layout) < 1 / MORE_BYTES_MARGIN
+
+    @property
+    def _by_part(self) -> bool:
+        """Whether the head's share was timed (a model with a head the kernels take)."""
+        return bool(self.packed_dot and self.head_dot and any(self.head_packed))
+
+    def packed_as(self, dot: bool, head_dot: bool) -> tuple[float, ...]:
+        """The packed figures on every core with the layers and the head in these layouts."""
+        if not self._by_part:
+            return self.packed_dot if dot else self.packed
+        layers = (
+            tuple(t - h for t, h in zip(self.packed_dot, self.head_dot, strict=True))
+            if dot
+            else tuple(t - h for t, h in zip(self.packed, self.head_packed, strict=True))
         )
+        head = self.head_dot if head_dot else self.head_packed
+        return tuple(a + b for a, b in zip(layers, head, strict=True))
 
 
 @dataclass(frozen=True)
@@ -119,22 +155,28 @@ class Choice:
 
     @property
     def dot(self) -> bool:
-        """Whether the packed weights run as int8 dot products: all packed on every core, where
+        """Whether the packed layers run as int8 dot products: all packed on every core, where
         that layout timed faster (decide compared the plans on the float layout's figures)."""
+        return self._packed_on_every_core and self.timings is not None and self.timings.dot_faster
+
+    @property
+    def head_dot(self) -> bool:
+        """The same for the output head, decided apart from the layers."""
         return (
-            self.plan == "packed"
-            and not self.one_thread
-            and self.timings is not None
-            and self.timings.dot_faster
+            self._packed_on_every_core and self.timings is not None and self.timings.head_dot_faster
         )
+
+    @property
+    def _packed_on_every_core(self) -> bool:
+        return self.plan == "packed" and not self.one_thread
 
     @property
     def packed_ms(self) -> tuple[float, ...]:
         """The packed figures that apply: on one thread under mixed or `one_thread`, the int8
         dot products' under `dot`."""
         assert self.timings is not None
-        if self.dot:
-            return self.timings.packed_dot
+        if self.dot or self.head_dot:
+            return self.timings.packed_as(self.dot, self.head_dot)
         one = self.plan == "mixed" or self.one_thread
         return self.timings.packed_shared if one else self.timings.packed
 
@@ -163,7 +205,7 @@ class Choice:
     @property
     def activations(self) -> str | None:
         """How the int8 dot products round x (cpu_activations); None: the float layout runs."""
-        return ("precise" if self.precise else "int8") if self.dot else None
+        return ("precise" if self.precise else "int8") if self.dot or self.head_dot else None
 
     def summary(self) -> str:
         """One line: which path runs which phase and the timings behind it."""
@@ -190,33 +232,39 @@ class Choice:
             return f"packed ({self.reason})"
         rows = "/".join(str(rows) for rows in self.phases.rows)
         ours = "/".join(_ms(ms) for ms in self.packed_ms)
-        other = self.timings.packed if self.dot else self.timings.packed_dot
-        theirs = "/".join(_ms(ms) for ms in other)
-        vs = f" vs {'float layout' if self.dot else 'int8 dot products'} {theirs}" if other else ""
-        return f"packed ({rows}: {ours} ms{vs})" + self._notes()
+        return f"packed ({rows}: {ours} ms{self._layouts()})" + self._notes()
 
     def _notes(self) -> str:
         note = "; kernels on one thread" if self.one_thread else ""
-        if self.dot:
-            note += "; int8 dot products" + ("" if self.precise else ", x as one int8 term")
-        note += self._layouts()
+        if self.dot or self.head_dot:
+            if self.dot and self.head_dot:
+                note += "; int8 dot products"
+            elif self.dot:
+                note += "; int8 dot products, the head in the float layout"
+            else:
+                note += "; the head as int8 dot products, the layers in the float layout"
+            note += "" if self.precise else ", x as one int8 term"
+        if self.timings is not None and self.timings.float32:
+            note += self._layouts()
         note += "; one-row kernels leave a core to the engine" if self.spares_a_core else ""
         note += f"; {self.reason}" if self.reason else ""
         note += "" if self.kept else "; timed on a busy machine, not cached"
         return note + (" [cached timings]" if self.cached else "")
 
     def _layouts(self) -> str:
-        """All packed on every core, both layouts timed and float32 too: the layout not taken
-        and its figures (the plans' figures are the one taken's). Mixed and one-thread plans
-        run the float layout they were timed with."""
-        if self.timings is None or not self.timings.float32 or not self.timings.packed_dot:
+        """All packed on every core with both layouts timed: each one's figures for the whole
+        model, beside those of the mix taken. Mixed and one-thread plans run the float layout
+        they were timed with."""
+        if self.timings is None or not self.timings.packed_dot or not self._packed_on_every_core:
             return ""
-        if self.plan != "packed" or self.one_thread:
-            return ""
-        other = self.timings.packed if self.dot else self.timings.packed_dot
-        name = "float layout" if self.dot else "int8 dot products"
-        taken = "" if self.dot else "; the float layout"
-        return f"{taken} (the {name}: " + "/".join(_ms(ms) for ms in other) + " ms)"
+        cells = [
+            f"{name} {'/'.join(_ms(ms) for ms in figures)} ms"
+            for name, figures in (
+                ("float layout", self.timings.packed),
+                ("int8 dot products", self.timings.packed_dot),
+            )
+        ]
+        return " (whole model: " + ", ".join(cells) + ")"
 
     def as_dict(self) -> dict[str, Any]:
         """For /v1/status: the plan, the summary, per phase the path and both timings."""
@@ -238,6 +286,7 @@ class Choice:
             "kept": self.kept,
             "one_thread": self.one_thread,
             "dot": self.dot,
+            "head_dot": self.head_dot,
             "activations": self.activations,
             "spares_a_core": self.spares_a_core,
             "reason": self.reason or None,

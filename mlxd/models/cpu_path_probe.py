@@ -161,7 +161,8 @@ def time_paths(
     shapes: ModelShapes, phases: Phases, precise: bool = True, float32: bool = True
 ) -> Timings:
     """Each phase's step estimate packed on every core, packed on one thread, float32, and
-    packed as int8 dot products on every core (x as two int8 terms, or one unless `precise`).
+    packed as int8 dot products on every core (x as two int8 terms, or one unless `precise`),
+    with the head's share of both packed layouts on every core (each part takes its faster).
     Without `float32` (it does not fit) only the packed layouts, on every core."""
     layer = [_matrix(s, precise, float32) for s in shapes.layer]
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
@@ -192,23 +193,28 @@ def time_paths(
             dot_best[key] = ms
         return ms * rows / timed
 
-    def phase_times(packed: bool, dot: bool = False, shared: bool = True) -> tuple[float, ...]:
-        steps = []
+    def phase_times(
+        packed: bool, dot: bool = False, shared: bool = True
+    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per phase the step estimate, and the head's share of it."""
+        steps, heads = [], []
         for phase in range(len(phases.rows)):
             ms = shapes.layers * part("layer", layer, phase, packed, dot, shared)
+            head_ms = 0.0
             if head and phase < len(phases.decode):  # a prefill chunk projects its last rows
-                ms += part("head", head, phase, packed, dot, shared)
-            steps.append(ms)
-        return tuple(steps)
+                head_ms = part("head", head, phase, packed, dot, shared)
+            steps.append(ms + head_ms)
+            heads.append(head_ms)
+        return tuple(steps), tuple(heads)
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
-    packed_dot = phase_times(True, dot=True) if kernels.integer_dot() else ()
-    packed_all = phase_times(True)
+    packed_dot, head_dot = phase_times(True, dot=True) if kernels.integer_dot() else ((), ())
+    packed_all, head_packed = phase_times(True)
     if not float32:
-        return Timings(packed_all, packed_all, (), packed_dot)
+        return Timings(packed_all, packed_all, (), packed_dot, head_packed, head_dot)
     kernels.set_threads(1)
-    packed_one = phase_times(True, shared=False) if cores > 1 else packed_all
-    return Timings(packed_all, packed_one, phase_times(False), packed_dot)
+    packed_one = phase_times(True, shared=False)[0] if cores > 1 else packed_all
+    return Timings(packed_all, packed_one, phase_times(False)[0], packed_dot, head_packed, head_dot)
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ class PackLayout:
 
     dot: bool
     precise: bool
+    head_dot: bool | None = None  # the output head's, where it differs (None: dot)
 
 
 _held: tuple[Path, Fresh] | None = None

@@ -173,17 +173,19 @@ def _pack_model_kept(
     precise: bool,
     cache_dir: Path | None,
     fresh: dict[str, Packed],
+    head_dot: bool | None = None,
 ) -> None:
     """`pack_model`, taking the layers its conversion just packed (`fresh`) and those kept
     under `cache_dir`, and keeping them there for the next load when some did not come from
     there (models/packed_cache.py)."""
     if cache_dir is None:
-        pack_model(model, path_for, dot, fresh, precise)
+        pack_model(model, path_for, dot, fresh, precise, head_dot=head_dot)
         return
-    cache = PackedCache.for_model(cache_dir, path, dot, precise)
+    cache = PackedCache.for_model(cache_dir, path, dot, precise, head_dot)
     seen = cache.stamp()
     kept = cache.read() or Kept()
-    layers, _ = pack_model(model, path_for, dot, {**kept.layers, **fresh}, precise, kept.others)
+    cached = {**kept.layers, **fresh}
+    layers, _ = pack_model(model, path_for, dot, cached, precise, kept.others, head_dot)
     others = take_others(model, layers, kept.others)
     new = sum(1 for name, weights in layers.items() if kept.layers.get(name) is not weights)
     if new or any(kept.others.get(name) is not array for name, array in others.items()):
@@ -270,10 +272,13 @@ def load_llm(
         if packed:
             path_for = cpu_path.path_for if cpu_path and plan == "mixed" else None
             dot = cpu_path is not None and cpu_path.dot
+            head_dot = cpu_path is not None and cpu_path.head_dot
             precise = cpu_path is None or cpu_path.precise
             # LoRA layers rename the layers they wrap: only a base model's are kept.
             kept = cache_dir if adapter is None else None
-            _pack_model_kept(model, path, model_name, path_for, dot, precise, kept, fresh.packed)
+            _pack_model_kept(
+                model, path, model_name, path_for, dot, precise, kept, fresh.packed, head_dot
+            )
         if before_eval is not None:
             model = before_eval(model, config)
         # Private arrays too (Llama 3's scaled rope frequencies): one left lazy holds the

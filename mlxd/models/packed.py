@@ -298,6 +298,12 @@ def fits(packed: Packed, module: Quantized, dot: bool, precise: bool = True) -> 
     )
 
 
+def is_head(name: str, module: nn.Module) -> bool:
+    """Whether the layer at `name` is the output head: lm_head, or an embedding (packed only
+    where tied, so it is the head as well)."""
+    return name.split(".")[-1] == "lm_head" or isinstance(module, nn.QuantizedEmbedding)
+
+
 def pack_model(
     model: nn.Module,
     path_for: Callable[[int], str] | None = None,
@@ -305,13 +311,15 @@ def pack_model(
     cached: Mapping[str, Packed] | None = None,
     precise: bool = True,
     dense: Mapping[str, mx.array] | None = None,
+    head_dot: bool | None = None,
 ) -> tuple[dict[str, Packed], int]:
     """Swap `model`'s quantized layers the kernels take for packed ones in place (a mixture of
     experts' stacks too: `PackedSwitchLinear`); with `path_for(rows)` each linear also keeps its
     float32 weights for the rows it gives to "float32"; with `dot` the linears and experts are
     multiplied as int8 dot products (kernels.pack_dot, x as two int8 terms unless not
     `precise`: cpu_activations int8), a tied embedding too (its lookups read
-    either layout: kernels.take_rows). A layer whose packed weights are
+    either layout: kernels.take_rows); `head_dot`, where given, says it for the output head
+    (lm_head or the tied embedding) apart from the other layers. A layer whose packed weights are
     in `cached` (by name) and `fits` takes them as they are, and a float32 copy for `path_for`
     found in `dense` (by parameter path, as models/packed_cache.py keeps a model's other arrays)
     is taken instead of dequantizing. Returns the packed weights by layer name, and how many
@@ -336,12 +344,13 @@ def pack_model(
     for name in names:
         module = _module_at(model, name)
         assert isinstance(module, Quantized)
+        as_dot = head_dot if head_dot is not None and is_head(name, module) else dot
         weights = (cached or {}).get(name)
-        if weights is None or not fits(weights, module, dot, precise):
+        if weights is None or not fits(weights, module, as_dot, precise):
             if isinstance(module, QuantizedSwitchLinear):
-                weights = _pack_experts(module, dot, precise)
+                weights = _pack_experts(module, as_dot, precise)
             else:
-                weights = _pack(module, dot, precise)
+                weights = _pack(module, as_dot, precise)
         layers[name] = weights
         replacement: nn.Module
         if isinstance(module, QuantizedSwitchLinear):  # experts: always packed, no float32 copy

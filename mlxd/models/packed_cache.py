@@ -203,8 +203,11 @@ def weights_identity(model_dir: Path) -> dict[str, Any]:
     return {"dir": str(model_dir), "files": files}
 
 
-def layout_identity(dot: bool, precise: bool = True) -> dict[str, Any]:
-    """The packing code, the ISA variant that reads its output, and the layout chosen."""
+def layout_identity(
+    dot: bool, precise: bool = True, head_dot: bool | None = None
+) -> dict[str, Any]:
+    """The packing code, the ISA variant that reads its output, and the layout chosen (the
+    head's, named only where it differs from the layers')."""
     sources = hashlib.sha256()
     for path in _LAYOUT_SOURCES:
         sources.update(path.read_bytes())
@@ -214,8 +217,8 @@ def layout_identity(dot: bool, precise: bool = True) -> dict[str, Any]:
         "isa": kernels.isa(),
         "mlx": getattr(mx, "__version__", ""),  # (the type stubs do not declare it)
         "dot": dot,
-        "precise": dot and precise,
-    }
+        "precise": (dot or bool(head_dot)) and precise,
+    } | ({} if head_dot is None or head_dot == dot else {"head_dot": head_dot})
 
 
 @dataclass(frozen=True)
@@ -240,10 +243,15 @@ class PackedCache:
 
     @classmethod
     def for_model(
-        cls, cache_dir: Path, model_dir: Path, dot: bool, precise: bool = True
+        cls,
+        cache_dir: Path,
+        model_dir: Path,
+        dot: bool,
+        precise: bool = True,
+        head_dot: bool | None = None,
     ) -> PackedCache:
         weights = weights_identity(model_dir)
-        key = _digest([weights, layout_identity(dot, precise)])
+        key = _digest([weights, layout_identity(dot, precise, head_dot)])
         folder = Path(cache_dir).expanduser() / FOLDER / _digest(weights["dir"])
         return cls(folder / f"{key}{SUFFIX}")
 

@@ -91,7 +91,7 @@ def _conversion_layout(
     choice = choose_cpu_path(gguf_headers(header), config, server)
     if choice is None or choice.plan != "packed":
         return None
-    return PackLayout(choice.dot, choice.precise)
+    return PackLayout(choice.dot, choice.precise, choice.head_dot)
 
 
 def _gguf_file(source: str, name: str) -> Path | None:

@@ -269,20 +269,37 @@ def test_float32_and_the_float_layout_give_up_at_twice_a_faster_figure(monkeypat
         assert len(packed) >= 2 and bar == GIVE_UP * max(packed)
 
 
+def test_the_head_takes_the_layout_it_timed_faster_apart_from_the_layers():
+    """On AVX2 SmolLM2's 4-bit layers are faster as int8 dot products and its 8-bit head in the
+    float layout: each part takes its own, and the figures are the mix's."""
+    whole = ((5.0, 6.0, 8.0, 100.0), (6.0, 8.0, 12.0, 150.0), (9.0, 15.0, 30.0, 200.0))
+    # Layers: float 4/4/4/100, dot 2/3/3/95; head: float 1/2/4/0, dot 2/4/6/0.
+    timings = Timings(*whole, (4.0, 7.0, 9.0, 95.0), (1.0, 2.0, 4.0, 0.0), (2.0, 4.0, 6.0, 0.0))
+    choice = choose(timings)
+    assert choice.plan == "packed" and choice.dot and not choice.head_dot
+    assert choice.packed_ms == (3.0, 5.0, 7.0, 95.0)
+    assert "int8 dot products, the head in the float layout" in choice.summary()
+    assert choice.as_dict()["head_dot"] is False and choice.activations == "precise"
+    # The other way round, and both: the head alone as int8 dot products.
+    head_only = Timings(*whole, (6.0, 6.0, 7.0, 110.0), (1.0, 2.0, 4.0, 0.0), (0.5, 1.0, 2.0, 0.0))
+    choice = choose(head_only)
+    assert not choice.dot and choice.head_dot and choice.packed_ms == (4.5, 5.0, 6.0, 100.0)
+    assert "the head as int8 dot products, the layers in the float layout" in choice.summary()
+    # Timings cached before the head's share was kept: the head follows the layers.
+    old = Timings(*whole, (4.0, 5.0, 7.0, 90.0))
+    assert choose(old).dot and choose(old).head_dot
+    assert choose(old).packed_ms == old.packed_dot
+
+
 def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_path):
     fast = Timings((5.0, 6.0, 8.0, 100.0), (6.0, 8.0, 12.0, 150.0), (9.0, 15.0, 30.0, 200.0))
     dot = Timings(*(fast.packed, fast.packed_shared, fast.float32), (4.0, 5.0, 7.0, 90.0))
     choice = choose(dot)
     assert choice.plan == "packed" and choice.dot
     assert choice.packed_ms == dot.packed_dot and "int8 dot products" in choice.summary()
-    # The summary names the layout not taken with its figures, either way.
-    assert "(the float layout: 5.0/6.0/8.0/100 ms)" in choice.summary()
-    assert (
-        "; the float layout (the int8 dot products: 5.0/6.0/8.0/99.0 ms)"
-        in choose(
-            Timings(*(fast.packed, fast.packed_shared, fast.float32), (5.0, 6.0, 8.0, 99.0))
-        ).summary()
-    )
+    # The summary gives both layouts' figures for the whole model.
+    both = "(whole model: float layout 5.0/6.0/8.0/100 ms, int8 dot products 4.0/5.0/7.0/90.0 ms)"
+    assert both in choice.summary()
     assert choice.as_dict()["dot"] is True
     assert choice.as_dict()["phases"][0]["packed_ms"] == 4.0
     # A tie (same bytes either way) keeps the float layout; no dot figures: the float layout.
@@ -318,6 +335,27 @@ def test_the_int8_dot_layout_computes_the_model_as_its_float32_twin(smol) -> Non
     assert all(m.dot and m.precise for m in packed.values())
     for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
         ids = mx.array([smol.tokenizer.encode(prompt)])
+        assert mx.allclose(model(ids), smol.model(ids), atol=5e-2).item()
+        assert _greedy(model, ids) == _greedy(smol.model, ids)
+
+
+def test_the_head_packs_in_its_own_layout(smol) -> None:
+    """`head_dot` apart from `dot`: SmolLM2's tied 8-bit head in the float layout beside its
+    layers as int8 dot products, and the other way round; the same logits either way."""
+    import mlx.core as mx
+
+    from mlxd.models.loader import load_llm
+    from mlxd.models.packed import PackedLinear, pack_model
+    from tests.unit.test_kernels import _greedy
+
+    ids = mx.array([smol.tokenizer.encode("The capital of France is")])
+    for dot, head_dot in ((True, False), (False, True)):
+        model = load_llm(smol.path, dtype="keep", model_name="smol").model
+        model.set_dtype(mx.float32)
+        pack_model(model, dot=dot, head_dot=head_dot)
+        packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+        head = packed.pop("model.embed_tokens.output")
+        assert head.dot == head_dot and all(m.dot == dot for m in packed.values())
         assert mx.allclose(model(ids), smol.model(ids), atol=5e-2).item()
         assert _greedy(model, ids) == _greedy(smol.model, ids)
 
@@ -408,7 +446,9 @@ def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
     assert choice is not None and choice.plan == "packed" and choice.dot
     assert choice.activations == "int8" and choice.packed_ms == dot_faster.packed_dot
     summary = choice.summary()
-    assert "3.0/4.0/5.0/90.0 ms vs float layout 5.0/6.0/8.0/100" in summary
+    assert (
+        "(1/8/32/256: 3.0/4.0/5.0/90.0 ms (whole model: float layout 5.0/6.0/8.0/100 ms" in summary
+    )
     assert "x as one int8 term" in summary and "do not fit the memory budget" in summary
     phase = choice.as_dict()["phases"][0]
     assert phase == {"phase": "decode 1", "path": "packed", "packed_ms": 3.0}

@@ -432,6 +432,13 @@ def test_the_key_names_the_isa_that_reads_the_layout(monkeypatch: pytest.MonkeyP
     here = layout_identity(False)
     assert here["isa"] == kernels.isa() and here != layout_identity(True)
     assert layout_identity(True) != layout_identity(True, precise=False)
+    # The head's layout is named where it differs: a key kept before it existed still reads.
+    assert layout_identity(True, head_dot=True) == layout_identity(True)
+    assert layout_identity(True, head_dot=False) != layout_identity(True)
+    assert layout_identity(False, head_dot=True) not in (
+        layout_identity(False),
+        layout_identity(True),
+    )
     other = "avx2" if here["isa"] == "generic" else "generic"  # forced to generic too
     monkeypatch.setattr(kernels, "isa", lambda: other)
     assert layout_identity(False) != here
