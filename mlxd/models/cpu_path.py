@@ -236,14 +236,15 @@ class Choice:
 
     def _notes(self) -> str:
         note = "; kernels on one thread" if self.one_thread else ""
-        if self.dot or self.head_dot:
-            if self.dot and self.head_dot:
-                note += "; int8 dot products"
-            elif self.dot:
-                note += "; int8 dot products, the head in the float layout"
-            else:
-                note += "; the head as int8 dot products, the layers in the float layout"
-            note += "" if self.precise else ", x as one int8 term"
+        if self.dot and self.head_dot:
+            note += "; int8 dot products"
+        elif self.dot:
+            note += "; int8 dot products, the head in the float layout"
+        elif self.head_dot:
+            note += "; the head as int8 dot products, the layers in the float layout"
+        elif self._layouts():
+            note += "; the float layout"
+        note += ", x as one int8 term" if self.activations == "int8" else ""
         if self.timings is not None and self.timings.float32:
             note += self._layouts()
         note += "; one-row kernels leave a core to the engine" if self.spares_a_core else ""

@@ -305,6 +305,9 @@ def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_p
     # A tie (same bytes either way) keeps the float layout; no dot figures: the float layout.
     tie = Timings(*(fast.packed, fast.packed_shared, fast.float32), (5.0, 6.0, 8.0, 99.0))
     assert not choose(tie).dot and not choose(fast).dot
+    assert (
+        "; the float layout (whole model: float layout 5.0/6.0/8.0/100 ms" in choose(tie).summary()
+    )
     # Mixed and one-thread plans run the float layout they were timed with.
     split = Timings(
         (4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0),
