@@ -92,7 +92,8 @@ class ModelConfig(Section):
         "rounded by at most 2^-11: ≈15% fewer bytes a step). auto: int8 for models of 0.8 "
         "billion quantized weights and more (1B models), precise below (a small model's "
         "answers are fragile, and its second term costs less). The load times this layout "
-        "against the float one and runs the faster (`cpu_path.activations` in /v1/status).",
+        "against the float one and runs the faster, the layers and the output head each "
+        "their own (`cpu_path.activations`, `dot`, `head_dot` in /v1/status).",
     )
     warm_up: bool | None = Field(
         None,

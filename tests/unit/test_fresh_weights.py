@@ -4,7 +4,6 @@ takes the matrices the conversion packed for it: the directory's files are not r
 
 from __future__ import annotations
 
-from dataclasses import astuple
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,14 +59,19 @@ def test_a_load_packs_what_this_process_just_converted(
     assert not np.array_equal(_logits(model_dir), reference)
 
 
-LAYOUTS = [PackLayout(dot=False, precise=True), PackLayout(True, True), PackLayout(True, False)]
+LAYOUTS = [
+    PackLayout(dot=False, precise=True),
+    PackLayout(True, True),
+    PackLayout(True, False),
+    PackLayout(True, True, head_dot=False),  # the head in the float layout, apart
+]
 
 
 @pytest.mark.parametrize(
     ("model_type", "qtype"),
     [("llama", Q.Q4_K), ("llama", Q.Q6_K), ("gemma3_text", Q.Q4_0), ("qwen3_moe", Q.Q8_0)],
 )
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["float", "dot-precise", "dot"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["float", "dot-precise", "dot", "head-float"])
 def test_a_conversion_packs_every_matrix_as_its_load_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_type: str, qtype: Q, layout: PackLayout
 ) -> None:
@@ -92,9 +96,11 @@ def test_a_conversion_packs_every_matrix_as_its_load_would(
     assert linears and set(fresh.packed) == set(linears)
     for name, early in fresh.packed.items():
         module = linears[name]
-        assert fits(early, module, layout.dot, layout.precise)
+        head = name == "lm_head" and layout.head_dot is not None
+        dot = layout.head_dot if head else layout.dot
+        assert fits(early, module, bool(dot), layout.precise)
         bits, group = module.bits, module.group_size
-        again = pack(module.weight, module.scales, module.biases, group, bits, *astuple(layout))
+        again = pack(module.weight, module.scales, module.biases, group, bits, dot, layout.precise)
         np.testing.assert_array_equal(np.array(early.weight), np.array(again.weight))
         np.testing.assert_array_equal(np.array(early.scale_bias), np.array(again.scale_bias))
         assert f"{name}.weight" not in fresh.arrays  # held once: packed
