@@ -60,27 +60,25 @@ constexpr bool SUM16 = false;
 #endif
 
 #if defined(MLXD_ISA_AVX512)
-// Adjacent int16 lanes summed into int32 (vpmaddwd by ones).
+// Adjacent int16 lanes summed into int32, times FACTOR (vpmaddwd by FACTOR: the multiplication
+// costs nothing there).
+template <int FACTOR = 1>
 inline vi pairs_to_int32(vi pairs) {
-  return (vi)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(1));
+  return (vi)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(FACTOR));
 }
 #elif defined(MLXD_ISA_AVX2)
+template <int FACTOR = 1>
 inline vi pairs_to_int32(vi pairs) {
-  return (vi)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1));
+  return (vi)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(FACTOR));
 }
 #endif
 
-// A block's partial sum as int32 per lane, times FACTOR: the int16 pairs of SUM16's sums added
-// (vpmaddwd by FACTOR: the multiplication costs nothing there).
+// A block's partial sum as int32 per lane, times FACTOR: the int16 pairs of SUM16's sums added.
 template <int BITS, int FACTOR = 1>
 inline vi widen(vi part) {
-#if defined(MLXD_ISA_AVX512)
+#if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
   if constexpr (SUM16<BITS>) {
-    return (vi)_mm512_madd_epi16((__m512i)part, _mm512_set1_epi16(FACTOR));
-  }
-#elif defined(MLXD_ISA_AVX2)
-  if constexpr (SUM16<BITS>) {
-    return (vi)_mm256_madd_epi16((__m256i)part, _mm256_set1_epi16(FACTOR));
+    return pairs_to_int32<FACTOR>(part);
   }
 #endif
   return FACTOR == 1 ? part : part * FACTOR;
@@ -197,8 +195,9 @@ inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
 }
 
 // y[m0 .. m0 + MB / TERMS, work item g] from int8 rows m0 * TERMS .. + MB: per block the int32
-// sums of SPLIT partial accumulators and of a row's TERMS, scaled in float into y's vectors, which stay in registers until the last block (stored once, not loaded and stored
-// again every 32 inputs: at 8 rows that epilogue was as many instructions as the dot products).
+// sums of SPLIT partial accumulators and of a row's TERMS, scaled in float into y's vectors,
+// which stay in registers until the last block (stored once, not loaded and stored again every
+// 32 inputs: at 8 rows that epilogue was as many instructions as the dot products).
 template <int BITS, int MB, int TERMS, typename S>
 void rows_dot(const Problem<S>& p, int g, int m0) {
   static_assert(MB % TERMS == 0, "whole rows of x per pass");

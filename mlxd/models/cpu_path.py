@@ -104,9 +104,7 @@ class Timings:
             return False
         if not self._by_part:
             return _geomean(self.packed_dot, self.packed) < 1 / MORE_BYTES_MARGIN
-        dot = tuple(t - h for t, h in zip(self.packed_dot, self.head_dot, strict=True))
-        float_layout = tuple(t - h for t, h in zip(self.packed, self.head_packed, strict=True))
-        return _geomean(dot, float_layout) < 1 / MORE_BYTES_MARGIN
+        return _geomean(self._layers(dot=True), self._layers(dot=False)) < 1 / MORE_BYTES_MARGIN
 
     @property
     def head_dot_faster(self) -> bool:
@@ -123,17 +121,17 @@ class Timings:
         """Whether the head's share was timed (a model with a head the kernels take)."""
         return bool(self.packed_dot and self.head_dot and any(self.head_packed))
 
+    def _layers(self, dot: bool) -> tuple[float, ...]:
+        """The layers' share of a packed layout's figures: the whole less the head's."""
+        whole, head = (self.packed_dot, self.head_dot) if dot else (self.packed, self.head_packed)
+        return tuple(t - h for t, h in zip(whole, head, strict=True))
+
     def packed_as(self, dot: bool, head_dot: bool) -> tuple[float, ...]:
         """The packed figures on every core with the layers and the head in these layouts."""
         if not self._by_part:
             return self.packed_dot if dot else self.packed
-        layers = (
-            tuple(t - h for t, h in zip(self.packed_dot, self.head_dot, strict=True))
-            if dot
-            else tuple(t - h for t, h in zip(self.packed, self.head_packed, strict=True))
-        )
         head = self.head_dot if head_dot else self.head_packed
-        return tuple(a + b for a, b in zip(layers, head, strict=True))
+        return tuple(a + b for a, b in zip(self._layers(dot), head, strict=True))
 
 
 @dataclass(frozen=True)
@@ -242,7 +240,7 @@ class Choice:
             note += "; int8 dot products, the head in the float layout"
         elif self.head_dot:
             note += "; the head as int8 dot products, the layers in the float layout"
-        elif self._layouts():
+        elif self._both_layouts:
             note += "; the float layout"
         note += ", x as one int8 term" if self.activations == "int8" else ""
         if self.timings is not None and self.timings.float32:
@@ -252,12 +250,22 @@ class Choice:
         note += "" if self.kept else "; timed on a busy machine, not cached"
         return note + (" [cached timings]" if self.cached else "")
 
+    @property
+    def _both_layouts(self) -> bool:
+        """Whether the packed weights run on every core with both layouts timed."""
+        return (
+            self._packed_on_every_core
+            and self.timings is not None
+            and bool(self.timings.packed_dot)
+        )
+
     def _layouts(self) -> str:
         """All packed on every core with both layouts timed: each one's figures for the whole
         model, beside those of the mix taken. Mixed and one-thread plans run the float layout
         they were timed with."""
-        if self.timings is None or not self.timings.packed_dot or not self._packed_on_every_core:
+        if not self._both_layouts:
             return ""
+        assert self.timings is not None
         cells = [
             f"{name} {'/'.join(_ms(ms) for ms in figures)} ms"
             for name, figures in (

@@ -57,6 +57,10 @@ class PackLayout:
     precise: bool
     head_dot: bool | None = None  # the output head's, where it differs (None: dot)
 
+    def dot_for(self, head: bool) -> bool:
+        """Whether a matrix, the output head or not, packs as int8 dot products."""
+        return self.head_dot if head and self.head_dot is not None else self.dot
+
 
 _held: tuple[Path, Fresh] | None = None
 _lock = threading.Lock()

@@ -188,7 +188,7 @@ def _packed(module: str, converted: Converted, layout: PackLayout | None) -> Pac
         biases.astype(mx.float32),
         GROUP_SIZE,
         converted.bits,
-        layout.dot if module != "lm_head" or layout.head_dot is None else layout.head_dot,
+        layout.dot_for(head=module == "lm_head"),
         layout.precise,
     )
     mx.eval(packed.weight, packed.scale_bias)
