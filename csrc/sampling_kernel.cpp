@@ -428,10 +428,26 @@ int draw(const float* x, int V, float top, float inv_temperature, float threshol
                        threshold, before_chosen, target);
 }
 
+// The first token holding `top`, the row's maximum.
+int first_at(const float* x, int V, float top) {
+  int i = 0;
+  for (; i + W <= V; i += W) {
+    if (const unsigned at = bits(load(x + i) == top)) {
+      return i + __builtin_ctz(at);
+    }
+  }
+  for (; i < V && x[i] != top; ++i) {
+  }
+  return i;
+}
+
 int sample_row(const float* x, int V, float inv_temperature, float top_p, float u, float* sums) {
   const float top = row_max(x, V);
   if (!(top > -INF)) {  // every token masked (or NaN): nothing to draw from
     return 0;
+  }
+  if (inv_temperature == INF) {  // temperature 0: the argmax, as mx.argmax (the first maximum)
+    return first_at(x, V, top);
   }
   const float threshold = top_p < 1.0f ? nucleus_threshold(x, V, top, top_p) : -INF;
   return draw(x, V, top, inv_temperature, threshold, u, sums);

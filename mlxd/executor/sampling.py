@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import (
 )
 
 from mlxd.executor.logsumexp import logsumexp
-from mlxd.executor.nucleus import NucleusSampler, TemperatureSampler, draw
+from mlxd.executor.nucleus import NucleusSampler, TemperatureSampler, argmax, draw
 from mlxd.types import SamplingParams, TokenLogprob
 
 
@@ -34,7 +34,7 @@ class GreedySampler:
         self.wants_logprobs = wants_logprobs
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return mx.argmax(logprobs, axis=-1)
+        return argmax(logprobs)
 
 
 GREEDY = GreedySampler(wants_logprobs=False)
@@ -84,7 +84,7 @@ def sample_rows(logits: mx.array, samplers: list) -> Draw:
 def _sample_group(logits: mx.array, samplers: list) -> Draw:
     sampler = samplers[0]
     if skips_logprobs(sampler):
-        return Draw(mx.argmax(logits, axis=-1), [None] * len(samplers))
+        return Draw(argmax(logits), [None] * len(samplers))
     if isinstance(sampler, NucleusSampler):
         tokens = draw(logits, samplers)
         wanted = [s.wants_logprobs for s in samplers]

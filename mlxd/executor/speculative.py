@@ -29,6 +29,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cac
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mlxd.config import SpeculativeConfig
+from mlxd.executor.nucleus import argmax
 
 LONGEST_NGRAM = 3
 DRAFT_PREFILL_TOKENS = 512  # a draft model's prompt goes in chunks of this many tokens
@@ -136,10 +137,10 @@ class DraftSpeculator(Speculator[DraftRow]):
             chunk = mx.array([missing[start : start + DRAFT_PREFILL_TOKENS]])
             logits = self.model(chunk, cache=row.cache)[:, -1, :]
         # One lazy graph for all drafts; the last one is never fed back.
-        drafts = [mx.argmax(logits, axis=-1)]
+        drafts = [argmax(logits)]
         for _ in range(count - 1):
             logits = self.model(drafts[-1][:, None], cache=row.cache)[:, -1, :]
-            drafts.append(mx.argmax(logits, axis=-1))
+            drafts.append(argmax(logits))
         row.fed = len(tokens) + count - 1
         row.proposed_after = len(tokens)
         return cast(list[int], mx.concatenate(drafts).tolist())

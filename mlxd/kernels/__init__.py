@@ -257,9 +257,23 @@ def sample(
     inv_temperature, top_p and uniform [n] (in [0, 1)): among the row's top-p nucleus of the
     untempered distribution (mlx-lm's `apply_top_p`; all tokens at top_p 1), weighted
     e^((x - max) * inv_temperature), the first in index order whose cumulative weight passes
-    uniform of their total (CPU stream, lazy)."""
+    uniform of their total (CPU stream, lazy). At inv_temperature inf (temperature 0) the
+    row's argmax."""
     result: mx.array = _module().sample(logits, inv_temperature, top_p, uniform)
     return result
+
+
+def argmax(logits: mx.array) -> mx.array:
+    """`mx.argmax(logits, axis=-1)` of float logits [n, V] (the first of equal maxima), uint32
+    [n]: the sampling kernel at temperature 0, a vectorised pass per row on every core (MLX's
+    CPU argmax is one scalar pass on one core: 1.9 ms for 32 x 49,152 against 0.2)."""
+    n = logits.shape[0]
+    return sample(
+        logits,
+        mx.array(np.full(n, np.inf, np.float32)),
+        mx.array(np.ones(n, np.float32)),
+        mx.array(np.zeros(n, np.float32)),
+    )
 
 
 def q6_k_to_affine8(

@@ -124,6 +124,19 @@ int check(const Kernels& k) {
       }
     }
   }
+  // sample at inv_temperature inf: the argmax, the first of equal maxima; 0 with every token masked.
+  {
+    const int V = 3001, R = 4; std::vector<float> x(R * V);
+    for (int i = 0; i < R * V; ++i) x[i] = float(rand() % 2001 - 1000);
+    x[1*V + 2999] = x[1*V + 3000] = 5000.0f;  // tied in the last, partial vector
+    for (int i = 0; i < V; ++i) x[3*V + i] = -INFINITY;
+    const float inv[R] = {INFINITY, INFINITY, INFINITY, INFINITY}, tp[R] = {1, 0.9f, 1, 1}, us[R] = {0.5f, 0.5f, 0.5f, 0.5f};
+    std::vector<uint32_t> tok(R); k.sample(x.data(), inv, tp, us, tok.data(), R, V, 2);
+    for (int r = 0; r < R; ++r) {
+      int want = 0; for (int i = 1; i < V; ++i) if (x[r*V+i] > x[r*V+want]) want = i;
+      if (int(tok[r]) != want) { printf("%s argmax row %d: %u, expected %d\n", k.isa, r, tok[r], want); ++bad; }
+    }
+  }
   printf("%s: %s\n", k.isa, bad ? "FAILED" : "ok");
   return bad;
 }

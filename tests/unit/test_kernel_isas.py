@@ -260,6 +260,22 @@ def _sampling_case(vocab: int, kind: str):
     return logits, expected
 
 
+@pytest.mark.parametrize("vocab", [49_152, 50_257, 128_256])
+def test_argmax_on_each_isa_is_mlx_argmax(kernel_isa: str, vocab: int) -> None:
+    """Temperature 0 through the sampling kernel: mx.argmax's token, the first of equal maxima
+    (the tied and flat rows), a masked row's, and 0 for a row with every token masked."""
+    rows = _logit_rows(vocab)
+    edges = np.full((3, vocab), -np.inf, np.float32)  # every token masked
+    edges[1, vocab - 1] = 2.0  # the maximum in the last, partial vector (vocab 50,257)
+    edges[2, [vocab - 3, vocab - 2]] = 2.0  # a tie there
+    for kind, logits in [*rows.items(), ("edges", edges)]:
+        got = np.array(kernels.argmax(mx.array(logits)))
+        want = np.array(mx.argmax(mx.array(logits), axis=-1))
+        assert np.array_equal(got, want), (kernel_isa, kind, np.flatnonzero(got != want)[:5])
+    assert np.array(kernels.argmax(mx.array(edges))).tolist() == [0, vocab - 1, vocab - 3]
+    assert np.array(kernels.argmax(mx.array(rows["masked"][:1]))).tolist() == [5]
+
+
 @pytest.mark.parametrize("vocab", [49_152, 50_257, 128_256])  # 50,257: not whole vectors
 @pytest.mark.parametrize("kind", ["peaked", "wide", "flat", "tied", "masked"])
 def test_sample_on_each_isa_draws_as_the_float64_rule(kernel_isa: str, vocab: int, kind: str):
