@@ -281,3 +281,8 @@ def test_unload_from_the_page(page, daemon: Daemon, tmp_path: Path) -> None:
     eventually(lambda: "smol: unloaded" in page.find_element("id", "action-result").text)
     assert by_name(page, "button", "Load smol") is not None
     screenshot(page, tmp_path / "unloaded.png", "models-title")
+    # smol's next load would start a worker: once the daemon is quiet one waits, imported, and
+    # the header says so with the figures /v1/status gives.
+    spare = eventually(lambda: daemon.status()["spare_worker"], timeout=60)
+    header = eventually(lambda: page.find_element("id", "spare").text or None)
+    assert header.startswith("worker ready for the next load") and f"pid {spare['pid']}" in header

@@ -228,6 +228,8 @@ function render(state) {
   $("health").textContent = "up " + duration(status.uptime_s);
   $("health").className = "badge ok";
   $("platform").textContent = status.platform;
+  const spare = status.spare_worker;
+  $("spare").textContent = spare ? `worker ready for the next load (pid ${spare.pid}, ${bytes(spare.rss_bytes)})` : "";
   renderModels(status);
   renderConfig(status.config);
   renderCharts(state.history);
