@@ -303,8 +303,13 @@ def bench_server(
 
 def print_cpu_path(url: str) -> None:
     """mlxd's CPU path for each model and the timings behind it (its /v1/status); nothing for a
-    server without that endpoint (llama.cpp's)."""
-    reply = httpx.get(f"{url}/v1/status", timeout=30)
+    server without that endpoint (llama.cpp's), or one that stopped answering (its results are
+    already in)."""
+    try:
+        reply = httpx.get(f"{url}/v1/status", timeout=30)
+    except httpx.HTTPError as exc:
+        print(f"   CPU path: /v1/status did not answer ({exc})", flush=True)
+        return
     if reply.status_code != 200:
         return
     for name, row in reply.json().get("models", {}).items():

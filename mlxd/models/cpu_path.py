@@ -170,8 +170,8 @@ class Choice:
 
     @property
     def packed_ms(self) -> tuple[float, ...]:
-        """The packed figures that apply: on one thread under mixed or `one_thread`, the int8
-        dot products' under `dot`."""
+        """The packed figures that apply: on one thread under mixed or `one_thread`, else
+        those of the layouts the layers and the head run in."""
         assert self.timings is not None
         if self.dot or self.head_dot:
             return self.timings.packed_as(self.dot, self.head_dot)
@@ -202,7 +202,8 @@ class Choice:
 
     @property
     def activations(self) -> str | None:
-        """How the int8 dot products round x (cpu_activations); None: the float layout runs."""
+        """How the int8 dot products round x (cpu_activations) where the layers or the head
+        run them; None: both run in the float layout."""
         return ("precise" if self.precise else "int8") if self.dot or self.head_dot else None
 
     def summary(self) -> str:

@@ -52,9 +52,10 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
     """The model's packable matmul shapes (of a model directory, or headers already read), or
     None when its headers show no such decoder layer (the layers the kernels do not take run
     float32 on both paths: nothing to compare)."""
+    read = headers(source)
     modules = {
         name: shape
-        for name, shape in quantized_shapes(source).items()
+        for name, shape in quantized_shapes(read).items()
         if why_not_packable(shape[0], shape[2], shape[3]) is None
     }
     layer_of = {name: m.group(1) for name in modules if (m := _LAYER.search(name))}
@@ -63,7 +64,8 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
     first = min(layer_of.values(), key=int)
     layer = tuple(modules[name] for name in sorted(layer_of) if layer_of[name] == first)
     heads = [name for name in modules if name.endswith("lm_head")]
-    if not heads:  # tied: the embedding table is the head (when no float lm_head exists)
+    untied = any(name.endswith("lm_head.weight") for name in read.tensors)
+    if not untied:  # tied: the embedding table is the head (a float lm_head: none packed)
         heads = [name for name in modules if name.endswith("embed_tokens")]
     head = modules[heads[0]] if heads else None
     return ModelShapes(layer, head, len(set(layer_of.values())))

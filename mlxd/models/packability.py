@@ -32,8 +32,9 @@ def why_layer_not_packable(module: Quantized) -> str | None:
 def quantized_layers(model: nn.Module) -> dict[str, nn.QuantizedLinear | nn.QuantizedEmbedding]:
     """The quantized layers that multiply: linears, and an embedding that is also the output
     projection (tied: mlx-lm's models have an `lm_head` exactly when theirs is separate). An
-    untied embedding only looks rows up, which MLX does as well from its stored table."""
-    tied = "lm_head" not in model
+    untied embedding only looks rows up, which MLX does as well from its stored table. (A
+    wrapper's language model holds its head a level down: mlx-vlm's `language_model.lm_head`.)"""
+    tied = not any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in model.named_modules())
     return {
         name: module
         for name, module in model.named_modules()

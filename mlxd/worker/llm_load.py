@@ -47,7 +47,8 @@ def kv_identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
     """What makes this model's KV what it is: its source, weight files, compute dtype and
     adapter (no key without one, so a base model's SSD blocks stay valid), and the KV's dtype
     where it is not the compute dtype (a float16 cache: never mixed with float32 blocks), and
-    the int8 dot products' rounding of x where they run (cpu_activations: other numbers)."""
+    the int8 dot products' rounding of x where the layers run them (cpu_activations: other
+    numbers; the output head's layout writes no KV, so it is not part of it)."""
     identity: dict[str, Any] = {
         "source": config.source,
         "path": str(loaded.path),
@@ -57,7 +58,7 @@ def kv_identity(config: ModelConfig, loaded: LoadedModel) -> dict[str, Any]:
     }
     if loaded.kv_dtype == "float16" and loaded.dtype != "float16":
         identity["kv_dtype"] = loaded.kv_dtype
-    if loaded.cpu_path is not None and loaded.cpu_path.activations is not None:
+    if loaded.cpu_path is not None and loaded.cpu_path.dot:
         identity["activations"] = loaded.cpu_path.activations
     if config.adapter is not None:
         identity["adapter"] = {"path": str(config.adapter), "files": _file_stamps(config.adapter)}

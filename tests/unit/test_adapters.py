@@ -46,11 +46,24 @@ def test_the_int8_rounding_of_x_is_part_of_the_kv_identity(tmp_path: Path) -> No
         float_layout, timings=dataclasses.replace(timings, packed_dot=(1.0,) * 4)
     )
     one_term = dataclasses.replace(dot, precise=False)
+    # Layers 4/4/4/100 in the float layout, 6/6/6/110 as int8 dot products; the head 1/2/4/0
+    # and 0.5/1/2/0: the head alone runs them, and the KV (the layers') is the float layout's.
+    head_only = dataclasses.replace(
+        float_layout,
+        timings=dataclasses.replace(
+            timings,
+            packed_dot=(6.5, 7.0, 8.0, 110.0),
+            head_packed=(1.0, 2.0, 4.0, 0.0),
+            head_dot=(0.5, 1.0, 2.0, 0.0),
+        ),
+    )
+    assert head_only.head_dot and not head_only.dot
     identities = []
-    for choice in (None, float_layout, dot, one_term):
+    for choice in (None, float_layout, dot, one_term, head_only):
         loaded = LoadedModel(
             nn.Module(), None, tmp_path, "q4", 0, {"model_type": "llama"}, cpu_path=choice
         )
         identities.append(kv_identity(config, loaded))
     assert identities[0] == identities[1] and "activations" not in identities[1]
     assert identities[2]["activations"] == "precise" and identities[3]["activations"] == "int8"
+    assert identities[4] == identities[1]

@@ -491,6 +491,48 @@ def test_auto_activations_take_one_int8_term_from_a_billion_weights(smol_packed)
         assert not precise_activations("int8", parameters)
 
 
+def test_the_head_timed_is_the_one_packed(smol_packed):
+    """SmolLM2's tied embedding is its head; beside a float lm_head (untied) nothing is, as
+    pack_model packs no untied embedding; a wrapper's nested lm_head counts as untied too."""
+    import dataclasses
+
+    import mlx.nn as nn
+
+    from mlxd.models.cpu_path_timing import model_shapes
+    from mlxd.models.estimate import headers
+    from mlxd.models.packability import quantized_layers
+
+    tied = headers(smol_packed.path)
+    embedding = tied.tensors["model.embed_tokens.weight"]
+    shapes = model_shapes(tied)
+    assert shapes is not None and shapes.head is not None
+    assert shapes.head[:2] == (embedding["shape"][0], 576)  # 49,152 tokens by SmolLM2's hidden
+    float_head = {"dtype": "F32", "shape": [embedding["shape"][0], 576], "data_offsets": [0, 0]}
+    untied = dataclasses.replace(tied, tensors={**tied.tensors, "lm_head.weight": float_head})
+    untied_shapes = model_shapes(untied)
+    assert untied_shapes is not None and untied_shapes.head is None
+    assert untied_shapes.layer == shapes.layer
+
+    class Language(nn.Module):
+        def __init__(self, head: bool) -> None:
+            super().__init__()
+            self.embed_tokens = nn.QuantizedEmbedding(256, 64)
+            self.proj = nn.QuantizedLinear(64, 64)
+            if head:
+                self.lm_head = nn.QuantizedLinear(64, 256)
+
+    class Wrapper(nn.Module):
+        def __init__(self, head: bool) -> None:
+            super().__init__()
+            self.language_model = Language(head)
+
+    assert set(quantized_layers(Wrapper(head=True))) == {
+        "language_model.proj",
+        "language_model.lm_head",
+    }
+    assert "language_model.embed_tokens" in quantized_layers(Wrapper(head=False))
+
+
 def test_time_paths_without_float32_times_the_packed_layouts_alone():
     from mlxd import kernels
     from mlxd.models.cpu_path_probe import ModelShapes
