@@ -200,14 +200,18 @@ def test_integer_dot_product_on_each_isa_computes_a_128k_vocabulary_head(kernel_
 
 def test_a_zero_block_of_x_and_the_extreme_weights_stay_exact() -> None:
     """x with an all-zero block (d = 0) and weights at 0 and 2^bits - 1, where maddubs's pair
-    sums would saturate without the offset (csrc/qdot.cpp); x exact in int8 (a rest of 0)."""
+    sums would saturate without the offset (csrc/qdot.cpp); x exact in int8 (a rest of 0), then
+    x halfway between int8 steps (precise's rest at its bound, +-127 of 254ths), so that
+    254 x8 sums + rest sums take their largest magnitude."""
     for bits in (4, 8):
         top = 2**bits - 1
         q = mx.array(np.where(np.arange(64 * 64).reshape(64, 64) % 3 == 0, top, 0), mx.float32)
         weight, scales, biases = mx.quantize(q, group_size=32, bits=bits)
         packed = kernels.pack_dot(weight, scales, biases, 32, bits, precise=True)
         x = mx.concatenate([mx.zeros((2, 32)), mx.full((2, 32), 127.0)], axis=1)
-        x = x * mx.array([[1.0], [-1.0]])  # every product at +-top x 127
+        halfway = np.full((2, 64), 126.5, np.float32)
+        halfway[:, ::32] = 127.0  # each block's largest: its step 1, 126.5 at half a step
+        x = mx.concatenate([x, mx.array(halfway)]) * mx.array([[1.0], [-1.0], [1.0], [-1.0]])
         expected = np.array(x @ mx.dequantize(weight, scales, biases, 32, bits).T)
         before = kernels.isa() or "generic"
         try:
