@@ -42,7 +42,7 @@ from mlxd.models.estimate import (
     packed_weight_bytes,
     quantized_shapes,
 )
-from mlxd.models.packability import why_not_packable
+from mlxd.models.packability import has_own_head, is_lm_head, why_not_packable
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -63,9 +63,9 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
         return None
     first = min(layer_of.values(), key=int)
     layer = tuple(modules[name] for name in sorted(layer_of) if layer_of[name] == first)
-    heads = [name for name in modules if name.endswith("lm_head")]
-    untied = any(name.endswith("lm_head.weight") for name in read.tensors)
-    if not untied:  # tied: the embedding table is the head (a float lm_head: none packed)
+    heads = [name for name in modules if is_lm_head(name)]
+    if not has_own_head(name.rpartition(".")[0] for name in read.tensors):
+        # Tied: the embedding table is the head (untied beside a float lm_head: none packed).
         heads = [name for name in modules if name.endswith("embed_tokens")]
     head = modules[heads[0]] if heads else None
     return ModelShapes(layer, head, len(set(layer_of.values())))

@@ -18,7 +18,7 @@ from mlxd import kernels
 from mlxd.errors import ModelLoadError
 from mlxd.kernels import KERNEL_BITS
 from mlxd.models.loader import DTYPES, _target_dtype
-from mlxd.models.packability import why_not_packable
+from mlxd.models.packability import has_own_head, why_not_packable
 
 # Bytes per element of each target dtype of a cast (loader.FLOAT_DTYPES).
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -117,7 +117,7 @@ def _packed_bytes(
     head of its own stays as stored, its scales and biases float32. A module the kernels do
     not take runs float32 (out × in), except such an embedding, kept as stored.
     """
-    tied = "lm_head.weight" not in tensors
+    tied = not has_own_head(name.rpartition(".")[0] for name in tensors)
     unpacked = {module for module in modules if not _packs(tensors, module, modules[module])}
     if not (kernels.available() and len(unpacked) < len(modules)):
         return None

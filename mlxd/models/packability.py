@@ -5,6 +5,8 @@ on MLX's own quantized matmul (a mixture of experts' stack)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
@@ -29,12 +31,22 @@ def why_layer_not_packable(module: Quantized) -> str | None:
     return why_not_packable(module.weight.shape[-2], module.group_size, module.bits)
 
 
+def is_lm_head(path: str) -> bool:
+    """Whether a module path names a separate output head: `lm_head`, at the top or a level down
+    in a wrapper (mlx-vlm's `language_model.lm_head`)."""
+    return path.rsplit(".", 1)[-1] == "lm_head"
+
+
+def has_own_head(module_paths: Iterable[str]) -> bool:
+    """Whether a model with these module paths has a separate output head (untied)."""
+    return any(is_lm_head(path) for path in module_paths)
+
+
 def quantized_layers(model: nn.Module) -> dict[str, nn.QuantizedLinear | nn.QuantizedEmbedding]:
     """The quantized layers that multiply: linears, and an embedding that is also the output
     projection (tied: mlx-lm's models have an `lm_head` exactly when theirs is separate). An
-    untied embedding only looks rows up, which MLX does as well from its stored table. (A
-    wrapper's language model holds its head a level down: mlx-vlm's `language_model.lm_head`.)"""
-    tied = not any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in model.named_modules())
+    untied embedding only looks rows up, which MLX does as well from its stored table."""
+    tied = not has_own_head(name for name, _ in model.named_modules())
     return {
         name: module
         for name, module in model.named_modules()

@@ -33,6 +33,7 @@ from mlxd.kernels import KERNEL_BITS, Packed
 from mlxd.models.packability import (
     Quantized,
     expert_stacks,
+    is_lm_head,
     quantized_layers,
     why_layer_not_packable,
 )
@@ -301,7 +302,7 @@ def fits(packed: Packed, module: Quantized, dot: bool, precise: bool = True) -> 
 def is_head(name: str, module: nn.Module) -> bool:
     """Whether the layer at `name` is the output head: lm_head, or an embedding (packed only
     where tied, so it is the head as well)."""
-    return name.split(".")[-1] == "lm_head" or isinstance(module, nn.QuantizedEmbedding)
+    return is_lm_head(name) or isinstance(module, nn.QuantizedEmbedding)
 
 
 def pack_model(
