@@ -19,17 +19,14 @@ A plan is a candidate only when its weights (and the model's KV budget) fit the 
 when float32 does not fit, packed is the only choice, and nothing is timed unless x is taken
 as one int8 term (`cpu_activations`, `precise_activations`: then the two packed layouts are). The
 timings are cached per CPU, kernel build, BLAS, shape set and `cpu_activations`
-(`TimingCache`), so only a first load pays for them; the decision itself is recomputed from
-them at each load (the budget may change).
+(models/cpu_path_cache.py), so only a first load pays for them; the decision itself is
+recomputed from them at each load (the budget may change).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 WeightPath = Literal["packed", "float32"]
@@ -146,8 +143,10 @@ class Choice:
     reason: str = ""  # why a plan was out of the running
     cached: bool = False  # the timings came from the cache
     one_thread: bool = False  # the kernels measured faster on one thread (a busy machine)
-    # The timings are in the cache for the next load (not those taken on a busy machine).
+    # The timings are in the cache for the next load (not those taken on a busy or unsteady
+    # machine: `timing_note` says which).
     kept: bool = True
+    timing_note: str = ""  # what the load saw of the machine as it timed (models/cpu_path_cache.py)
     # The int8 dot products take x as two int8 terms (cpu_activations precise) or one.
     precise: bool = True
 
@@ -248,7 +247,7 @@ class Choice:
             note += self._layouts()
         note += "; one-row kernels leave a core to the engine" if self.spares_a_core else ""
         note += f"; {self.reason}" if self.reason else ""
-        note += "" if self.kept else "; timed on a busy machine, not cached"
+        note += f"; {self.timing_note}" if self.timing_note else ""
         return note + (" [cached timings]" if self.cached else "")
 
     @property
@@ -294,6 +293,7 @@ class Choice:
             "weight_bytes": self.weight_bytes,
             "cached": self.cached,
             "kept": self.kept,
+            "timing_note": self.timing_note,
             "one_thread": self.one_thread,
             "dot": self.dot,
             "head_dot": self.head_dot,
@@ -402,35 +402,3 @@ def _geomean(times: tuple[float, ...], reference: tuple[float, ...]) -> float:
     """The geometric mean of times[i] / reference[i]."""
     ratios = [t / r for t, r in zip(times, reference, strict=True)]
     return math.exp(sum(map(math.log, ratios)) / len(ratios))
-
-
-class TimingCache:
-    """Timings by key under `cache_dir/cpu-paths/` (one small JSON file per key)."""
-
-    def __init__(self, cache_dir: Path) -> None:
-        self.root = Path(cache_dir).expanduser() / "cpu-paths"
-
-    @staticmethod
-    def key(identity: dict[str, Any]) -> str:
-        """A stable key for what the timings depend on: the CPU model, the kernel build and
-        the ISA it runs, the BLAS, the thread count and the shapes."""
-        text = json.dumps(identity, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    def get(self, key: str) -> Timings | None:
-        try:
-            raw = json.loads((self.root / f"{key}.json").read_text())
-            return Timings.from_json(raw["timings"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # missing or unreadable: time again
-
-    def put(self, key: str, identity: dict[str, Any], timings: Timings) -> None:
-        """Best effort: a read-only cache dir costs the next load a timing, nothing else."""
-        record = {"identity": identity, "timings": asdict(timings)}
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            partial = self.root / f"{key}.json.partial"
-            partial.write_text(json.dumps(record, indent=1))
-            partial.replace(self.root / f"{key}.json")  # readers never see half a file
-        except OSError:
-            pass

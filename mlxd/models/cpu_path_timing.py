@@ -3,7 +3,9 @@ timings from the cache or a child process (models/cpu_path_probe.py, which says 
 the decision by models/cpu_path.py. Timings taken while other work held every core
 (`machine_busy`) are used for this load but not cached: the next load times again (measured:
 a cache written at load average 18 kept SmolLM2 on one thread, 49 tok/s at one stream on the
-quiet machine, against 77 for the choice it times there).
+quiet machine, against 77 for the choice it times there). Nor are those taken while the
+machine's pace moved, and cached ones taken at a slower pace than now are timed again
+(models/cpu_path_cache.py: a noisy neighbour shows in neither count of tasks).
 """
 
 from __future__ import annotations
@@ -20,20 +22,15 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
-from mlxd.models.cpu_path import (
-    Choice,
-    Phases,
-    TimingCache,
-    Timings,
-    decide,
-    precise_activations,
-)
+from mlxd.models.cpu_path import Choice, Phases, Timings, decide, precise_activations
+from mlxd.models.cpu_path_cache import UNSTEADY, TimingCache, pace_ms
 from mlxd.models.cpu_path_probe import ModelShapes
 from mlxd.models.estimate import (
     Headers,
@@ -162,10 +159,48 @@ def runnable_tasks(samples: int = 5, interval_s: float = 0.01) -> int | None:
     return sorted(counts)[len(counts) // 2]
 
 
-# This process's timings by key, whether they came from the disk cache and whether they are
-# kept in it (not when timed on a busy machine): a worker decides when it locates the model,
-# then again (the same way) when it loads it.
-_timed: dict[str, tuple[Timings, bool, bool]] = {}
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """A load's timings and how it came by them."""
+
+    timings: Timings
+    cached: bool  # read from the cache
+    kept: bool  # in the cache for the next load
+    note: str = ""  # what it saw of the machine (Choice.timing_note)
+
+
+def timed_or_cached(
+    cache: TimingCache, key: str, identity: dict[str, Any], time: Callable[[], Timings]
+) -> Timed:
+    """The cache's timings under `key` unless they were taken at a slower pace than now; else
+    `time()`'s, kept under `key` unless the machine was busy or its pace moved meanwhile."""
+    record = cache.get(key)
+    before = pace_ms()
+    note = ""
+    if record is not None:
+        if record.pace_ms is None or record.pace_ms < UNSTEADY * before:
+            return Timed(record.timings, cached=True, kept=True)
+        note = f"timed again: the cached timings were taken at {record.pace_ms / before:.1f}x "
+        note += "this load's pace"
+    busy = machine_busy()  # before our own timing adds to the load
+    timings = time()
+    after = pace_ms()
+    moved = max(before, after) / min(before, after)
+    why_not = ""
+    if busy:
+        why_not = "timed on a busy machine, not cached"
+    elif moved > UNSTEADY:
+        why_not = f"the machine's pace moved {moved:.1f}x while timing, not cached"
+    else:
+        cache.put(key, identity, timings, (before + after) / 2)
+    return Timed(
+        timings, cached=False, kept=not why_not, note="; ".join(filter(None, (note, why_not)))
+    )
+
+
+# This process's timings by key: a worker decides when it locates the model, then again (the
+# same way) when it loads it.
+_timed: dict[str, Timed] = {}
 
 
 def choose_cpu_path(
@@ -214,11 +249,10 @@ def choose_cpu_path(
     ident = identity(shapes, phases, precise, float32)
     cache, key = TimingCache(server.cache_dir), TimingCache.key(ident)
     if key not in _timed:
-        timings = cache.get(key)
-        busy = timings is None and machine_busy()  # before our own timing adds to the load
-        timed = timings or time_paths(shapes, phases, precise, float32)
-        _timed[key] = (timed, timings is not None, not busy)
-        if timings is None and not busy:
-            cache.put(key, ident, _timed[key][0])
-    timings, cached, kept = _timed[key]
-    return dataclasses.replace(decided(timings, cached), kept=kept)
+        _timed[key] = timed_or_cached(
+            cache, key, ident, lambda: time_paths(shapes, phases, precise, float32)
+        )
+    timed = _timed[key]
+    return dataclasses.replace(
+        decided(timed.timings, timed.cached), kept=timed.kept, timing_note=timed.note
+    )

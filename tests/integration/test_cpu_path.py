@@ -65,12 +65,13 @@ def test_the_first_load_times_both_paths_and_reports_the_choice(daemon: Daemon):
     # The one log line says the same.
     assert f"model 'smol': {cpu_path['summary']}" in daemon.log()
     cache_dir = Path(daemon.config["server"]["cache_dir"])
-    # Cached for the next load, unless timed on a busy machine (which the summary says); the
-    # other model (smol-int8) keeps its own.
+    # Cached for the next load, unless timed on a busy machine or one whose pace moved (which
+    # the summary says); the other model (smol-int8) keeps its own.
     other = daemon.status()["models"]["smol-int8"]["cpu_path"]
     kept = int(cpu_path["kept"]) + int(other["kept"])
     assert len(list((cache_dir / "cpu-paths").glob("*.json"))) == kept
-    assert cpu_path["kept"] or "timed on a busy machine, not cached" in cpu_path["summary"]
+    note = cpu_path["timing_note"]
+    assert cpu_path["kept"] or (note.endswith("not cached") and note in cpu_path["summary"])
     # The model answers on that path.
     reply = httpx.post(
         f"{daemon.url}/v1/completions",
@@ -95,7 +96,9 @@ def test_a_second_load_reuses_the_cached_timings(daemon: Daemon):
     assert mlxd("unload", "smol", "--url", daemon.url).returncode == 0
     assert mlxd("load", "smol", "--url", daemon.url).returncode == 0
     again = daemon.status()["models"]["smol"]["cpu_path"]
-    assert again["cached"] == first["kept"]  # timed again where the first were not kept
+    # Timed again where the first were not kept, or were taken at a slower pace than now.
+    retimed = again["timing_note"].startswith("timed again: ")
+    assert again["cached"] == (first["kept"] and not retimed)
     if again["cached"]:
         assert again["plan"] == first["plan"] and again["phases"] == first["phases"]
 

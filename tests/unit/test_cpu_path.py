@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import pytest
 
-from mlxd.models.cpu_path import Choice, Phases, TimingCache, Timings, decide
+from mlxd.models.cpu_path import Choice, Phases, Timings, decide
+from mlxd.models.cpu_path_cache import Record, TimingCache
 
 PHASES = Phases(prefill=512)  # rows 1, 8, 32, 512
 GiB = 2**30
@@ -143,8 +145,8 @@ def test_timings_are_cached_by_cpu_kernel_build_and_shapes(tmp_path):
     cache = TimingCache(tmp_path)
     key = TimingCache.key(identity())
     assert cache.get(key) is None
-    cache.put(key, identity(), EPYC)
-    assert TimingCache(tmp_path).get(TimingCache.key(identity())) == EPYC  # a second load
+    cache.put(key, identity(), EPYC, 0.5)
+    assert TimingCache(tmp_path).get(TimingCache.key(identity())) == Record(EPYC, 0.5)
     for changed in (
         identity(kernels="def456"),  # a rebuilt kernel module
         identity(isa="avx512"),
@@ -315,8 +317,8 @@ def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_p
     )  # fmt: skip
     assert choose(split).plan == "mixed" and not choose(split).dot
     cache = TimingCache(tmp_path)
-    cache.put(TimingCache.key(identity()), identity(), dot)
-    assert cache.get(TimingCache.key(identity())) == dot
+    cache.put(TimingCache.key(identity()), identity(), dot, None)
+    assert cache.get(TimingCache.key(identity())) == Record(dot, None)
 
 
 def test_the_int8_dot_layout_computes_the_model_as_its_float32_twin(smol) -> None:
@@ -441,6 +443,7 @@ def test_int8_activations_time_the_packed_layouts_where_float32_does_not_fit(
     monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
     monkeypatch.setattr(cpu_path_timing, "_timed", {})
     monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: False)
+    monkeypatch.setattr(cpu_path_timing, "pace_ms", lambda: 1.0)
     monkeypatch.setattr(kernels, "integer_dot", lambda: True)
     tight = ServerConfig(cache_dir=tmp_path, memory_budget=300 * 2**20)
     config = ModelConfig(kind="llm", source=str(smol_packed.path), cpu_activations="int8")
@@ -562,6 +565,7 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
     monkeypatch.setattr(cpu_path_timing, "_timed", {})
     monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: False)
+    monkeypatch.setattr(cpu_path_timing, "pace_ms", lambda: 1.0)
     config = ModelConfig(kind="llm", source=str(smol_packed.path))
     server = ServerConfig(cache_dir=tmp_path)
     first = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
@@ -588,6 +592,7 @@ def test_timings_taken_on_a_busy_machine_are_used_but_not_cached(
     timed = []
     monkeypatch.setattr(cpu_path_timing, "time_paths", lambda s, p, *_: timed.append(p) or EPYC)
     monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: True)
+    monkeypatch.setattr(cpu_path_timing, "pace_ms", lambda: 1.0)
     config = ModelConfig(kind="llm", source=str(smol_packed.path))
     server = ServerConfig(cache_dir=tmp_path)
     for _ in range(2):  # two worker processes, one after the other
@@ -595,6 +600,97 @@ def test_timings_taken_on_a_busy_machine_are_used_but_not_cached(
         choice = cpu_path_timing.choose_cpu_path(smol_packed.path, config, server)
         assert choice is not None and choice.plan == "float32" and not choice.cached
     assert len(timed) == 2 and not list(tmp_path.rglob("*.json"))
+
+
+def loads_at(model, monkeypatch, tmp_path, *paces: float) -> tuple[list[Choice], list[int]]:
+    """Loads of `model` in successive worker processes, the machine's pace in ms measured
+    as `paces` go (a load measures once, and again after it times); the fake timings are
+    EPYC's with decode at one row slowed by the pace (how a slow spell shows)."""
+    from mlxd.config import ModelConfig, ServerConfig
+    from mlxd.models import cpu_path_timing
+
+    pace = iter(paces)
+    now = [0.0]
+    timed: list[int] = []
+
+    def measured() -> float:
+        now[0] = next(pace)
+        return now[0]
+
+    def fake(*_):
+        timed.append(len(timed))
+        return Timings(**{**EPYC.__dict__, "packed": (8.0 * now[0], *EPYC.packed[1:])})
+
+    monkeypatch.setattr(cpu_path_timing, "time_paths", fake)
+    monkeypatch.setattr(cpu_path_timing, "machine_busy", lambda: False)
+    monkeypatch.setattr(cpu_path_timing, "pace_ms", measured)
+    config = ModelConfig(kind="llm", source=str(model.path))
+    server = ServerConfig(cache_dir=tmp_path)
+    choices = []
+    while True:
+        monkeypatch.setattr(cpu_path_timing, "_timed", {})  # a new worker process
+        try:
+            choice = cpu_path_timing.choose_cpu_path(model.path, config, server)
+        except StopIteration:
+            return choices, timed
+        assert choice is not None
+        choices.append(choice)
+
+
+def cached_pace(tmp_path) -> list[float]:
+    return [json.loads(f.read_text())["pace_ms"] for f in tmp_path.rglob("cpu-paths/*.json")]
+
+
+def test_timings_taken_at_a_slower_pace_than_now_are_timed_again(
+    smol_packed, monkeypatch, tmp_path
+):
+    # Timed in a slow spell (pace 2.0 ms), then loaded at 1.0: timed again and replaced.
+    choices, timed = loads_at(smol_packed, monkeypatch, tmp_path, 2.0, 2.0, 1.0, 1.0, 1.0)
+    first, second, third = choices
+    assert not first.cached and first.kept and first.timing_note == ""
+    assert not second.cached and second.kept and len(timed) == 2
+    note = "timed again: the cached timings were taken at 2.0x this load's pace"
+    assert second.timing_note == note and note in second.summary()
+    assert second.timings is not None and second.timings.packed[0] == 8.0
+    assert third.cached and third.timings == second.timings and len(timed) == 2
+    assert cached_pace(tmp_path) == [1.0]
+
+
+def test_timings_are_read_at_a_pace_within_the_margin_or_slower(smol_packed, monkeypatch, tmp_path):
+    # 1.25x faster than when timed is within the margin; a slower machine keeps them too.
+    choices, timed = loads_at(smol_packed, monkeypatch, tmp_path, 1.0, 1.0, 0.8, 3.0)
+    assert [c.cached for c in choices] == [False, True, True] and len(timed) == 1
+    assert all(c.timing_note == "" for c in choices)
+
+
+def test_timings_taken_while_the_pace_moved_are_used_not_kept(smol_packed, monkeypatch, tmp_path):
+    choices, timed = loads_at(smol_packed, monkeypatch, tmp_path, 1.0, 1.5, 1.0, 1.0)
+    first, second = choices
+    assert not first.kept and not first.cached and first.plan == "float32"
+    assert first.timing_note == "the machine's pace moved 1.5x while timing, not cached"
+    assert first.as_dict()["kept"] is False and first.as_dict()["timing_note"] in first.summary()
+    assert second.kept and not second.cached and len(timed) == 2  # the next load times again
+    assert cached_pace(tmp_path) == [1.0]
+
+
+def test_timings_kept_before_the_pace_was_are_trusted(tmp_path):
+    from mlxd.models import cpu_path_timing
+
+    cache = TimingCache(tmp_path)
+    key = TimingCache.key(identity())
+    cache.root.mkdir(parents=True)
+    record = {"identity": identity(), "timings": EPYC.__dict__}  # an older mlxd's record
+    (cache.root / f"{key}.json").write_text(json.dumps(record))
+    assert cache.get(key) == Record(EPYC, None)
+    timed = cpu_path_timing.timed_or_cached(cache, key, identity(), lambda: pytest.fail())
+    assert timed.cached and timed.kept and timed.timings == EPYC
+
+
+def test_the_pace_is_a_positive_figure_in_ms():
+    from mlxd.models.cpu_path_cache import pace_ms
+
+    paces = [pace_ms() for _ in range(2)]
+    assert all(0 < p < 10_000 and math.isfinite(p) for p in paces)
 
 
 def test_busy_means_other_work_holds_every_core_now(monkeypatch):
