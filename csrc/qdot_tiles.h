@@ -277,7 +277,8 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
 // x's rows to int8 per block of 32, round to nearest, as llama.cpp's quantize_row_q8_1: int8
 // row m * TERMS. With TERMS = 2, row m * 2 + 1 holds what the rounding left, e = x - d x8, in
 // steps of d / 254 (|e| <= d / 2): x to 1 / 64,516 of its block's largest |x| instead of 1 / 254,
-// for twice the dot products. That row's d and sum8 are the pair's, as one term's.
+// for twice the dot products. That row's d and sum8 are the pair's, as one term's (the x8
+// row's are not written: nothing reads them).
 template <int TERMS>
 void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float* d, float* sum8) {
   const int blocks = K / BLOCK;
@@ -312,14 +313,17 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
             rest_total += rest;
           }
         }
-        const size_t at = size_t(m) * TERMS * blocks + b;
-        d[at] = step;
-        sum8[at] = hsum(total);  // exact: |sum| <= 32 * 127
+        // Written where rows_dot reads them: the row's last int8 row.
+        const size_t at = size_t(m * TERMS + TERMS - 1) * blocks + b;
+        const float x8_sum = hsum(total);  // exact: |sum| <= 32 * 127
         if constexpr (TERMS == 2) {
           // The pair's scale and sum as one term's: x ~ step / 254 (254 x8 + rest), which
           // rows_dot sums in integers.
-          d[at + blocks] = step / REST_STEPS;
-          sum8[at + blocks] = REST_STEPS * sum8[at] + hsum(rest_total);
+          d[at] = step / REST_STEPS;
+          sum8[at] = REST_STEPS * x8_sum + hsum(rest_total);
+        } else {
+          d[at] = step;
+          sum8[at] = x8_sum;
         }
       }
     }
