@@ -18,11 +18,15 @@ the rows. The fastest run, not the median: other work on the machine only ever a
 preempted thread delays whatever waits on it). For the same reason float32, timed after the
 packed layouts, is not run again once a run took `GIVE_UP` times the slowest packed layout's
 best at that phase: no repeat can make it the faster, and its runs were most of a first load (a
-Llama-3.2-1B shape's float32 layer reads 250 MB a pass). Likewise the float layout on every
-core, timed after the int8 dot products, against their best (a Llama-3.1-8B shape's float
-layout took 3x their time from 32 rows: ≈0.6 s of repeats that could not change the choice);
-the decision between the two is their geometric mean over the phases (models/cpu_path.py),
-where a phase given up on counts one run, slower than a best of several only by noise.
+Llama-3.2-1B shape's float32 layer reads 250 MB a pass). The two packed layouts on every core
+(int8 dot products, float) are timed in turn, a run of one then a run of the other: timed one
+after the other, a slow spell of the VM fell on one alone, and SmolLM2's layouts on the AVX2
+stand-in swapped places from one load to the next (the int8 dot products' figures 2.1–2.5x
+apart over six timings, the float layout's 1.2–1.3x). Each gives up at `GIVE_UP` times the
+other's best (a Llama-3.1-8B shape's float layout took 3x their time from 32 rows: ≈0.6 s of
+repeats that could not change the choice); the decision between the two is their geometric
+mean over the phases (models/cpu_path.py), where a phase given up on counts one run, slower
+than a best of several only by noise.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import cast
+from typing import Literal, cast
 
 import mlx.core as mx
 
@@ -42,6 +46,7 @@ from mlxd import kernels
 from mlxd.models.cpu_path import Phases, Timings
 
 Shape = tuple[int, int, int, int]  # out, in, group size, bits (as MLX stores them)
+Layout = Literal["dot", "float", "float32"]  # packed as int8 dot products, packed, BLAS
 HEAD_ROWS = 8192
 REPEATS = 3
 PREFILL_REPEATS = 2
@@ -105,49 +110,58 @@ def _arbitrary_quantized(
 
 
 def _best_ms(
-    run: Callable[[], list[mx.array]], repeats: int, warm_up: bool, give_up_ms: float
-) -> float:
-    """The fastest of `repeats` runs, or of fewer once the fastest took over `give_up_ms`."""
+    runs: Sequence[Callable[[], list[mx.array]]], repeats: int, warm_up: bool, give_up_ms: float
+) -> list[float]:
+    """The fastest of `repeats` runs of each of `runs`, taken in turn: a slow spell of the
+    machine then falls on each alike, not on whichever went first. A run stops repeating once
+    the fastest of two took over `give_up_ms`, or `GIVE_UP` times another's fastest: one run
+    alone can be a stall (an 8-row pass of SmolLM2's layer once took 166 ms, 14 ms at best)."""
     if warm_up:
-        mx.eval(run())  # first-call allocations, thread pools
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        mx.eval(run())
-        best = min(best, (time.perf_counter() - started) * 1e3)
-        if best > give_up_ms:
-            break
+        for run in runs:
+            mx.eval(run())  # first-call allocations, thread pools
+    best = [math.inf] * len(runs)
+    for repeat in range(repeats):
+        for i, run in enumerate(runs):
+            others = min((b for j, b in enumerate(best) if j != i), default=math.inf)
+            if repeat >= 2 and best[i] > min(give_up_ms, GIVE_UP * others):
+                continue
+            started = time.perf_counter()
+            mx.eval(run())
+            best[i] = min(best[i], (time.perf_counter() - started) * 1e3)
     return best
+
+
+def _pass(
+    group: list[_Matrix], inputs: dict[int, mx.array], layout: Layout
+) -> Callable[[], list[mx.array]]:
+    """One pass of `group`'s matmuls over `inputs` (by input width) in `layout`."""
+    if layout == "float32":
+        return lambda: [inputs[m.inputs] @ cast(mx.array, m.dense).T for m in group]
+    packed = [m.dot if layout == "dot" and m.dot else m.packed for m in group]
+    return lambda: [kernels.qmatmul(inputs[p.shape[1]], p) for p in packed]
 
 
 def _time(
     matrices: list[_Matrix],
     rows: int,
-    packed: bool,
+    layouts: Sequence[Layout],
     prefill: bool = False,
-    dot: bool = False,
     warm_up: bool = False,
     give_up_ms: float = math.inf,
-) -> float:
-    """ms for one pass of `matrices` over `rows` input rows (each scaled); packed: in the
-    int8 dot products' layout with `dot`. Stops repeating past `give_up_ms` (the whole pass)."""
-    total = 0.0
+) -> list[float]:
+    """ms for one pass of `matrices` over `rows` input rows (each scaled) in each of
+    `layouts`, timed in turn. Stops repeating past `give_up_ms` (the whole pass)."""
+    totals = [0.0] * len(layouts)
     scales = _by_scale(matrices)
     for scale, group in scales.items():
         inputs = {m.inputs: mx.random.normal((rows, m.inputs)) for m in group}
         mx.eval(list(inputs.values()))
-
-        def run(group: list[_Matrix] = group, inputs: dict[int, mx.array] = inputs) -> list:
-            x = inputs
-            if packed:
-                layouts = [m.dot if dot and m.dot else m.packed for m in group]
-                return [kernels.qmatmul(x[p.shape[1]], p) for p in layouts]
-            return [x[m.inputs] @ cast(mx.array, m.dense).T for m in group]
-
+        runs = [_pass(group, inputs, layout) for layout in layouts]
         repeats = PREFILL_REPEATS if prefill else REPEATS
         # The pass's bar shared evenly by its scale groups (one, in practice: a layer, a head).
-        total += scale * _best_ms(run, repeats, warm_up, give_up_ms / scale / len(scales))
-    return total
+        best = _best_ms(runs, repeats, warm_up, give_up_ms / scale / len(scales))
+        totals = [total + scale * ms for total, ms in zip(totals, best, strict=True)]
+    return totals
 
 
 def _by_scale(matrices: list[_Matrix]) -> dict[float, list[_Matrix]]:
@@ -171,50 +185,44 @@ def time_paths(
     # compared with each: on one thread under the mixed plan), float32's bar; and the int8 dot
     # products' (timed first), the float layout's bar on every core.
     packed_best: dict[tuple[str, int], float] = {}
-    dot_best: dict[tuple[str, int], float] = {}
+    packed_layouts: list[Layout] = ["dot", "float"] if kernels.integer_dot() else ["float"]
 
-    def part(
-        name: str, matrices: list[_Matrix], phase: int, packed: bool, dot: bool, shared: bool
-    ) -> float:
+    def part(name: str, matrices: list[_Matrix], phase: int, layouts: list[Layout]) -> list[float]:
         rows = phases.rows[phase]
         prefill = phase == len(phases.rows) - 1
         timed = min(rows, PREFILL_ROWS) if prefill else rows
         key = (name, phase)
-        if not packed:
-            give_up = GIVE_UP * packed_best.get(key, math.inf)
-        elif not dot and shared:
-            give_up = GIVE_UP * dot_best.get(key, math.inf)
-        else:
-            give_up = math.inf
-        ms = _time(matrices, timed, packed, prefill, dot, warm_up=phase == 0, give_up_ms=give_up)
-        if packed:
-            packed_best[key] = max(ms, packed_best.get(key, 0.0))
-        if dot:
-            dot_best[key] = ms
-        return ms * rows / timed
+        float32 = layouts == ["float32"]
+        give_up = GIVE_UP * packed_best.get(key, math.inf) if float32 else math.inf
+        ms = _time(matrices, timed, layouts, prefill, warm_up=phase == 0, give_up_ms=give_up)
+        if not float32:
+            packed_best[key] = max(*ms, packed_best.get(key, 0.0))
+        return [m * rows / timed for m in ms]
 
-    def phase_times(
-        packed: bool, dot: bool = False, shared: bool = True
-    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Per phase the step estimate, and the head's share of it."""
-        steps, heads = [], []
+    def phase_times(layouts: list[Layout]) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+        """Per layout, per phase the step estimate, and the head's share of it."""
+        steps: list[list[float]] = [[] for _ in layouts]
+        heads: list[list[float]] = [[] for _ in layouts]
         for phase in range(len(phases.rows)):
-            ms = shapes.layers * part("layer", layer, phase, packed, dot, shared)
-            head_ms = 0.0
+            ms = part("layer", layer, phase, layouts)
+            head_ms = [0.0] * len(layouts)
             if head and phase < len(phases.decode):  # a prefill chunk projects its last rows
-                head_ms = part("head", head, phase, packed, dot, shared)
-            steps.append(ms + head_ms)
-            heads.append(head_ms)
-        return tuple(steps), tuple(heads)
+                head_ms = part("head", head, phase, layouts)
+            for i in range(len(layouts)):
+                steps[i].append(shapes.layers * ms[i] + head_ms[i])
+                heads[i].append(head_ms[i])
+        return [(tuple(s), tuple(h)) for s, h in zip(steps, heads, strict=True)]
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
-    packed_dot, head_dot = phase_times(True, dot=True) if kernels.integer_dot() else ((), ())
-    packed_all, head_packed = phase_times(True)
+    *dot, (packed_all, head_packed) = phase_times(packed_layouts)
+    packed_dot, head_dot = dot[0] if dot else ((), ())
     if not float32:
         return Timings(packed_all, packed_all, (), packed_dot, head_packed, head_dot)
+    # Float32 last, against the packed layouts' figures.
     kernels.set_threads(1)
-    packed_one = phase_times(True, shared=False)[0] if cores > 1 else packed_all
-    return Timings(packed_all, packed_one, phase_times(False)[0], packed_dot, head_packed, head_dot)
+    packed_one = phase_times(["float"])[0][0] if cores > 1 else packed_all
+    float32_ms = phase_times(["float32"])[0][0]
+    return Timings(packed_all, packed_one, float32_ms, packed_dot, head_packed, head_dot)
 
 
 def main() -> None:

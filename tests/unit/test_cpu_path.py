@@ -215,60 +215,69 @@ def test_time_paths_gives_a_figure_per_phase_and_path():
     assert all(ms > 0 for ms in timings.packed_dot)
 
 
-def test_a_path_far_behind_is_not_run_again():
+def test_paths_are_timed_in_turn_and_one_far_behind_is_not_run_again():
+    import time
+
     import mlx.core as mx
 
     from mlxd.models import cpu_path_probe
 
-    runs = []
+    runs: list[str] = []
 
-    def run() -> list[mx.array]:
-        runs.append(1)
-        return [mx.ones((4,)) * len(runs)]
+    def run(name: str, seconds: float = 0.0):
+        def once() -> list[mx.array]:
+            runs.append(name)
+            time.sleep(seconds)
+            return [mx.ones((4,)) * len(runs)]
 
-    assert cpu_path_probe._best_ms(run, repeats=3, warm_up=True, give_up_ms=math.inf) > 0
-    assert len(runs) == 4  # the warm-up and three runs
+        return once
+
+    best = cpu_path_probe._best_ms([run("a"), run("b")], 3, warm_up=True, give_up_ms=math.inf)
+    assert all(ms > 0 for ms in best)
+    assert runs == ["a", "b"] * 4  # the warm-up, then a run of each in turn
+    # Behind by more than GIVE_UP times after two runs (one alone may be a stall): no third.
     runs.clear()
-    cpu_path_probe._best_ms(run, repeats=3, warm_up=False, give_up_ms=0.0)
-    assert len(runs) == 1
+    cpu_path_probe._best_ms([run("a"), run("slow", 0.05)], 4, warm_up=False, give_up_ms=math.inf)
+    assert runs == ["a", "slow", "a", "slow", "a", "a"]
+    runs.clear()
+    cpu_path_probe._best_ms([run("a")], 3, warm_up=False, give_up_ms=0.0)  # behind a bar
+    assert runs == ["a", "a"]
 
 
-def test_float32_and_the_float_layout_give_up_at_twice_a_faster_figure(monkeypatch):
+def test_float32_gives_up_at_twice_the_slowest_packed_figure(monkeypatch):
     from mlxd import kernels
     from mlxd.models import cpu_path_probe
     from mlxd.models.cpu_path_probe import GIVE_UP, ModelShapes, time_paths
 
-    calls: list[tuple[int, int, bool, float, float]] = []
-    dots: dict[tuple[int, int], float] = {}
-    float_layout: set[tuple[int, int]] = set()
-    time_one = cpu_path_probe._time
+    calls: list[tuple[int, int, list[str], float, list[float]]] = []
+    time_them = cpu_path_probe._time
 
-    def timed(matrices, rows, packed, prefill, dot, warm_up, give_up_ms):
-        ms = time_one(matrices, rows, packed, prefill, dot, warm_up, give_up_ms)
-        key = id(matrices), rows
-        if dot:
-            assert give_up_ms == math.inf  # timed first, in full
-            dots[key] = ms
-        elif packed and key not in float_layout:  # on every core: against the dot products
-            float_layout.add(key)
-            assert give_up_ms == (GIVE_UP * dots[key] if kernels.integer_dot() else math.inf)
-        elif packed:  # then on one thread (the mixed plan's figure): in full
-            assert give_up_ms == math.inf
-        calls.append((id(matrices), rows, packed, give_up_ms, ms))
+    def timed(matrices, rows, layouts, prefill, warm_up, give_up_ms):
+        ms = time_them(matrices, rows, layouts, prefill, warm_up, give_up_ms)
+        if layouts != ["float32"]:
+            assert give_up_ms == math.inf  # the packed layouts: in full, against each other
+        calls.append((id(matrices), rows, list(layouts), give_up_ms, ms))
         return ms
 
     monkeypatch.setattr(cpu_path_probe, "_time", timed)
     shapes = ModelShapes(layer=((64, 64, 32, 4),), head=(256, 64, 32, 4), layers=2)
     timings = time_paths(shapes, Phases(prefill=16))  # in this process
     assert all(ms > 0 for ms in timings.float32)
-    float32 = [call for call in calls if not call[2]]
+    # On every core both packed layouts in turn where the kernels have int8 dot products.
+    every_core = ["dot", "float"] if kernels.integer_dot() else ["float"]
+    assert [c[2] for c in calls if c[2] != ["float32"]] == [every_core] * 7 + [["float"]] * 7
+    float32 = [call for call in calls if call[2] == ["float32"]]
     # Per phase the layer's pass and (decode) the head's, each against every packed layout's
     # figure for the same pass: the float layout, the int8 dot products', on one thread.
     assert [rows for _, rows, *_ in float32] == [1, 1, 8, 8, 32, 32, 16]
-    assert len(dots) == (7 if kernels.integer_dot() else 0)
     for part, rows, _, bar, _ in float32:
-        packed = [ms for p, r, is_packed, _, ms in calls if is_packed and (p, r) == (part, rows)]
-        assert len(packed) >= 2 and bar == GIVE_UP * max(packed)
+        packed = [
+            ms
+            for p, r, layouts, _, figures in calls
+            if layouts != ["float32"] and (p, r) == (part, rows)
+            for ms in figures
+        ]
+        assert len(packed) == len(every_core) + 1 and bar == GIVE_UP * max(packed)
 
 
 def test_the_head_takes_the_layout_it_timed_faster_apart_from_the_layers():
