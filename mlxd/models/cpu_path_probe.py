@@ -16,16 +16,17 @@ timed over at most `PREFILL_ROWS` rows and scaled to the chunk: from 64 rows bot
 compute-bound (the kernels dequantize a tile once per pass over all rows), so time grows with
 the rows. The fastest run, not the median: other work on the machine only ever adds time (a
 preempted thread delays whatever waits on it). For the same reason float32, timed after the
-packed layouts, is not run again once a run took `GIVE_UP` times the slowest packed layout's
-best at that phase: no repeat can make it the faster, and its runs were most of a first load (a
-Llama-3.2-1B shape's float32 layer reads 250 MB a pass). The two packed layouts on every core
+packed layouts, is not run again once the faster of two runs took `GIVE_UP` times the slowest
+packed layout's best at that phase (one run alone may be a stall): no repeat can make it the
+faster, and its runs were most of a first load (a Llama-3.2-1B shape's float32 layer reads
+250 MB a pass). The two packed layouts on every core
 (int8 dot products, float) are timed in turn, a run of one then a run of the other: timed one
 after the other, a slow spell of the VM fell on one alone, and SmolLM2's layouts on the AVX2
 stand-in swapped places from one load to the next (the int8 dot products' figures 2.1–2.5x
 apart over six timings, the float layout's 1.2–1.3x). Each gives up at `GIVE_UP` times the
 other's best (a Llama-3.1-8B shape's float layout took 3x their time from 32 rows: ≈0.6 s of
 repeats that could not change the choice); the decision between the two is their geometric
-mean over the phases (models/cpu_path.py), where a phase given up on counts one run, slower
+mean over the phases (models/cpu_path.py), where a phase given up on counts two runs, slower
 than a best of several only by noise.
 """
 
@@ -182,8 +183,8 @@ def time_paths(
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
     # Per part ("layer", "head") and phase: the slowest packed layout's best ms (float32 is
-    # compared with each: on one thread under the mixed plan), float32's bar; and the int8 dot
-    # products' (timed first), the float layout's bar on every core.
+    # compared with each: on one thread under the mixed plan), float32's bar. The packed
+    # layouts on every core are each other's bar (`_best_ms`).
     packed_best: dict[tuple[str, int], float] = {}
     packed_layouts: list[Layout] = ["dot", "float"] if kernels.integer_dot() else ["float"]
 
