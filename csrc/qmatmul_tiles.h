@@ -217,10 +217,15 @@ void buffered_item(const Problem<S>& p, float* buf, int g) {
   for (int k0 = 0; k0 < p.K; k0 += CHUNK<T>) {
     const int count = imin(CHUNK<T>, p.K - k0);
     dequantize_chunk<BITS, T, S>(p, g, k0, count, buf);
-    for (int m = 0; m < p.M; m += BUFFER_ROWS) {
-      with_rows<BUFFER_ROWS>(imin(BUFFER_ROWS, p.M - m), [&](auto mb) {
+    // The rows split evenly over the passes: a short last pass (32 rows as 5 x 6 + 2 on AVX2)
+    // has too few accumulators to hide the FMAs' latency.
+    const int passes = (p.M + BUFFER_ROWS - 1) / BUFFER_ROWS;
+    for (int pass = 0, m = 0; pass < passes; ++pass) {
+      const int rows = (p.M - m) / (passes - pass);
+      with_rows<BUFFER_ROWS>(rows, [&](auto mb) {
         rows_from_buffer<decltype(mb)::value, T, S>(p, buf, g, k0, count, m);
       });
+      m += rows;
     }
   }
 }
