@@ -50,7 +50,7 @@ Shape = tuple[int, int, int, int]  # out, in, group size, bits (as MLX stores th
 Layout = Literal["dot", "float", "float32"]  # packed as int8 dot products, packed, BLAS
 HEAD_ROWS = 8192
 REPEATS = 3
-PREFILL_REPEATS = 2
+PREFILL_REPEATS = 3
 PREFILL_ROWS = 128
 GIVE_UP = 2.0
 
