@@ -38,6 +38,8 @@ _PACE_CALLS = 10
 
 @dataclass(frozen=True)
 class Record:
+    """A cached entry: the timings, and the machine's pace when they were taken."""
+
     timings: Timings
     pace_ms: float | None  # None: kept before the pace was (then trusted as it is)
 

@@ -19,11 +19,11 @@ preempted thread delays whatever waits on it). For the same reason float32, time
 packed layouts, is not run again once the faster of two runs took `GIVE_UP` times the slowest
 packed layout's best at that phase (one run alone may be a stall): no repeat can make it the
 faster, and its runs were most of a first load (a Llama-3.2-1B shape's float32 layer reads
-250 MB a pass). The two packed layouts on every core
-(int8 dot products, float) are timed in turn, a run of one then a run of the other: timed one
-after the other, a slow spell of the VM fell on one alone, and SmolLM2's layouts on the AVX2
-stand-in swapped places from one load to the next (the int8 dot products' figures 2.1–2.5x
-apart over six timings, the float layout's 1.2–1.3x). Each gives up at `GIVE_UP` times the
+250 MB a pass). The two packed layouts on every core (int8 dot products, float) are timed in
+turn, a run of one then a run of the other: timed one after the other, a slow spell of the VM
+fell on one alone, and SmolLM2's layouts on the AVX2 stand-in swapped places from one load to
+the next (the int8 dot products' figures 2.1–2.5x apart over six timings, the float layout's
+1.2–1.3x). Each gives up at `GIVE_UP` times the
 other's best (a Llama-3.1-8B shape's float layout took 3x their time from 32 rows: ≈0.6 s of
 repeats that could not change the choice); the decision between the two is their geometric
 mean over the phases (models/cpu_path.py), where a phase given up on counts two runs, slower
