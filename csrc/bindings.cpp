@@ -124,6 +124,16 @@ NB_MODULE(_cpu, m) {
       "rows"_a,
       "Kernels over at most this many rows of x leave one core to the rest (0: none).");
   m.def(
+      "set_dot_buffer_rows",
+      [](int64_t rows) { mlxd::dot_buffer_rows().store(rows < 0 ? 0 : rows); },
+      "rows"_a,
+      "qmatmul on the dot layout over at least this many rows of x dequantizes the weights "
+      "into the float path's buffered passes (0: never).");
+  m.def(
+      "dot_buffer_rows",
+      []() { return mlxd::dot_buffer_rows().load(); },
+      "What set_dot_buffer_rows last set.");
+  m.def(
       "threads_for_rows",
       [](int64_t rows) {
         return mlxd::threads_on(mlx::core::default_stream(mlx::core::Device::cpu), rows);

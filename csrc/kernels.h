@@ -34,11 +34,12 @@ struct Kernels {
   void (*qmatmul_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
                       int M, int N, int K, int bits, int group, int threads);
   // The same product by integer dot products on pack_dot's layout (see qdot.cpp), x as int8
-  // or (precise) as int8 plus its rounding's rest in int8.
+  // or (precise) as int8 plus its rounding's rest in int8; from `buffer_rows` rows of x on
+  // (0: never) by qmatmul's buffered passes instead, the weights dequantized from that layout.
   void (*qdot_f32)(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
-                   int N, int K, int bits, int group, bool precise, int threads);
+                   int N, int K, int bits, int group, bool precise, int buffer_rows, int threads);
   void (*qdot_f16)(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
-                   int N, int K, int bits, int group, bool precise, int threads);
+                   int N, int K, int bits, int group, bool precise, int buffer_rows, int threads);
   // Whether qdot runs on an integer dot-product instruction (VNNI, maddubs, sdot), not the
   // generic variant's scalar loop.
   bool integer_dot;

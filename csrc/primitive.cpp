@@ -74,11 +74,12 @@ void QMatmul::eval_cpu(
   const int bits = bits_, group = PackedPrimitive::group(K, scale_bias);
   const int threads = threads_on(stream(), M);
   const bool dot = dot_, precise = precise_;
+  const int buffer_rows = static_cast<int>(dot_buffer_rows().load());
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
       if (dot) {
-        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, group, precise, threads);
+        run.qdot_f16(xp, wp, sp, yp, M, N, K, bits, group, precise, buffer_rows, threads);
       } else {
         run.qmatmul_f16(xp, wp, sp, yp, M, N, K, bits, group, threads);
       }
@@ -86,7 +87,7 @@ void QMatmul::eval_cpu(
   } else {
     encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
       if (dot) {
-        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, group, precise, threads);
+        run.qdot_f32(xp, wp, sp, yp, M, N, K, bits, group, precise, buffer_rows, threads);
       } else {
         run.qmatmul_f32(xp, wp, sp, yp, M, N, K, bits, group, threads);
       }

@@ -55,10 +55,26 @@ void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M
   }
 }
 
+// Where the float path's buffered passes beat the integer dot products (AVX2 at 32 rows and
+// more: two vpmaddubsw per 32 products for precise's two terms, against four FMAs a buffered
+// weight vector serves BUFFER_ROWS rows with), the weights are dequantized from this layout
+// into them: models/cpu_path.py decides from the load's timings.
+void buffered_dot(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
+                  int N, int K, int bits, int group, int threads) {
+  buffered_dot_f32(x, w, scale_bias, y, M, N, K, bits, group, threads);
+}
+
+void buffered_dot(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                  int N, int K, int bits, int group, int threads) {
+  buffered_dot_f16(x, w, scale_bias, y, M, N, K, bits, group, threads);
+}
+
 template <typename S>
 void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
-          int bits, int group, bool precise, int threads) {
-  if (precise) {
+          int bits, int group, bool precise, int buffer_rows, int threads) {
+  if (buffer_rows > 0 && M >= buffer_rows) {
+    buffered_dot(x, w, scale_bias, y, M, N, K, bits, group, threads);
+  } else if (precise) {
     qdot<2, S>(x, w, scale_bias, y, M, N, K, bits, group, threads);
   } else {
     qdot<1, S>(x, w, scale_bias, y, M, N, K, bits, group, threads);
@@ -74,13 +90,13 @@ const bool integer_dot = true;
 #endif
 
 void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-              int K, int bits, int group, bool precise, int threads) {
-  qdot(x, w, scale_bias, y, M, N, K, bits, group, precise, threads);
+              int K, int bits, int group, bool precise, int buffer_rows, int threads) {
+  qdot(x, w, scale_bias, y, M, N, K, bits, group, precise, buffer_rows, threads);
 }
 
 void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
-              int K, int bits, int group, bool precise, int threads) {
-  qdot(x, w, scale_bias, y, M, N, K, bits, group, precise, threads);
+              int K, int bits, int group, bool precise, int buffer_rows, int threads) {
+  qdot(x, w, scale_bias, y, M, N, K, bits, group, precise, buffer_rows, threads);
 }
 
 }  // namespace MLXD_ISA

@@ -134,12 +134,6 @@ inline vi dot(vi acc, vi w, vi x) {
 #endif
 }
 
-inline vi load_i(const uint8_t* p) {
-  vi v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 inline vi broadcast4(const int8_t* p) {  // 4 bytes of x8 in every 32-bit lane
   int32_t word;
   std::memcpy(&word, p, sizeof(word));
@@ -185,12 +179,12 @@ template <int BITS>
 inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
   if constexpr (BITS == 4) {
     typedef uint32_t vu __attribute__((vector_size(sizeof(vi))));
-    const vu both = (vu)load_i(at + (k / 8) * 64);
+    const vu both = (vu)load_i32(at + (k / 8) * 64);
     lo = (vi)(both & 0x0F0F0F0Fu);
     hi = (vi)((both >> 4) & 0x0F0F0F0Fu);
   } else {
-    lo = load_i(at + (k / 4) * 64);
-    hi = load_i(at + (k / 4 + 1) * 64);
+    lo = load_i32(at + (k / 4) * 64);
+    hi = load_i32(at + (k / 4 + 1) * 64);
   }
 }
 

@@ -31,14 +31,15 @@ namespace MLXD_ISA {
 namespace {
 
 // Work items are split over the threads; each walks every row of x in passes. Buffered
-// passes take BUFFER_TILES tiles a work item (N is a multiple of 32).
-template <int BITS, typename S>
+// passes take BUFFER_TILES tiles a work item (N is a multiple of 32); on pack_dot's layout
+// (DOT) every pass is buffered.
+template <int BITS, typename S, bool DOT = false>
 void run(const Problem<S>& p) {
-  if (!in_registers(p.M)) {
+  if (DOT || !in_registers(p.M)) {
     parallel_for(p.threads, p.N / (BUFFER_TILES * LANES), [&](int64_t first, int64_t last) {
       Scratch buf(BUFFER_FLOATS);
       for (int g = int(first); g < int(last); ++g) {
-        buffered_item<BITS, BUFFER_TILES, S>(p, buf.data(), g);
+        buffered_item<BITS, BUFFER_TILES, S, DOT>(p, buf.data(), g);
       }
     });
     return;
@@ -52,14 +53,14 @@ void run(const Problem<S>& p) {
   });
 }
 
-template <typename S>
+template <typename S, bool DOT = false>
 void qmatmul(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
              int bits, int group, int threads) {
   const Problem<S> p{x, w, scale_bias, y, M, N, K, scale_shift(group), threads};
   if (bits == 4) {
-    run<4, S>(p);
+    run<4, S, DOT>(p);
   } else {
-    run<8, S>(p);  // the op checked: 4 or 8
+    run<8, S, DOT>(p);  // the op checked: 4 or 8
   }
 }
 
@@ -73,6 +74,16 @@ void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, floa
 void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
                  int N, int K, int bits, int group, int threads) {
   qmatmul(x, w, scale_bias, y, M, N, K, bits, group, threads);
+}
+
+void buffered_dot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y,
+                      int M, int N, int K, int bits, int group, int threads) {
+  qmatmul<float, true>(x, w, scale_bias, y, M, N, K, bits, group, threads);
+}
+
+void buffered_dot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
+                      int M, int N, int K, int bits, int group, int threads) {
+  qmatmul<uint16_t, true>(x, w, scale_bias, y, M, N, K, bits, group, threads);
 }
 
 }  // namespace MLXD_ISA

@@ -1,6 +1,9 @@
 // The MLX op that runs the packed-weight CPU matmul (qmatmul.cpp, per ISA variant).
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 #include "mlx/array.h"
 #include "cpu_primitive.h"
 
@@ -17,6 +20,14 @@ mlx::core::array qmatmul(
     int bits,
     bool dot,
     bool precise);
+
+// qmatmul on pack_dot's layout over at least this many rows of x runs the float path's
+// buffered passes, the weights dequantized from that layout (0: never; models/cpu_path.py
+// sets it where the load timed those faster than the integer dot products).
+inline std::atomic<int64_t>& dot_buffer_rows() {
+  static std::atomic<int64_t> rows{0};
+  return rows;
+}
 
 // What the primitives over packed weights share: the weights' width and layout.
 class PackedPrimitive : public CpuPrimitive {

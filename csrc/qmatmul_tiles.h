@@ -180,6 +180,34 @@ void dequantize_chunk(const Problem<S>& p, int g, int k0, int count, float* buf)
   }
 }
 
+// The same from pack_dot's layout (qdot.cpp): each 32-bit lane holds one output row's inputs
+// k..k+3 (8 bits), or k..k+3 and k+4..k+7 in its bytes' nibbles (4 bits), so input k + i of W
+// rows is a shift and a mask of one vector, as cheap as pack's widening: a model held in the
+// int8 path's layout runs the float path's buffered passes where those are the faster.
+template <int BITS, int T, typename S>
+void dequantize_dot_chunk(const Problem<S>& p, int g, int k0, int count, float* buf) {
+  constexpr int NVT = T * V, ROW = T * LANES;
+  constexpr int STEP = 32 / BITS;  // inputs per 64 bytes of a tile (4 a lane)
+  constexpr int MASK = (1 << BITS) - 1;
+  for (int b = k0 / BLOCK; b < (k0 + count) / BLOCK; ++b) {
+    for (int v = 0; v < NVT; ++v) {
+      const vf scale = load_scales(p.template scales<T>(g, v, b));
+      const vf bias = load_scales(p.template scales<T>(g, v, b) + LANES);
+      const uint8_t* tile = p.w + size_t(g * T + v / V) * p.K * BITS / 8 * LANES + (v % V) * W * 4;
+      for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += STEP) {
+        const vi lanes = load_i32(tile + size_t(k / STEP) * 4 * LANES);
+        for (int i = 0; i < 4; ++i) {
+          float* row = buf + size_t(k + i - k0) * ROW + v * W;
+          store(row, to_float((lanes >> (8 * i)) & MASK) * scale + bias);
+          if constexpr (BITS == 4) {
+            store(row + 4 * ROW, to_float((lanes >> (8 * i + 4)) & MASK) * scale + bias);
+          }
+        }
+      }
+    }
+  }
+}
+
 // y[m0 .. m0 + MB, work item g of T tiles] += x[.., k0 .. k0 + count] @ buf: per input T * V
 // loads and MB broadcasts feed MB x T * V FMAs.
 template <int MB, int T, typename S>
@@ -211,12 +239,17 @@ void rows_from_buffer(const Problem<S>& p, const float* buf, int g, int k0, int 
 }
 
 // Work item g (of T tiles) of y = x @ dequantize(w)^T in buffered passes: each chunk of its
-// weights dequantized once into buf (BUFFER_FLOATS), then BUFFER_ROWS rows of x at a time.
-template <int BITS, int T, typename S>
+// weights (pack_dot's layout where DOT) dequantized once into buf (BUFFER_FLOATS), then
+// BUFFER_ROWS rows of x at a time.
+template <int BITS, int T, typename S, bool DOT = false>
 void buffered_item(const Problem<S>& p, float* buf, int g) {
   for (int k0 = 0; k0 < p.K; k0 += CHUNK<T>) {
     const int count = imin(CHUNK<T>, p.K - k0);
-    dequantize_chunk<BITS, T, S>(p, g, k0, count, buf);
+    if constexpr (DOT) {
+      dequantize_dot_chunk<BITS, T, S>(p, g, k0, count, buf);
+    } else {
+      dequantize_chunk<BITS, T, S>(p, g, k0, count, buf);
+    }
     // The rows split evenly over the passes: a short last pass (32 rows as 5 x 6 + 2 on AVX2)
     // has too few accumulators to hide the FMAs' latency.
     const int passes = (p.M + BUFFER_ROWS - 1) / BUFFER_ROWS;

@@ -54,6 +54,12 @@ inline void store(float* p, vf v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
+inline vi load_i32(const uint8_t* p) {  // W 32-bit lanes, unaligned
+  vi v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 // W bytes widened to W int32 lanes (GCC's generic __builtin_convertvector does this byte by
 // byte in scalar code, so each ISA's widening instruction is named).
 inline vi load_u8(const uint8_t* p) {

@@ -16,9 +16,14 @@ void qmatmul_f32(const float* x, const uint8_t* w, const float* scale_bias, floa
 void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
                  int N, int K, int bits, int group, int threads);
 void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M, int N,
-              int K, int bits, int group, bool precise, int threads);
+              int K, int bits, int group, bool precise, int buffer_rows, int threads);
 void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
-              int K, int bits, int group, bool precise, int threads);
+              int K, int bits, int group, bool precise, int buffer_rows, int threads);
+// qmatmul's buffered passes on pack_dot's layout, x not rounded (qdot's from `buffer_rows`).
+void buffered_dot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y,
+                      int M, int N, int K, int bits, int group, int threads);
+void buffered_dot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
+                      int M, int N, int K, int bits, int group, int threads);
 extern const bool integer_dot;
 void attention(const AttentionArgs& args, int threads);
 void rms_norm(const float* x, const float* weight, float* y, size_t rows, int D, float eps);

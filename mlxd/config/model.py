@@ -93,7 +93,10 @@ class ModelConfig(Section):
         "billion quantized weights and more (1B models), precise below (a small model's "
         "answers are fragile, and its second term costs less). The load times this layout "
         "against the float one and runs the faster, the layers and the output head each "
-        "their own (`cpu_path.activations`, `dot`, `head_dot` in /v1/status).",
+        "their own (`cpu_path.activations`, `dot`, `head_dot` in /v1/status); where the "
+        "float layout timed faster from 32 rows on (AVX2), the int8 layout's matmuls run its "
+        "buffered passes there, the weights dequantized from the int8 layout "
+        "(`dot_buffer_rows`).",
     )
     warm_up: bool | None = Field(
         None,

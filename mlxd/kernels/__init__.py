@@ -41,10 +41,11 @@ ISA_ENV = "MLXD_KERNELS_ISA"
 
 # Every binding this package calls: a module without one was built from older sources.
 _BINDINGS = (
-    "assemble_kv", "attention", "built_isas", "empty", "gather_qmatmul", "integer_dot", "isa",
-    "map_file_arrays", "parallelize_default_stream", "q6_k_to_affine8", "qmatmul", "rms_norm",
-    "rope", "rope_qkv", "runnable_isas", "sample", "set_spare_core_rows", "set_threads", "swiglu",
-    "threads_for_rows", "tile_scale_pairs", "tile_weights", "to_affine", "use_isa", "widen_weights",
+    "assemble_kv", "attention", "built_isas", "dot_buffer_rows", "empty", "gather_qmatmul",
+    "integer_dot", "isa", "map_file_arrays", "parallelize_default_stream", "q6_k_to_affine8",
+    "qmatmul", "rms_norm", "rope", "rope_qkv", "runnable_isas", "sample", "set_dot_buffer_rows",
+    "set_spare_core_rows", "set_threads", "swiglu", "threads_for_rows", "tile_scale_pairs",
+    "tile_weights", "to_affine", "use_isa", "widen_weights",
 )  # fmt: skip
 
 
@@ -214,6 +215,19 @@ def set_spare_core_rows(rows: int) -> None:
     """Kernels over at most `rows` rows of x leave one core to the rest of the process (0:
     none do; see models/cpu_path.py `Choice.spares_a_core`)."""
     _module().set_spare_core_rows(rows)
+
+
+def set_dot_buffer_rows(rows: int) -> None:
+    """Matmuls on the int8 dot products' layout over at least `rows` rows of x run the float
+    path's buffered passes instead, the weights dequantized from that layout (0: none do; see
+    models/cpu_path.py `Choice.dot_buffer_rows`)."""
+    _module().set_dot_buffer_rows(rows)
+
+
+def dot_buffer_rows() -> int:
+    """What `set_dot_buffer_rows` last set (0 until then)."""
+    rows: int = _module().dot_buffer_rows()
+    return rows
 
 
 def threads_for_rows(rows: int) -> int:

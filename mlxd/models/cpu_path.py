@@ -26,7 +26,7 @@ recomputed from them at each load (the budget may change).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 WeightPath = Literal["packed", "float32"]
@@ -46,6 +46,10 @@ SMALL_STEP_MS = 10.0
 # (SmolLM2-135M: 62.8 / 192.4 against 73.8 / 223.3) and keep mlx-lm's tokens, which a small
 # model's answers hang on (SmolLM2 misses "Paris" with one term, as it does under llama.cpp).
 ONE_TERM_PARAMETERS = 800_000_000
+# From this many rows on the float path dequantizes each chunk of weights into a buffer
+# (csrc/qmatmul_tiles.h BUFFER_MIN_ROWS), which the int8 layout's weights can fill as cheaply:
+# there its matmuls can run the float path's passes (`Choice.dot_buffer_rows`).
+BUFFERED_ROWS = 32
 
 
 def precise_activations(setting: str, parameters: int) -> bool:
@@ -123,6 +127,16 @@ class Timings:
         whole, head = (self.packed_dot, self.head_dot) if dot else (self.packed, self.head_packed)
         return tuple(t - h for t, h in zip(whole, head, strict=True))
 
+    def buffered_from(self, phase: int) -> Timings:
+        """These timings with the int8 layout's figures from `phase` on those of the float
+        layout: what the int8 layout costs where it runs the float path's buffered passes."""
+        if not self.packed_dot:
+            return self
+        head = self.head_dot[:phase] + self.head_packed[phase:] if self.head_dot else ()
+        return replace(
+            self, packed_dot=self.packed_dot[:phase] + self.packed[phase:], head_dot=head
+        )
+
     def packed_as(self, dot: bool, head_dot: bool) -> tuple[float, ...]:
         """The packed figures on every core with the layers and the head in these layouts."""
         if not self._by_part:
@@ -153,15 +167,57 @@ class Choice:
     @property
     def dot(self) -> bool:
         """Whether the packed layers run as int8 dot products: all packed on every core, where
-        that layout timed faster (decide compared the plans on the float layout's figures)."""
-        return self._packed_on_every_core and self.timings is not None and self.timings.dot_faster
+        that layout timed faster (decide compared the plans on the float layout's figures),
+        counting from `dot_buffer_rows` on the float layout's figures."""
+        return (
+            self._packed_on_every_core and self.timings is not None and self._run_timings.dot_faster
+        )
 
     @property
     def head_dot(self) -> bool:
         """The same for the output head, decided apart from the layers."""
         return (
-            self._packed_on_every_core and self.timings is not None and self.timings.head_dot_faster
+            self._packed_on_every_core
+            and self.timings is not None
+            and self._run_timings.head_dot_faster
         )
+
+    @property
+    def dot_buffer_rows(self) -> int:
+        """The rows of x from which matmuls in the int8 layout run the float path's buffered
+        passes, their weights dequantized from that layout (0: never). Where the float layout
+        timed faster over every phase from a buffered one on (AVX2 at 32 rows: two vpmaddubsw
+        per 32 products for precise's two int8 terms, one FMA per product and row buffered),
+        the int8 layout then costs what the float layout does there and keeps its own lead
+        below. Only where the layers or the head run in the int8 layout."""
+        phase = self._buffered_phase
+        if phase is None or not (self.dot or self.head_dot):
+            return 0
+        rows = self.phases.rows
+        return max(BUFFERED_ROWS, rows[phase - 1] + 1 if phase else 1)
+
+    @property
+    def _buffered_phase(self) -> int | None:
+        """The first of the phases from which on the float layout timed faster than the int8
+        dot products for the whole model, all with BUFFERED_ROWS rows or more (None: none)."""
+        if not self._both_layouts:
+            return None
+        assert self.timings is not None
+        first = None
+        for phase in reversed(range(len(self.phases.rows))):
+            if self.phases.rows[phase] < BUFFERED_ROWS or (
+                self.timings.packed_dot[phase] <= self.timings.packed[phase]
+            ):
+                break
+            first = phase
+        return first
+
+    @property
+    def _run_timings(self) -> Timings:
+        """The timings as the int8 layout would run: buffered from `_buffered_phase` on."""
+        assert self.timings is not None
+        phase = self._buffered_phase
+        return self.timings if phase is None else self.timings.buffered_from(phase)
 
     @property
     def _packed_on_every_core(self) -> bool:
@@ -173,7 +229,7 @@ class Choice:
         those of the layouts the layers and the head run in."""
         assert self.timings is not None
         if self.dot or self.head_dot:
-            return self.timings.packed_as(self.dot, self.head_dot)
+            return self._run_timings.packed_as(self.dot, self.head_dot)
         one = self.plan == "mixed" or self.one_thread
         return self.timings.packed_shared if one else self.timings.packed
 
@@ -243,6 +299,8 @@ class Choice:
         elif self._both_layouts:
             note += "; the float layout"
         note += ", x as one int8 term" if self.activations == "int8" else ""
+        if self.dot_buffer_rows:
+            note += f", from {self.dot_buffer_rows} rows dequantized into the float path's passes"
         if self.timings is not None and self.timings.float32:
             note += self._layouts()
         note += "; one-row kernels leave a core to the engine" if self.spares_a_core else ""
@@ -297,6 +355,7 @@ class Choice:
             "one_thread": self.one_thread,
             "dot": self.dot,
             "head_dot": self.head_dot,
+            "dot_buffer_rows": self.dot_buffer_rows,
             "activations": self.activations,
             "spares_a_core": self.spares_a_core,
             "reason": self.reason or None,

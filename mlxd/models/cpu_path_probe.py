@@ -215,6 +215,7 @@ def time_paths(
         return [(tuple(s), tuple(h)) for s, h in zip(steps, heads, strict=True)]
 
     kernels.share_cores(True)  # every core, unless a float32 model in this process forbids it
+    kernels.set_dot_buffer_rows(0)  # the int8 layout as int8 dot products at every row count
     *dot, (packed_all, head_packed) = phase_times(packed_layouts)
     packed_dot, head_dot = dot[0] if dot else ((), ())
     if not float32:

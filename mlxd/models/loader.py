@@ -298,6 +298,7 @@ def load_llm(
                 evaluate_per_layer(model)
             if packed and cpu_path is not None:
                 kernels.set_spare_core_rows(1 if cpu_path.spares_a_core else 0)
+                kernels.set_dot_buffer_rows(cpu_path.dot_buffer_rows)
     except ModelLoadError:
         raise
     except Exception as exc:  # mlx-lm raises whatever its parsers do: report them all as one kind

@@ -33,12 +33,16 @@ int check(const Kernels& k) {
       sb[((t*(K/G)+b)*2+1)*16+j] = to_half(bi[(t*16+j)*(K/G)+b]);
     }
     std::vector<float> y(M * N);
+    auto float_error = [&]() {  // y against x @ dequantize(q)^T in float64
+      double worst = 0;
+      for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
+        double ref = 0; for (int kk = 0; kk < K; ++kk) ref += x[m*K+kk] * (double(sc[n*(K/G)+kk/G]) * q[n*K+kk] + bi[n*(K/G)+kk/G]);
+        worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
+      }
+      return worst;
+    };
     k.qmatmul_f16(x.data(), w.data(), sb.data(), y.data(), M, N, K, bits, G, 2);
-    double worst = 0;
-    for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
-      double ref = 0; for (int kk = 0; kk < K; ++kk) ref += x[m*K+kk] * (double(sc[n*(K/G)+kk/G]) * q[n*K+kk] + bi[n*(K/G)+kk/G]);
-      worst = std::fmax(worst, std::fabs(ref - y[m*N+n]));
-    }
+    double worst = float_error();
     if (worst > 1e-3) { printf("%s qmatmul bits %d K %d G %d M %d: error %g\n", k.isa, bits, K, G, M, worst); ++bad; }
     // qdot: pack_dot's layout (per tile 4 inputs of a row per 32-bit lane; 4 bits: k+4..k+7 in the high nibbles)
     // against float64 with x rounded to int8 per block of 32 as the kernel does (d = max |x| / 127).
@@ -58,7 +62,7 @@ int check(const Kernels& k) {
           xr[m*K+b*32+i] = x8 * double(step) + rest * double(step / 254);
         }
       }
-      k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, G, precise, 2);
+      k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, G, precise, 0, 2);
       worst = 0;
       for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
         double ref = 0; for (int kk = 0; kk < K; ++kk) ref += (double(sc[n*(K/G)+kk/G]) * q[n*K+kk] + bi[n*(K/G)+kk/G]) * xr[m*K+kk];
@@ -66,6 +70,10 @@ int check(const Kernels& k) {
       }
       if (worst > 1e-3) { printf("%s qdot bits %d K %d G %d M %d precise %d: error %g\n", k.isa, bits, K, G, M, precise, worst); ++bad; }
     }
+    // From `buffer_rows` rows on (here M): the float path's buffered passes on pack_dot's layout, x not rounded.
+    k.qdot_f16(x.data(), wd.data(), sb.data(), y.data(), M, N, K, bits, G, false, M, 2);
+    worst = float_error();
+    if (worst > 1e-3) { printf("%s qdot buffered bits %d K %d G %d M %d: error %g\n", k.isa, bits, K, G, M, worst); ++bad; }
   }
   // attention: decode and tiled prefill, causal, D 64; float32 K/V, then float16 (a 16-bit cache)
   for (bool half : {false, true}) for (int Lq : {1, 12}) {

@@ -60,7 +60,8 @@ def kernel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     before = kernels.isa()
     kernels.use_isa(name)
     kernels.set_threads(2)
-    kernels.set_spare_core_rows(0)  # a small model loaded earlier may have set it
+    kernels.set_spare_core_rows(0)  # a small model loaded earlier may have set these
+    kernels.set_dot_buffer_rows(0)
     if kernels._module().threads_here() < 2:  # another thread's stream holds the threads
         kernels.parallelize_this_thread()
     try:

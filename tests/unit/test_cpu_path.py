@@ -330,6 +330,43 @@ def test_the_int8_dot_layout_runs_where_it_timed_clearly_faster_all_packed(tmp_p
     assert cache.get(TimingCache.key(identity())) == Record(dot, None)
 
 
+def test_the_int8_layout_runs_the_float_paths_passes_where_those_timed_faster():
+    """AVX2: the int8 dot products lead at one row and lose from 32 rows on, where both
+    layouts can run the float path's buffered passes. The int8 layout is then taken for its
+    lead, and runs those passes from 32 rows (their figures the float layout's)."""
+    whole = ((4.0, 10.0, 20.0, 200.0), (6.0, 14.0, 30.0, 300.0), (9.0, 15.0, 30.0, 250.0))
+    # Over every phase the int8 figures alone lose (a geometric mean of 1.08).
+    avx2 = Timings(*whole, (3.0, 10.0, 24.0, 300.0))
+    choice = choose(avx2)
+    assert choice.plan == "packed" and choice.dot and choice.dot_buffer_rows == 32
+    assert choice.packed_ms == (3.0, 10.0, 20.0, 200.0)
+    assert "from 32 rows dequantized into the float path's passes" in choice.summary()
+    assert choice.as_dict()["dot_buffer_rows"] == 32
+    # The float layout faster at the prefill chunk alone: buffered above the 32-row phase.
+    prefill = Timings(*whole, (3.0, 10.0, 19.0, 300.0))
+    assert choose(prefill).dot_buffer_rows == 33
+    assert choose(prefill).packed_ms == (3.0, 10.0, 19.0, 200.0)
+    # Faster at the prefill chunk as int8 dot products: no phase from which the float layout
+    # leads throughout, so no buffered passes (and over the phases the float layout is taken).
+    mid = Timings(*whole, (3.0, 10.0, 24.0, 190.0))
+    assert choose(mid).dot_buffer_rows == 0
+    # The float layout taken (no lead at one row): no buffered passes to speak of.
+    no_lead = Timings(*whole, (4.0, 10.0, 24.0, 300.0))
+    assert not choose(no_lead).dot and choose(no_lead).dot_buffer_rows == 0
+    assert "dequantized" not in choose(no_lead).summary()
+    # By part: from 32 rows both parts' int8 figures are the float layout's.
+    by_part = Timings(*whole, (3.0, 11.0, 24.0, 300.0), (1.0, 2.0, 4.0, 0.0), (2.0, 3.0, 5.0, 0.0))
+    choice = choose(by_part)
+    assert choice.dot and not choice.head_dot and choice.dot_buffer_rows == 32
+    assert choice.packed_ms == (2.0, 10.0, 20.0, 200.0)
+    # Mixed and one-thread plans run the float layout: nothing to buffer.
+    split = Timings(
+        (4.0, 6.0, 9.0, 900.0), (5.0, 7.0, 11.0, 950.0), (9.0, 15.0, 30.0, 200.0),
+        (2.0, 6.0, 12.0, 1000.0),
+    )  # fmt: skip
+    assert choose(split).plan == "mixed" and choose(split).dot_buffer_rows == 0
+
+
 def test_the_int8_dot_layout_computes_the_model_as_its_float32_twin(smol) -> None:
     """SmolLM2 Q4_1 packed as int8 dot products (precise: x as two int8 terms): logits within
     0.05 of the float32 twin's (the float layout's: 2e-3; x's rounding adds 1/64,516 of each
@@ -761,6 +798,7 @@ def test_a_small_models_one_row_kernels_leave_a_core_to_the_engine() -> None:
 def test_the_load_applies_the_spare_core_to_one_row_kernels(smol) -> None:
     """A worker loading a small model on its plan (decided here on fake timings): one-row
     kernels on a thread fewer, larger ones on every thread; a large model's on every thread.
+    The int8 layout's buffered passes from the rows its plan says.
     In a process of its own: a float32 model, as the `smol` fixture, pins the kernels to one
     thread for the rest of the process."""
     import subprocess
@@ -772,8 +810,8 @@ from mlxd import kernels
 from mlxd.models.cpu_path import Phases, Timings, decide
 from mlxd.models.loader import load_llm
 
-def load(decode_ms):
-    timings = Timings(decode_ms, decode_ms, (5000.0,) * 4)
+def load(decode_ms, dot_ms=()):
+    timings = Timings(decode_ms, decode_ms, (5000.0,) * 4, dot_ms)
     choice = decide(Phases(prefill=256), timings, packed_bytes=1, float32_bytes=2, kv_bytes=0,
                     budget=10)
     load_llm(Path({str(smol.path)!r}), model_name="smol", cpu_path=choice)
@@ -781,10 +819,17 @@ def load(decode_ms):
 
 kernels.set_threads(2)
 print(load((3.0, 6.0, 9.0, 90.0)), load((20.0, 70.0, 220.0, 1200.0)))
+# The int8 layout, buffered from 32 rows (and the next load's plan without: none).
+load((3.0, 6.0, 9.0, 90.0), (2.0, 6.0, 10.0, 100.0))
+buffered = kernels.dot_buffer_rows()
+load((3.0, 6.0, 9.0, 90.0))
+print(buffered, kernels.dot_buffer_rows())
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    small, large = result.stdout.strip().split(") (")
+    spare, dot = result.stdout.strip().splitlines()
+    assert dot == "32 0", result.stdout
+    small, large = spare.split(") (")
     cores = min(2, len(__import__("os").sched_getaffinity(0)))
     if cores > 1:
         assert small == "(1, 2" and large == "2, 2)", result.stdout

@@ -187,6 +187,35 @@ def test_integer_dot_product_on_each_isa_equals_mlx_at_model_shapes(
         _assert_dot_close(got, x[:rows], dense, expected[:rows], precise, what)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-g{s[2]}-q{s[3]}")
+def test_the_int8_layout_runs_the_float_paths_buffered_passes_from_its_rows(
+    kernel_isa: str, shape
+) -> None:
+    """`set_dot_buffer_rows(33)`: over 33 rows and more a matrix in the int8 layout gives the
+    float layout's very floats (its weights dequantized into the same buffer), below that
+    the integer dot products' rounding."""
+    n, k, group_size, bits, dtype = shape
+    x, packed, expected, dense = _case(n, k, group_size, bits, dtype, 70, k + bits, kernels.pack)
+    mx.random.seed(k + bits)  # the same weights again, in the int8 layout
+    weight, scales, biases = mx.quantize(
+        mx.random.normal((n, k)) * 0.05, group_size=group_size, bits=bits
+    )
+    dot = kernels.pack_dot(weight, scales.astype(dtype), biases.astype(dtype), group_size, bits)
+    kernels.set_dot_buffer_rows(33)
+    try:
+        for rows in (8, 32, 33, 70):
+            got = kernels.qmatmul(x[:rows], dot)
+            mx.eval(got)  # the rows are read as the matmul runs
+            what = (kernel_isa, shape, rows)
+            if rows < 33:
+                _assert_dot_close(got, x[:rows], dense, expected[:rows], False, what)
+            else:
+                float_layout = kernels.qmatmul(x[:rows], packed)
+                assert np.array_equal(np.array(got), np.array(float_layout)), what
+    finally:
+        kernels.set_dot_buffer_rows(0)
+
+
 def test_integer_dot_product_on_each_isa_computes_a_128k_vocabulary_head(kernel_isa: str):
     """Llama 3's vocabulary at Llama-3.2-1B's width, 4 bits as a Q4 GGUF's head."""
     x, packed, expected, dense = _case(128_256, 2048, 32, 4, mx.float16, 8, 11, kernels.pack_dot)
