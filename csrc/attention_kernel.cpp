@@ -224,10 +224,36 @@ inline void weigh_values(
   }
 }
 
+// The scores of ROWS query rows against kv head hk's first `most` keys as stored (not
+// transposed: a decode step's few rows per kv head would not repay a copy of every key): each
+// key read once for all the rows, a horizontal sum per row and key. D a multiple of W.
+template <int ROWS, typename KV>
+void group_scores(
+    const Args<KV>& a, const float (&qscaled)[ROWS][MAX_HEAD_DIM], int b, int hk, int most,
+    float* sc) {
+  const KV* kb = a.keys(b, hk);
+  const int padded = a.padded(), chunks = a.D / W;
+  for (int j = 0; j < most; ++j) {
+    const KV* kj = kb + j * a.ks[2];
+    vf s[ROWS] = {};
+    for (int c = 0; c < chunks; ++c) {
+      const vf kc = kv_load(kj + c * W);
+      for (int r = 0; r < ROWS; ++r) {
+        s[r] += load(qscaled[r] + c * W) * kc;
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      sc[size_t(r) * padded + j] = hsum(s[r]);
+    }
+  }
+}
+
 // Up to 8 query rows of one kv head (rows r of its group: head hk * group + r / Lq, position
 // r % Lq) in one pass over its keys and one over its values: each key block and value row read
-// from cache feeds every row, where a row at a time re-read them all per row.
-// ROWS is a compile-time count so that the tile's accumulators stay in registers.
+// from cache feeds every row, where a row at a time re-read them all per row. The keys
+// transposed (kt: prefill, verification) or as stored (kt null: a decode step's heads of one
+// kv head, `group_scores`). ROWS is a compile-time count so that the tile's accumulators stay
+// in registers.
 template <int ROWS, typename KV>
 void attend_tile(const Args<KV>& a, const float* kt, int b, int hk, int r0, float* sc) {
   const int padded = a.padded(), D = a.D;
@@ -243,7 +269,7 @@ void attend_tile(const Args<KV>& a, const float* kt, int b, int hk, int r0, floa
     }
   }
   const float* kth = kt + (size_t(b) * a.Hkv + hk) * padded * D;
-  for (int blk = 0; blk < (most + W - 1) / W; ++blk) {
+  for (int blk = 0; kt != nullptr && blk < (most + W - 1) / W; ++blk) {
     const float* kblock = kth + size_t(blk) * D * W;
     vf s[ROWS] = {};
     for (int d = 0; d < D; ++d) {
@@ -255,6 +281,9 @@ void attend_tile(const Args<KV>& a, const float* kt, int b, int hk, int r0, floa
     for (int r = 0; r < ROWS; ++r) {
       store(sc + size_t(r) * padded + blk * W, s[r]);
     }
+  }
+  if (kt == nullptr) {
+    group_scores<ROWS>(a, qscaled, b, hk, most, sc);
   }
   float inv[ROWS];
   for (int r = 0; r < ROWS; ++r) {
@@ -294,8 +323,18 @@ void attend_rows(const Args<KV>& a, const float* kt, int b, int hk, int r0, int 
 template <typename KV>
 void attend(const Args<KV>& a, int threads) {
   const int padded = a.padded(), group_rows = a.group() * a.Lq;
-  // Tiles when each key serves several query rows (prefill, verification); decode rows go
-  // one at a time, where transposing the keys would cost more than it saves.
+  // Tiles when each key serves several query rows (prefill, verification). Fewer (a decode
+  // step's query heads of one kv head) share the keys as stored, where transposing them would
+  // cost more than it saves; a single row, or a head dimension of no whole vectors, goes alone.
+  if (group_rows > 1 && group_rows < TILE_ROWS && a.D % W == 0 && a.D <= MAX_HEAD_DIM) {
+    parallel_for(threads, int64_t(a.B) * a.Hkv, [&](int64_t first, int64_t last) {
+      Scratch scores(size_t(group_rows) * padded);
+      for (int64_t head = first; head < last; ++head) {
+        attend_rows(a, nullptr, head / a.Hkv, head % a.Hkv, 0, group_rows, scores.data());
+      }
+    });
+    return;
+  }
   if (group_rows >= TILE_ROWS && a.D <= MAX_HEAD_DIM) {
     Scratch kt(size_t(a.B) * a.Hkv * padded * a.D);
     const int tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;

@@ -379,10 +379,13 @@ def test_swiglu_equals_the_rational_one_and_silu(kernel_isa: str) -> None:
 @pytest.mark.parametrize(
     "shape",
     [
-        # (B, q heads, kv heads, query rows, keys, head dim): decode rows one at a time,
-        # prefill and verification rows in tiles (group × rows >= 8), odd sizes.
+        # (B, q heads, kv heads, query rows, keys, head dim): a kv head's decode rows together
+        # against its keys as stored (group × rows < 8; a lone row alone), prefill and
+        # verification rows in tiles over transposed keys (group × rows >= 8), odd sizes.
         (1, 9, 3, 1, 64, 64),
         (4, 9, 3, 1, 70, 64),
+        (2, 28, 4, 1, 50, 128),
+        (2, 4, 4, 1, 33, 64),
         (2, 9, 3, 5, 20, 64),
         (2, 4, 4, 7, 7, 80),
         (3, 9, 3, 16, 40, 64),
