@@ -127,8 +127,8 @@ NB_MODULE(_cpu, m) {
       "set_dot_buffer_rows",
       [](int64_t rows) { mlxd::dot_buffer_rows().store(rows < 0 ? 0 : rows); },
       "rows"_a,
-      "qmatmul on the dot layout over at least this many rows of x dequantizes the weights "
-      "into the float path's buffered passes (0: never).");
+      "qmatmul on the dot layout over at least this many rows of x dequantizes the "
+      "weights into the float path's buffered passes (0: never).");
   m.def(
       "dot_buffer_rows",
       []() { return mlxd::dot_buffer_rows().load(); },
