@@ -5,6 +5,7 @@
 #include "gather_qmatmul.h"
 #include "kernels.h"
 #include "mlx/ops.h"
+#include "qmatmul.h"
 #include "threads.h"
 
 namespace mx = mlx::core;
@@ -60,12 +61,14 @@ void GatherQMatmul::eval_cpu(
   float* yp = outputs[0].data<float>();
   const int bits = bits_, group = PackedPrimitive::group(K, scale_bias);
   const bool dot = dot_, precise = precise_;
+  const int buffer_rows = static_cast<int>(dot_buffer_rows().load());
   const int threads = threads_on(stream(), T);
   const Kernels& run = kernels();
   if (scale_bias.dtype() == mx::float16) {
     encoder.dispatch([=, sp = rows<uint16_t>(scale_bias, encoder)]() {
       if (dot) {
-        run.gather_qdot_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, precise, threads);
+        run.gather_qdot_f16(
+            xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, precise, buffer_rows, threads);
       } else {
         run.gather_qmatmul_f16(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, threads);
       }
@@ -73,7 +76,8 @@ void GatherQMatmul::eval_cpu(
   } else {
     encoder.dispatch([=, sp = rows<float>(scale_bias, encoder)]() {
       if (dot) {
-        run.gather_qdot_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, precise, threads);
+        run.gather_qdot_f32(
+            xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, precise, buffer_rows, threads);
       } else {
         run.gather_qmatmul_f32(xp, ip, wp, sp, yp, T, J, E, N, K, bits, group, threads);
       }

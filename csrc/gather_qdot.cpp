@@ -1,7 +1,8 @@
 // The mixture-of-experts matmul on pack_dot's layout, per ISA variant: gather_qmatmul.cpp's
 // grouping by expert around the int8 dot-product kernel's work items (qdot_tiles.h). The
 // gathered rows of x are rounded to int8 per block once, on the calling thread, as qdot.cpp
-// rounds a dense matmul's.
+// rounds a dense matmul's. An expert with `buffer_rows` rows or more runs qmatmul's buffered
+// passes on this layout instead, as qdot.cpp's dense matmul does from there.
 
 #include "parallel.h"
 #include "qdot_tiles.h"
@@ -13,8 +14,18 @@ namespace MLXD_ISA {
 
 namespace {
 
+void buffered_item(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
+                   int N, int K, int bits, int group, int g, float* buf) {
+  buffered_dot_item_f32(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
+}
+
+void buffered_item(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                   int N, int K, int bits, int group, int g, float* buf) {
+  buffered_dot_item_f16(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
+}
+
 template <int BITS, int TERMS, typename S>
-void run(const Gather<S>& a) {
+void run(const Gather<S>& a, int buffer_rows) {
   const int pairs = a.T * a.J, blocks = a.K / BLOCK, items = a.N / GROUP;
   const Routing routing(a.idx, pairs, a.E);
   const int32_t* start = routing.start();
@@ -30,9 +41,17 @@ void run(const Gather<S>& a) {
   quantize_rows<TERMS>(xs.data(), routed, a.K, 1, x8, d, sum8);
   const int threads = a.threads;
   parallel_for(threads, int64_t(routing.selected) * items, [&](int64_t begin, int64_t end) {
+    Scratch buf(buffer_rows > 0 ? buffered_floats() : 0);
     for (int item = int(begin); item < int(end); ++item) {
       const int e = routing.active()[item / items], g = item % items, first = start[e];
       const int count = start[e + 1] - first;
+      if (buffer_rows > 0 && count >= buffer_rows) {
+        buffered_item(xs.data() + size_t(first) * a.K, a.weights(e, BITS), a.scales(e),
+                      ys.data() + size_t(first) * a.N, count, a.N, a.K, BITS,
+                      BLOCK << a.scale_shift, g, buf.data());
+        scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
+        continue;
+      }
       const size_t row = size_t(first) * TERMS;  // the expert's first int8 row
       const Problem<S> p{{x8 + row * a.K, d + row * blocks, sum8 + row * blocks},
                          a.weights(e, BITS),
@@ -51,12 +70,12 @@ void run(const Gather<S>& a) {
 template <typename S>
 void gather_qdot(const float* x, const int32_t* idx, const uint8_t* w, const S* scale_bias,
                  float* y, int T, int J, int E, int N, int K, int bits, int group, bool precise,
-                 int threads) {
+                 int buffer_rows, int threads) {
   const Gather<S> a{x, idx, w, scale_bias, y, T, J, E, N, K, scale_shift(group), threads};
   if (precise) {
-    bits == 4 ? run<4, 2, S>(a) : run<8, 2, S>(a);  // the op checked: 4 or 8
+    bits == 4 ? run<4, 2, S>(a, buffer_rows) : run<8, 2, S>(a, buffer_rows);  // 4 or 8
   } else {
-    bits == 4 ? run<4, 1, S>(a) : run<8, 1, S>(a);
+    bits == 4 ? run<4, 1, S>(a, buffer_rows) : run<8, 1, S>(a, buffer_rows);
   }
 }
 
@@ -64,14 +83,16 @@ void gather_qdot(const float* x, const int32_t* idx, const uint8_t* w, const S* 
 
 void gather_qdot_f32(const float* x, const int32_t* idx, const uint8_t* w,
                      const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                     int bits, int group, bool precise, int threads) {
-  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, precise, threads);
+                     int bits, int group, bool precise, int buffer_rows, int threads) {
+  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, precise, buffer_rows,
+              threads);
 }
 
 void gather_qdot_f16(const float* x, const int32_t* idx, const uint8_t* w,
                      const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                     int bits, int group, bool precise, int threads) {
-  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, precise, threads);
+                     int bits, int group, bool precise, int buffer_rows, int threads) {
+  gather_qdot(x, idx, w, scale_bias, y, T, J, E, N, K, bits, group, precise, buffer_rows,
+              threads);
 }
 
 }  // namespace MLXD_ISA

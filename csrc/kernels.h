@@ -54,13 +54,14 @@ struct Kernels {
   void (*gather_qmatmul_f16)(const float* x, const int32_t* idx, const uint8_t* w,
                              const uint16_t* scale_bias, float* y, int T, int J, int E, int N,
                              int K, int bits, int group, int threads);
-  // The same on pack_dot's layout by integer dot products (gather_qdot.cpp).
+  // The same on pack_dot's layout by integer dot products (gather_qdot.cpp); an expert with
+  // `buffer_rows` rows or more (0: none) by qmatmul's buffered passes, as qdot's.
   void (*gather_qdot_f32)(const float* x, const int32_t* idx, const uint8_t* w,
                           const float* scale_bias, float* y, int T, int J, int E, int N, int K,
-                          int bits, int group, bool precise, int threads);
+                          int bits, int group, bool precise, int buffer_rows, int threads);
   void (*gather_qdot_f16)(const float* x, const int32_t* idx, const uint8_t* w,
                           const uint16_t* scale_bias, float* y, int T, int J, int E, int N, int K,
-                          int bits, int group, bool precise, int threads);
+                          int bits, int group, bool precise, int buffer_rows, int threads);
   // tokens[r] drawn from row r of logits [rows, V] (sampling_kernel.cpp): among the tokens of
   // the untempered distribution's top_p[r] nucleus (mlx-lm's rule; all at 1), with weights
   // e^((x - max) · inv_temperature[r]), the first in index order whose cumulative weight

@@ -109,6 +109,26 @@ def test_gather_qdot_on_each_isa_equals_its_rounding_of_x(kernel_isa: str, exper
             _assert_close(np.array(got), reference[:tokens], what)
 
 
+def test_gather_qdot_runs_an_experts_many_rows_by_the_buffered_passes(kernel_isa: str, experts):
+    """`set_dot_buffer_rows`: the experts with that many rows or more give the float layout's
+    very floats (their weights dequantized into the same buffer), the others the int8
+    rounding of x. The threshold is the busiest expert's row count here."""
+    for (bits, group_size), (packed, x, indices, _, _, dot, reference) in experts.items():
+        routed = np.array(indices)
+        counts = np.bincount(routed.ravel())
+        many = counts[routed] >= counts.max()  # [T, J]: the pairs of the busiest experts
+        assert many.any() and not many.all()
+        kernels.set_dot_buffer_rows(int(counts.max()))
+        try:
+            got = np.array(kernels.gather_qmatmul(x, indices, dot))  # evaluated here
+        finally:
+            kernels.set_dot_buffer_rows(0)
+        float_layout = np.array(kernels.gather_qmatmul(x, indices, packed))
+        what = (kernel_isa, bits, group_size, int(counts.max()))
+        assert np.array_equal(got[many], float_layout[many]), what
+        _assert_close(got[~many], reference[~many], what)
+
+
 def test_gather_qmatmul_takes_one_index_per_row_and_zeroes_unknown_experts():
     if not kernels.available():
         pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
