@@ -224,9 +224,32 @@ inline void weigh_values(
   }
 }
 
-// The scores of ROWS query rows against kv head hk's first `most` keys as stored (not
-// transposed: a decode step's few rows per kv head would not repay a copy of every key): each
-// key read once for all the rows, a horizontal sum per row and key. D a multiple of W.
+// The scores of ROWS query rows against kv head hk's first `most` keys transposed (kt, by
+// transpose_keys): W keys a vector, so no horizontal sums.
+template <int ROWS, typename KV>
+void transposed_scores(
+    const Args<KV>& a, const float (&qscaled)[ROWS][MAX_HEAD_DIM], const float* kt, int b,
+    int hk, int most, float* sc) {
+  const int padded = a.padded(), D = a.D;
+  const float* kth = kt + (size_t(b) * a.Hkv + hk) * padded * D;
+  for (int blk = 0; blk < (most + W - 1) / W; ++blk) {
+    const float* kblock = kth + size_t(blk) * D * W;
+    vf s[ROWS] = {};
+    for (int d = 0; d < D; ++d) {
+      const vf kd = load(kblock + d * W);
+      for (int r = 0; r < ROWS; ++r) {
+        s[r] += qscaled[r][d] * kd;
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      store(sc + size_t(r) * padded + blk * W, s[r]);
+    }
+  }
+}
+
+// The same against the keys as stored (not transposed: a decode step's few rows per kv head
+// would not repay a copy of every key): each key read once for all the rows, a horizontal sum
+// per row and key. D a multiple of W.
 template <int ROWS, typename KV>
 void group_scores(
     const Args<KV>& a, const float (&qscaled)[ROWS][MAX_HEAD_DIM], int b, int hk, int most,
@@ -268,21 +291,9 @@ void attend_tile(const Args<KV>& a, const float* kt, int b, int hk, int r0, floa
       qscaled[r][d] = qi[d] * a.scale;
     }
   }
-  const float* kth = kt + (size_t(b) * a.Hkv + hk) * padded * D;
-  for (int blk = 0; kt != nullptr && blk < (most + W - 1) / W; ++blk) {
-    const float* kblock = kth + size_t(blk) * D * W;
-    vf s[ROWS] = {};
-    for (int d = 0; d < D; ++d) {
-      const vf kd = load(kblock + d * W);
-      for (int r = 0; r < ROWS; ++r) {
-        s[r] += qscaled[r][d] * kd;
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      store(sc + size_t(r) * padded + blk * W, s[r]);
-    }
-  }
-  if (kt == nullptr) {
+  if (kt != nullptr) {
+    transposed_scores<ROWS>(a, qscaled, kt, b, hk, most, sc);
+  } else {
     group_scores<ROWS>(a, qscaled, b, hk, most, sc);
   }
   float inv[ROWS];

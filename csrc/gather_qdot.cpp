@@ -14,16 +14,6 @@ namespace MLXD_ISA {
 
 namespace {
 
-void buffered_item(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
-                   int N, int K, int bits, int group, int g, float* buf) {
-  buffered_dot_item_f32(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
-}
-
-void buffered_item(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
-                   int N, int K, int bits, int group, int g, float* buf) {
-  buffered_dot_item_f16(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
-}
-
 template <int BITS, int TERMS, typename S>
 void run(const Gather<S>& a, int buffer_rows) {
   const int pairs = a.T * a.J, blocks = a.K / BLOCK, items = a.N / GROUP;
@@ -46,9 +36,9 @@ void run(const Gather<S>& a, int buffer_rows) {
       const int e = routing.active()[item / items], g = item % items, first = start[e];
       const int count = start[e + 1] - first;
       if (buffer_rows > 0 && count >= buffer_rows) {
-        buffered_item(xs.data() + size_t(first) * a.K, a.weights(e, BITS), a.scales(e),
-                      ys.data() + size_t(first) * a.N, count, a.N, a.K, BITS,
-                      BLOCK << a.scale_shift, g, buf.data());
+        buffered_dot_item(xs.data() + size_t(first) * a.K, a.weights(e, BITS), a.scales(e),
+                          ys.data() + size_t(first) * a.N, count, a.N, a.K, BITS,
+                          BLOCK << a.scale_shift, g, buf.data());
         scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
         continue;
       }

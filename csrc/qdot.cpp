@@ -57,18 +57,8 @@ void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M
 
 // Where the float path's buffered passes beat the integer dot products (AVX2 from 32 rows:
 // precise's two terms take two vpmaddubsw per 32 products, where a buffered pass loads a
-// weight vector once for six rows), the weights are dequantized from this layout into them:
-// models/cpu_path.py decides from the load's timings.
-void buffered_dot(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
-                  int N, int K, int bits, int group, int threads) {
-  buffered_dot_f32(x, w, scale_bias, y, M, N, K, bits, group, threads);
-}
-
-void buffered_dot(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
-                  int N, int K, int bits, int group, int threads) {
-  buffered_dot_f16(x, w, scale_bias, y, M, N, K, bits, group, threads);
-}
-
+// weight vector once for six rows), the weights are dequantized from this layout into them
+// (`buffered_dot`): models/cpu_path.py decides from the load's timings.
 template <typename S>
 void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
           int bits, int group, bool precise, int buffer_rows, int threads) {

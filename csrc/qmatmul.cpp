@@ -67,8 +67,8 @@ void qmatmul(const float* x, const uint8_t* w, const S* scale_bias, float* y, in
 // One work item (GROUP output rows) of the buffered passes on pack_dot's layout, on the
 // calling thread: a mixture of experts' expert with many rows (gather_qdot.cpp).
 template <typename S>
-void buffered_dot_item(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M,
-                       int N, int K, int bits, int group, int g, float* buf) {
+void dot_layout_item(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M,
+                     int N, int K, int bits, int group, int g, float* buf) {
   const Problem<S> p{x, w, scale_bias, y, M, N, K, scale_shift(group), 1};
   if (bits == 4) {
     buffered_item<4, TILES, S, true>(p, buf, g);
@@ -89,13 +89,13 @@ void qmatmul_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, f
   qmatmul(x, w, scale_bias, y, M, N, K, bits, group, threads);
 }
 
-void buffered_dot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y,
-                      int M, int N, int K, int bits, int group, int threads) {
+void buffered_dot(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
+                  int N, int K, int bits, int group, int threads) {
   qmatmul<float, true>(x, w, scale_bias, y, M, N, K, bits, group, threads);
 }
 
-void buffered_dot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
-                      int M, int N, int K, int bits, int group, int threads) {
+void buffered_dot(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                  int N, int K, int bits, int group, int threads) {
   qmatmul<uint16_t, true>(x, w, scale_bias, y, M, N, K, bits, group, threads);
 }
 
@@ -103,14 +103,14 @@ int buffered_floats() {
   return BUFFER_FLOATS;
 }
 
-void buffered_dot_item_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y,
-                           int M, int N, int K, int bits, int group, int g, float* buf) {
-  buffered_dot_item(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
+void buffered_dot_item(const float* x, const uint8_t* w, const float* scale_bias, float* y,
+                       int M, int N, int K, int bits, int group, int g, float* buf) {
+  dot_layout_item(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
 }
 
-void buffered_dot_item_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias,
-                           float* y, int M, int N, int K, int bits, int group, int g, float* buf) {
-  buffered_dot_item(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
+void buffered_dot_item(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
+                       int M, int N, int K, int bits, int group, int g, float* buf) {
+  dot_layout_item(x, w, scale_bias, y, M, N, K, bits, group, g, buf);
 }
 
 }  // namespace MLXD_ISA

@@ -19,18 +19,19 @@ void qdot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* 
               int K, int bits, int group, bool precise, int buffer_rows, int threads);
 void qdot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M, int N,
               int K, int bits, int group, bool precise, int buffer_rows, int threads);
-// qmatmul's buffered passes on pack_dot's layout, x not rounded (qdot's from `buffer_rows`).
-void buffered_dot_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y,
-                      int M, int N, int K, int bits, int group, int threads);
-void buffered_dot_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
-                      int M, int N, int K, int bits, int group, int threads);
+// qmatmul's buffered passes on pack_dot's layout, x not rounded (qdot's from `buffer_rows`;
+// overloads by the scales' type, as qdot's callers are templates over it: not in the table).
+void buffered_dot(const float* x, const uint8_t* w, const float* scale_bias, float* y, int M,
+                  int N, int K, int bits, int group, int threads);
+void buffered_dot(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y, int M,
+                  int N, int K, int bits, int group, int threads);
 // The same for work item g (16 output rows) alone, on the calling thread, with its chunk
 // buffer `buf` of buffered_floats() floats (gather_qdot's experts from `buffer_rows`).
 int buffered_floats();
-void buffered_dot_item_f32(const float* x, const uint8_t* w, const float* scale_bias, float* y,
-                           int M, int N, int K, int bits, int group, int g, float* buf);
-void buffered_dot_item_f16(const float* x, const uint8_t* w, const uint16_t* scale_bias,
-                           float* y, int M, int N, int K, int bits, int group, int g, float* buf);
+void buffered_dot_item(const float* x, const uint8_t* w, const float* scale_bias, float* y,
+                       int M, int N, int K, int bits, int group, int g, float* buf);
+void buffered_dot_item(const float* x, const uint8_t* w, const uint16_t* scale_bias, float* y,
+                       int M, int N, int K, int bits, int group, int g, float* buf);
 extern const bool integer_dot;
 void attention(const AttentionArgs& args, int threads);
 void rms_norm(const float* x, const float* weight, float* y, size_t rows, int D, float eps);
