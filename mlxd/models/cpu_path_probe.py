@@ -4,7 +4,11 @@ the `Timings` out on stdout), importing no more than the kernels and MLX (the wo
 and mlx-lm's, ≈1 s, are not needed here).
 
 The shapes come from the safetensors headers alone: one decoder layer's quantized matmuls and
-the output head. Weights and inputs are random (speed does not depend on the values). A phase's
+the output head. Weights and inputs are random (speed does not depend on the values). A
+mixture of experts' stacks run the model's gather, each of a phase's rows routed to its top k
+experts drawn uniformly: at a decode step an expert gets a few rows, not all of them (timed
+as one dense matrix of every expert, a Qwen3-30B-A3B shape's one-row step came out 5–12x its
+gather's figure, 128 experts and top 8). A phase's
 figure is a whole-model step estimate: layers × one layer's matmuls, plus the head for decode
 (a prefill chunk projects only its last positions). The head is timed over at most
 `HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
@@ -39,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Literal, cast
 
 import mlx.core as mx
@@ -47,6 +52,7 @@ from mlxd import kernels
 from mlxd.models.cpu_path import Phases, Timings
 
 Shape = tuple[int, int, int, int]  # out, in, group size, bits (as MLX stores them)
+Experts = tuple[int, int, int, int, int]  # a stack of experts: how many, then each one's Shape
 Layout = Literal["dot", "float", "float32"]  # packed as int8 dot products, packed, BLAS
 HEAD_ROWS = 8192
 REPEATS = 3
@@ -60,25 +66,29 @@ class ModelShapes:
     layer: tuple[Shape, ...]  # one decoder layer's quantized matmuls
     head: Shape | None  # the output projection (lm_head, or the tied embedding), if quantized
     layers: int
+    experts: tuple[Experts, ...] = ()  # one decoder layer's stacks of experts
+    experts_per_token: int = 0  # their top k (0: unknown, then every expert)
 
     @property
     def parameters(self) -> int:
         """The weights of these matmuls: the model's size as the kernels see it."""
-        per_layer = sum(out * inputs for out, inputs, _, _ in self.layer)
+        dense = sum(out * inputs for out, inputs, _, _ in self.layer)
+        stacks = sum(count * out * inputs for count, out, inputs, _, _ in self.experts)
         head = self.head[0] * self.head[1] if self.head else 0
-        return self.layers * per_layer + head
+        return self.layers * (dense + stacks) + head
 
 
 @dataclass
 class _Matrix:
     packed: kernels.Packed
     dot: kernels.Packed | None  # pack_dot's, where the kernels have integer dot products
-    dense: mx.array | None  # float32 [out, in], where float32 is timed
+    dense: mx.array | None  # float32 [out, in], where float32 is timed (never for experts)
     scale: float  # time multiplier (a head timed over a slice of its rows)
+    per_token: int = 0  # a stack of experts: each row of x routed to this many of them
 
     @property
     def inputs(self) -> int:
-        return int(self.packed.shape[1])
+        return int(self.packed.shape[-1])
 
 
 def _matrix(shape: Shape, precise: bool, float32: bool) -> _Matrix:
@@ -95,6 +105,28 @@ def _matrix(shape: Shape, precise: bool, float32: bool) -> _Matrix:
     if kernels.integer_dot():
         dot = kernels.pack_dot(weight, scales, biases, group, bits, precise=precise)
     return _Matrix(packed, dot, dense, out / rows)
+
+
+def _stack(experts: Experts, per_token: int, precise: bool) -> _Matrix:
+    """A stack of experts as the loader packs it: no float32 copy under any plan
+    (models/packed.py), so a "float32" pass runs it packed too."""
+    count, out, in_dims, group, stored_bits = experts
+    bits = kernels.KERNEL_BITS[stored_bits]
+    weight, scales, biases = (
+        a.reshape(count, out, -1) for a in _arbitrary_quantized(count * out, in_dims, group, bits)
+    )
+    packed = kernels.pack_experts(weight, scales, biases, group, bits)
+    dot = None
+    if kernels.integer_dot():
+        dot = kernels.pack_experts(weight, scales, biases, group, bits, dot=True, precise=precise)
+    return _Matrix(packed, dot, None, 1.0, min(per_token or count, count))
+
+
+def _routes(rows: int, experts: int, per_token: int) -> mx.array:
+    """Each of `rows` tokens routed to `per_token` distinct experts, uniformly (a fixed draw:
+    the same routes for every layout)."""
+    draw = mx.random.uniform(shape=(rows, experts), key=mx.random.key(rows))
+    return mx.argsort(draw, axis=-1)[:, :per_token].astype(mx.uint32)
 
 
 def _arbitrary_quantized(
@@ -135,11 +167,24 @@ def _best_ms(
 def _pass(
     group: list[_Matrix], inputs: dict[int, mx.array], layout: Layout
 ) -> Callable[[], list[mx.array]]:
-    """One pass of `group`'s matmuls over `inputs` (by input width) in `layout`."""
-    if layout == "float32":
-        return lambda: [inputs[m.inputs] @ cast(mx.array, m.dense).T for m in group]
-    packed = [m.dot if layout == "dot" and m.dot else m.packed for m in group]
-    return lambda: [kernels.qmatmul(inputs[p.shape[1]], p) for p in packed]
+    """One pass of `group`'s matmuls over `inputs` (by input width) in `layout`; a stack of
+    experts as the model's gather runs it, each row of x through its routed experts."""
+    rows = next(iter(inputs.values())).shape[0]
+    calls: list[Callable[[], mx.array]] = []
+    for m in group:
+        x = inputs[m.inputs]
+        if m.per_token:
+            packed = m.dot if layout == "dot" and m.dot else m.packed
+            routes = _routes(rows, int(packed.weight.shape[0]), m.per_token)
+            mx.eval(routes)
+            calls.append(partial(kernels.gather_qmatmul, x, routes, packed))
+        elif layout == "float32":
+            calls.append(partial(mx.matmul, x, cast(mx.array, m.dense).T))
+        else:
+            calls.append(
+                partial(kernels.qmatmul, x, m.dot if layout == "dot" and m.dot else m.packed)
+            )
+    return lambda: [call() for call in calls]
 
 
 def _time(
@@ -180,6 +225,7 @@ def time_paths(
     with the head's share of both packed layouts on every core (each part takes its faster).
     Without `float32` (it does not fit) only the packed layouts, on every core."""
     layer = [_matrix(s, precise, float32) for s in shapes.layer]
+    layer += [_stack(e, shapes.experts_per_token, precise) for e in shapes.experts]
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
     # Per part ("layer", "head") and phase: the slowest packed layout's best ms (float32 is
@@ -236,6 +282,8 @@ def main() -> None:
         tuple(tuple(s) for s in raw["layer"]),
         tuple(raw["head"]) if raw["head"] else None,
         raw["layers"],
+        tuple(tuple(e) for e in raw["experts"]),
+        raw["experts_per_token"],
     )
     phases = Phases(args["phases"]["prefill"], tuple(args["phases"]["decode"]))
     timings = time_paths(shapes, phases, args["precise"], args["float32"])

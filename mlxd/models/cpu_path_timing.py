@@ -59,13 +59,23 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
     if not layer_of:
         return None
     first = min(layer_of.values(), key=int)
-    layer = tuple(modules[name] for name in sorted(layer_of) if layer_of[name] == first)
+    layer, experts = [], []
+    for name in sorted(layer_of):
+        if layer_of[name] != first:
+            continue
+        stored = read.tensors[f"{name}.weight"]["shape"]
+        if len(stored) == 3:  # a stack of experts, [E, out, in]: its shape counts E x out rows
+            rows, inputs, group, bits = modules[name]
+            experts.append((stored[0], rows // stored[0], inputs, group, bits))
+        else:
+            layer.append(modules[name])
     heads = [name for name in modules if is_lm_head(name)]
     if not has_own_head(name.rpartition(".")[0] for name in read.tensors):
         # Tied: the embedding table is the head (untied beside a float lm_head: none packed).
         heads = [name for name in modules if name.endswith("embed_tokens")]
     head = modules[heads[0]] if heads else None
-    return ModelShapes(layer, head, len(set(layer_of.values())))
+    per_token = (read.experts_per_token or 0) if experts else 0
+    return ModelShapes(tuple(layer), head, len(set(layer_of.values())), tuple(experts), per_token)
 
 
 def identity(
@@ -83,7 +93,10 @@ def identity(
         "blas": [os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_CORETYPE")],
         "threads": len(os.sched_getaffinity(0)),
         "mlx": importlib.metadata.version("mlx"),
-        "shapes": [list(shapes.layer), shapes.head, shapes.layers],
+        # (a mixture of experts' stacks and top k only where there are some: the keys of
+        # dense models' timings stay as they were)
+        "shapes": [list(shapes.layer), shapes.head, shapes.layers]
+        + ([list(shapes.experts), shapes.experts_per_token] if shapes.experts else []),
         "phases": list(phases.rows),
         "precise": precise,
         "float32": float32,

@@ -33,19 +33,22 @@ _MAX_HEADER = 100_000_000
 @dataclass(frozen=True)
 class Headers:
     """What the estimates read of a model's weights, none of them loaded: each tensor's
-    safetensors header entry (dtype, shape, data_offsets) by name, and mlx-lm's quantization
-    config. A model directory's come from its files (`headers`); a GGUF's from its own header,
-    as its conversion will write them (models/sizing.py)."""
+    safetensors header entry (dtype, shape, data_offsets) by name, mlx-lm's quantization
+    config, and for a mixture of experts how many experts each token is routed to (None where
+    the config does not say). A model directory's come from its files (`headers`); a GGUF's
+    from its own header, as its conversion will write them (models/sizing.py)."""
 
     tensors: dict[str, dict[str, Any]]
     quantization: dict[str, Any]
+    experts_per_token: int | None = None
 
 
 def headers(source: Path | Headers) -> Headers:
     """The headers of the model directory `source` (or `source` itself, already read)."""
     if isinstance(source, Headers):
         return source
-    return Headers(_tensors(Path(source)), _quantization(Path(source)))
+    config = _config(Path(source))
+    return Headers(_tensors(Path(source)), _quantization(config), _experts_per_token(config))
 
 
 def _read_header(path: Path) -> dict[str, dict[str, Any]]:
@@ -73,16 +76,30 @@ def _read_header(path: Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def _quantization(model_dir: Path) -> dict[str, Any]:
-    """The mlx-lm quantization config of the model dir, or {} when the weights are not quantized."""
+def _config(model_dir: Path) -> dict[str, Any]:
+    """The model dir's config.json, or {} where it has none."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except FileNotFoundError:
         return {}  # load_llm reports the missing config; the weights still have a size
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    return config if isinstance(config, dict) else {}
+
+
+def _quantization(config: dict[str, Any]) -> dict[str, Any]:
+    """The mlx-lm quantization config, or {} when the weights are not quantized."""
     quant = config.get("quantization") or config.get("quantization_config") or {}
     return quant if isinstance(quant, dict) else {}
+
+
+def _experts_per_token(config: dict[str, Any]) -> int | None:
+    """A mixture of experts' top k, as transformers names it (a multimodal model's text part
+    in `text_config`), or None."""
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict) and isinstance(k := part.get("num_experts_per_tok"), int):
+            return k
+    return None
 
 
 def _quantized_modules(

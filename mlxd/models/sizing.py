@@ -112,7 +112,9 @@ def gguf_headers(gguf: GGUFFile) -> Headers:
         tensors[f"{module}.weight"] = _entry("U32", [*rows, columns * bits // 32], 4)
         tensors[f"{module}.scales"] = _entry(scales, groups, _ITEMSIZES[scales])
         tensors[f"{module}.biases"] = _entry(scales, groups, _ITEMSIZES[scales])
-    return Headers(tensors, {"group_size": GROUP_SIZE})
+    family = gguf.metadata.get("general.architecture")
+    top_k = gguf.metadata.get(f"{family}.expert_used_count")  # config.json's num_experts_per_tok
+    return Headers(tensors, {"group_size": GROUP_SIZE}, top_k if isinstance(top_k, int) else None)
 
 
 def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:

@@ -594,6 +594,63 @@ def test_time_paths_without_float32_times_the_packed_layouts_alone():
     assert len(timings.packed_dot) == (4 if kernels.integer_dot() else 0)
 
 
+def test_experts_are_timed_through_the_gather_each_row_routed_to_its_top_k(monkeypatch):
+    """A stack of experts runs as the model runs it at each phase: every row of x through k
+    distinct experts (not as one dense matrix of all of them), in each layout and, under the
+    float32 plan, still packed (the loader keeps no float32 copy of experts)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxd import kernels
+    from mlxd.models import cpu_path_probe
+    from mlxd.models.cpu_path_probe import ModelShapes
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    gathers: list[tuple[int, np.ndarray, bool]] = []
+    gather = kernels.gather_qmatmul
+
+    def recorded(x: mx.array, indices: mx.array, experts: kernels.Packed) -> mx.array:
+        assert experts.shape == (64, 96) and experts.weight.shape[0] == 8
+        gathers.append((x.shape[0], np.array(indices), experts.dot))
+        return gather(x, indices, experts)
+
+    monkeypatch.setattr(kernels, "gather_qmatmul", recorded)
+    shapes = ModelShapes(
+        layer=((64, 64, 32, 4),),
+        head=None,
+        layers=2,
+        experts=((8, 64, 96, 32, 4),),
+        experts_per_token=2,
+    )
+    timings = cpu_path_probe.time_paths(shapes, Phases(prefill=16))  # in this process
+    assert len(timings.float32) == 4 and all(ms > 0 for ms in timings.float32)
+    assert {rows for rows, _, _ in gathers} == {1, 8, 32, 16}
+    for rows, routes, _ in gathers:
+        assert routes.shape == (rows, 2) and routes.max() < 8
+        assert all(len(set(row)) == 2 for row in routes.tolist())
+    assert {dot for *_, dot in gathers} == ({False, True} if kernels.integer_dot() else {False})
+
+
+def test_an_experts_top_k_unknown_routes_every_row_through_every_expert(monkeypatch):
+    from mlxd import kernels
+    from mlxd.models import cpu_path_probe
+    from mlxd.models.cpu_path_probe import ModelShapes
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    widths: list[int] = []
+    gather = kernels.gather_qmatmul
+    monkeypatch.setattr(
+        kernels,
+        "gather_qmatmul",
+        lambda x, indices, experts: widths.append(indices.shape[1]) or gather(x, indices, experts),
+    )
+    shapes = ModelShapes(layer=(), head=None, layers=1, experts=((4, 32, 64, 32, 8),))
+    cpu_path_probe.time_paths(shapes, Phases(prefill=16), float32=False)
+    assert widths and set(widths) == {4}
+
+
 def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
     from mlxd.config import ModelConfig, ServerConfig
     from mlxd.models import cpu_path_timing

@@ -57,7 +57,19 @@ def test_a_ggufs_header_gives_its_conversions_shapes_and_bytes(
     model_dir = resolve_source(str(tmp_path / "tiny.gguf"), model_name="tiny", cache_dir=tmp_path)
     header = gguf_headers(GGUFFile(tmp_path / "tiny.gguf"))
     assert quantized_shapes(header) == quantized_shapes(model_dir)
-    assert model_shapes(header) == model_shapes(model_dir) is not None
+    shapes = model_shapes(header)
+    assert shapes == model_shapes(model_dir) is not None
+    if model_type == "qwen3_moe":  # each stack [E, out, in] apart, with the config's top k
+        assert shapes.experts_per_token == config["num_experts_per_tok"] == 2
+        experts, moe, hidden = config["num_experts"], config["moe_intermediate_size"], 256
+        assert sorted(e[:3] for e in shapes.experts) == [
+            (experts, hidden, moe),
+            (experts, moe, hidden),
+            (experts, moe, hidden),
+        ]
+        assert all(out != experts * moe for out, *_ in shapes.layer)
+    else:
+        assert shapes.experts == () and shapes.experts_per_token == 0
     assert packed_weight_bytes(header) == packed_weight_bytes(model_dir)
     for dtype in ("auto", "float32", "keep"):
         assert estimate_weight_bytes(header, dtype) == estimate_weight_bytes(model_dir, dtype)
