@@ -52,6 +52,7 @@ if __package__ in (None, ""):
 import httpx2 as httpx  # noqa: E402
 import psutil  # noqa: E402
 
+from benchmarks import held_isa  # noqa: E402
 from benchmarks.compare import (  # noqa: E402
     LLAMA_SLOT_TOKENS,
     MODEL_NAME,
@@ -407,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         "mlxd-mlx-int8 (default: the first three)",
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
+    parser.add_argument(
+        "--isa",
+        choices=held_isa.ISAS,
+        default=None,
+        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py: a stand-in for a "
+        "CPU without AVX-512)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
     parser.add_argument(
         "--restarts",
@@ -430,10 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    binary = find_llama_server(args.llama_server)
-    if binary is None or not (quantizer := binary.parent / "llama-quantize").exists():
+    found = find_llama_server(args.llama_server)
+    if found is None or not (quantizer := found.parent / "llama-quantize").exists():
         print("no llama-server and llama-quantize (../shared/tools/build-llama-server)")
         return 1
+    if args.isa:
+        held_isa.hold_mlxd_to(args.isa)
+    binary = held_isa.held_llama_server(args.isa, args.llama_server, found)
+    assert binary is not None  # `found` was
     gguf, mlx_dir = prepare(args, quantizer)
     logs = args.workdir / "runs"
     logs.mkdir(exist_ok=True)
