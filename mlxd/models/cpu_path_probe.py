@@ -7,7 +7,7 @@ The shapes come from the safetensors headers alone: one decoder layer's quantize
 the output head. Weights and inputs are random (speed does not depend on the values). A
 mixture of experts' stacks run the model's gather, each of a phase's rows routed to its top k
 experts drawn uniformly: at a decode step an expert gets a few rows, not all of them (timed
-as one dense matrix of every expert, a Qwen3-30B-A3B shape's one-row step came out 5–12x its
+as one dense matrix of every expert, a Qwen3-30B-A3B shape's one-row step came out 6–12x its
 gather's figure, 128 experts and top 8). A phase's
 figure is a whole-model step estimate: layers × one layer's matmuls, plus the head for decode
 (a prefill chunk projects only its last positions). The head is timed over at most
