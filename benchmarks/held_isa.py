@@ -1,11 +1,11 @@
 """Both servers held to AVX2 on a CPU that has more: a stand-in for the AVX2-only CPUs most home
 labs own (AMD Zen 2/3, Intel's consumer parts) when the machine at hand has AVX-512.
 
-`--isa avx2` (benchmarks.compare, benchmarks.prefix_cache): mlxd runs its kernels' `avx2`
-variant (MLXD_KERNELS_ISA, in the servers' environment and this process's, so the printed
-machine line says so) and OpenBLAS its Haswell kernels (what it picks on an AVX2-only CPU),
-and llama.cpp a build of the same source with AVX2, FMA, F16C and BMI2
-and without AVX-512 or AVX-VNNI, made once beside ../shared/tools/build-llama-server's native
+`--isa avx2` (benchmarks.compare, benchmarks.prefix_cache, benchmarks.real_shapes): mlxd runs
+its kernels' `avx2` variant (MLXD_KERNELS_ISA, in the servers' environment and this process's,
+so the printed machine line says so) and OpenBLAS its Haswell kernels (what it picks on an
+AVX2-only CPU), and llama.cpp a build of the same source with AVX2, FMA, F16C and BMI2 and
+without AVX-512 or AVX-VNNI, made once beside ../shared/tools/build-llama-server's native
 build (`build-avx2`, about 10 minutes on 2 cores). An explicit `--llama-server` is taken as the
 AVX2 build. mlx_lm.server (the `baseline` peer) is not held: MLX's own CPU code is built for
 the machine it runs on. The CPU still brings its own memory and caches: the stand-in shows

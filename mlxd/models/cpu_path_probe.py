@@ -8,7 +8,8 @@ the output head. Weights and inputs are random (speed does not depend on the val
 mixture of experts' stacks run the model's gather, each of a phase's rows routed to its top k
 experts drawn uniformly: at a decode step an expert gets a few rows, not all of them (timed
 as one dense matrix of every expert, a Qwen3-30B-A3B shape's one-row step came out 6–12x its
-gather's figure, 128 experts and top 8). A phase's
+gather's figure, 128 experts and top 8), and a layer with experts is timed over the whole
+prefill chunk (an expert's rows are its share of the chunk's). A phase's
 figure is a whole-model step estimate: layers × one layer's matmuls, plus the head for decode
 (a prefill chunk projects only its last positions). The head is timed over at most
 `HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
@@ -237,7 +238,9 @@ def time_paths(
     def part(name: str, matrices: list[_Matrix], phase: int, layouts: list[Layout]) -> list[float]:
         rows = phases.rows[phase]
         prefill = phase == len(phases.rows) - 1
-        timed = min(rows, PREFILL_ROWS) if prefill else rows
+        # A stack of experts takes the whole chunk: each expert's share of it is its rows.
+        whole = not prefill or any(m.per_token for m in matrices)
+        timed = rows if whole else min(rows, PREFILL_ROWS)
         key = (name, phase)
         float32 = layouts == ["float32"]
         give_up = GIVE_UP * packed_best.get(key, math.inf) if float32 else math.inf

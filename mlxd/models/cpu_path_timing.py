@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.models.cpu_path import Choice, Phases, Timings, decide, precise_activations
 from mlxd.models.cpu_path_cache import UNSTEADY, TimingCache, pace_ms
-from mlxd.models.cpu_path_probe import ModelShapes
+from mlxd.models.cpu_path_probe import Experts, ModelShapes, Shape
 from mlxd.models.estimate import (
     Headers,
     estimate_weight_bytes,
@@ -48,34 +49,43 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def model_shapes(source: Path | Headers) -> ModelShapes | None:
     """The model's packable matmul shapes (of a model directory, or headers already read), or
     None when its headers show no such decoder layer (the layers the kernels do not take run
-    float32 on both paths: nothing to compare)."""
+    float32 on both paths: nothing to compare). The layer timed is the most common one: a
+    mixture of experts with a few dense layers first (DeepSeek's `first_k_dense_replace`,
+    Qwen3-MoE's `mlp_only_layers`) is timed as its expert layers."""
     read = headers(source)
-    modules = {
-        name: shape
-        for name, shape in quantized_shapes(read).items()
-        if why_not_packable(shape[0], shape[2], shape[3]) is None
-    }
-    layer_of = {name: m.group(1) for name in modules if (m := _LAYER.search(name))}
-    if not layer_of:
-        return None
-    first = min(layer_of.values(), key=int)
-    layer, experts = [], []
-    for name in sorted(layer_of):
-        if layer_of[name] != first:
-            continue
+    modules: dict[str, Shape] = {}
+    stacks: dict[str, int] = {}  # experts per stack [E, out, in], whose shape counts E x out rows
+    for name, (rows, inputs, group, bits) in quantized_shapes(read).items():
         stored = read.tensors[f"{name}.weight"]["shape"]
-        if len(stored) == 3:  # a stack of experts, [E, out, in]: its shape counts E x out rows
-            rows, inputs, group, bits = modules[name]
-            experts.append((stored[0], rows // stored[0], inputs, group, bits))
+        count = stored[0] if len(stored) == 3 else 1
+        if why_not_packable(rows // count, group, bits) is None:
+            modules[name] = (rows // count, inputs, group, bits)
+            if len(stored) == 3:
+                stacks[name] = count
+    layers: dict[int, dict[str, str]] = {}  # by index, each matmul's full name by its own
+    for name in modules:
+        if found := _LAYER.search(name):
+            layers.setdefault(int(found.group(1)), {})[name[found.end() :]] = name
+    if not layers:
+        return None
+    kinds = Counter(
+        tuple((part, modules[name], stacks.get(name, 1)) for part, name in sorted(parts.items()))
+        for _, parts in sorted(layers.items())
+    )
+    dense: list[Shape] = []
+    experts: list[Experts] = []
+    for _, shape, count in kinds.most_common(1)[0][0]:  # the first layer of that kind on ties
+        if count > 1:
+            experts.append((count, *shape))
         else:
-            layer.append(modules[name])
+            dense.append(shape)
     heads = [name for name in modules if is_lm_head(name)]
     if not has_own_head(name.rpartition(".")[0] for name in read.tensors):
         # Tied: the embedding table is the head (untied beside a float lm_head: none packed).
         heads = [name for name in modules if name.endswith("embed_tokens")]
     head = modules[heads[0]] if heads else None
     per_token = (read.experts_per_token or 0) if experts else 0
-    return ModelShapes(tuple(layer), head, len(set(layer_of.values())), tuple(experts), per_token)
+    return ModelShapes(tuple(dense), head, len(layers), tuple(experts), per_token)
 
 
 def identity(

@@ -93,12 +93,18 @@ def _quantization(config: dict[str, Any]) -> dict[str, Any]:
     return quant if isinstance(quant, dict) else {}
 
 
+# A mixture of experts' top k in config.json, by family: most, then DBRX (in `ffn_config`),
+# ERNIE 4.5, Hunyuan; a multimodal model's text part in `text_config`.
+_TOP_K = ("num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk")
+
+
 def _experts_per_token(config: dict[str, Any]) -> int | None:
-    """A mixture of experts' top k, as transformers names it (a multimodal model's text part
-    in `text_config`), or None."""
-    for part in (config, config.get("text_config")):
-        if isinstance(part, dict) and isinstance(k := part.get("num_experts_per_tok"), int):
-            return k
+    """A mixture of experts' top k, or None where the config does not say."""
+    parts = (config, config.get("text_config"), config.get("ffn_config"))
+    for part in (p for p in parts if isinstance(p, dict)):
+        for key in _TOP_K:
+            if isinstance(k := part.get(key), int) and k > 0:
+                return k
     return None
 
 

@@ -616,6 +616,14 @@ def test_experts_are_timed_through_the_gather_each_row_routed_to_its_top_k(monke
         return gather(x, indices, experts)
 
     monkeypatch.setattr(kernels, "gather_qmatmul", recorded)
+    passes: list[tuple[str, bool]] = []
+    make_pass = cpu_path_probe._pass
+
+    def spied(group: list, inputs: dict, layout: str):
+        passes.append((layout, any(m.per_token for m in group)))
+        return make_pass(group, inputs, layout)
+
+    monkeypatch.setattr(cpu_path_probe, "_pass", spied)
     shapes = ModelShapes(
         layer=((64, 64, 32, 4),),
         head=None,
@@ -623,9 +631,14 @@ def test_experts_are_timed_through_the_gather_each_row_routed_to_its_top_k(monke
         experts=((8, 64, 96, 32, 4),),
         experts_per_token=2,
     )
-    timings = cpu_path_probe.time_paths(shapes, Phases(prefill=16))  # in this process
+    # A prefill chunk over PREFILL_ROWS: a layer with experts is timed over all of it.
+    prefill = cpu_path_probe.PREFILL_ROWS + 16
+    timings = cpu_path_probe.time_paths(shapes, Phases(prefill=prefill))  # in this process
     assert len(timings.float32) == 4 and all(ms > 0 for ms in timings.float32)
-    assert {rows for rows, _, _ in gathers} == {1, 8, 32, 16}
+    assert {layout for layout, experts in passes if experts} == (
+        {"dot", "float", "float32"} if kernels.integer_dot() else {"float", "float32"}
+    )
+    assert {rows for rows, _, _ in gathers} == {1, 8, 32, prefill}
     for rows, routes, _ in gathers:
         assert routes.shape == (rows, 2) and routes.max() < 8
         assert all(len(set(row)) == 2 for row in routes.tolist())
@@ -649,6 +662,57 @@ def test_an_experts_top_k_unknown_routes_every_row_through_every_expert(monkeypa
     shapes = ModelShapes(layer=(), head=None, layers=1, experts=((4, 32, 64, 32, 8),))
     cpu_path_probe.time_paths(shapes, Phases(prefill=16), float32=False)
     assert widths and set(widths) == {4}
+
+
+def test_the_timing_child_reads_a_mixture_of_experts():
+    from mlxd.models.cpu_path_probe import ModelShapes
+    from mlxd.models.cpu_path_timing import time_paths
+
+    shapes = ModelShapes(((64, 64, 32, 4),), (256, 64, 32, 8), 2, ((4, 64, 64, 32, 4),), 2)
+    timings = time_paths(shapes, Phases(prefill=16))  # the child process, through JSON
+    for figures in (timings.packed, timings.packed_shared, timings.float32):
+        assert len(figures) == 4 and all(ms > 0 for ms in figures)
+
+
+def _quantized(shape: list[int], bits: int = 4, group: int = 32) -> dict:
+    """Safetensors header entries of a quantized matrix (or stack) of `shape` [.., out, in]."""
+    *rows, inputs = shape
+    entry = lambda dims: {"dtype": "U32", "shape": dims, "data_offsets": [0, 4]}  # noqa: E731
+    return {
+        "weight": entry([*rows, inputs * bits // 32]),
+        "scales": entry([*rows, inputs // group]),
+        "biases": entry([*rows, inputs // group]),
+    }
+
+
+def test_a_mixture_of_experts_is_timed_as_its_expert_layers_past_its_dense_ones():
+    """DeepSeek's first_k_dense_replace, Qwen3-MoE's mlp_only_layers: a few dense layers
+    first, then experts; each stack's packability is its experts' rows, not all of theirs."""
+    from mlxd.models.cpu_path_timing import model_shapes
+    from mlxd.models.estimate import Headers
+
+    layers = {0: {"mlp.gate_proj": [128, 64], "mlp.up_proj": [128, 64], "mlp.down_proj": [64, 128]}}
+    for index in (1, 2, 3):
+        layers[index] = {
+            "mlp.switch_mlp.gate_proj": [8, 96, 64],
+            "mlp.switch_mlp.up_proj": [8, 96, 64],
+            "mlp.switch_mlp.down_proj": [8, 64, 96],
+            # 8 x 20 rows is a multiple of 32, 20 is not: the kernels do not take it.
+            "mlp.odd.down_proj": [8, 20, 64],
+        }
+    tensors = {}
+    for index, matmuls in layers.items():
+        for part, shape in {"self_attn.q_proj": [64, 64], **matmuls}.items():
+            for leaf, entry in _quantized(shape).items():
+                tensors[f"model.layers.{index}.{part}.{leaf}"] = entry
+    shapes = model_shapes(Headers(tensors, {"group_size": 32}, experts_per_token=2))
+    assert shapes is not None and shapes.layers == 4
+    assert shapes.layer == ((64, 64, 32, 4),)
+    assert sorted(shapes.experts) == [(8, 64, 96, 32, 4), (8, 96, 64, 32, 4), (8, 96, 64, 32, 4)]
+    assert shapes.experts_per_token == 2
+    dense_only = {k: v for k, v in tensors.items() if "layers.0." in k}
+    plain = model_shapes(Headers(dense_only, {"group_size": 32}, experts_per_token=2))
+    assert plain is not None and plain.experts == () and plain.experts_per_token == 0
 
 
 def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
@@ -824,6 +888,10 @@ def test_the_key_names_the_kernel_build_and_the_isa_it_runs(monkeypatch):
     shapes = ModelShapes(layer=((64, 64, 32, 4),), head=None, layers=1)
     ident = cpu_path_timing.identity(shapes, PHASES)
     assert ident["isa"] == kernels.isa() and len(ident["kernels"]) == 16
+    # A dense model's shapes as they were keyed before experts were: its timings stay valid.
+    assert ident["shapes"] == [[(64, 64, 32, 4)], None, 1]
+    moe = ModelShapes(shapes.layer, None, 1, experts=((8, 64, 64, 32, 4),), experts_per_token=2)
+    assert cpu_path_timing.identity(moe, PHASES)["shapes"][3:] == [[(8, 64, 64, 32, 4)], 2]
     # Another ISA than the one running (e.g. MLXD_KERNELS_ISA=generic; avx2 where that is it).
     other = "avx2" if kernels.isa() == "generic" else "generic"
     monkeypatch.setattr(kernels, "isa", lambda: other)

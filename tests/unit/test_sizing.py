@@ -52,7 +52,7 @@ def test_a_ggufs_header_gives_its_conversions_shapes_and_bytes(
     the converted directory gives after it: the timings' key and the bytes."""
     config = tiny_config(model_type, hidden_size=256, intermediate_size=512)
     if "moe_intermediate_size" in config:
-        config["moe_intermediate_size"] = 256
+        config["moe_intermediate_size"] = 512  # not the hidden size: out and in tell apart
     write_gguf(tmp_path / "tiny.gguf", config, tiny_weights(config), qtype)
     model_dir = resolve_source(str(tmp_path / "tiny.gguf"), model_name="tiny", cache_dir=tmp_path)
     header = gguf_headers(GGUFFile(tmp_path / "tiny.gguf"))
@@ -62,6 +62,7 @@ def test_a_ggufs_header_gives_its_conversions_shapes_and_bytes(
     if model_type == "qwen3_moe":  # each stack [E, out, in] apart, with the config's top k
         assert shapes.experts_per_token == config["num_experts_per_tok"] == 2
         experts, moe, hidden = config["num_experts"], config["moe_intermediate_size"], 256
+        assert moe != hidden
         assert sorted(e[:3] for e in shapes.experts) == [
             (experts, hidden, moe),
             (experts, moe, hidden),
