@@ -421,13 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         help="mlxd: ngram (prompt lookup) speculation with this many drafts (default: 0, off)",
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
-    parser.add_argument(
-        "--isa",
-        choices=held_isa.ISAS,
-        default=None,
-        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py: a stand-in for a "
-        "CPU without AVX-512)",
-    )
+    held_isa.add_argument(parser)
     parser.add_argument(
         "--model-dir", type=Path, default=None, help=f"MLX model dir (default: {DEMO_SOURCE})"
     )

@@ -14,6 +14,7 @@ the code's side, not another CPU's figures (docs/performance.md).
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -39,6 +40,17 @@ AVX2_BUILD = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks' `--isa` option."""
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        default=None,
+        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py: a stand-in for a "
+        "CPU without AVX-512)",
+    )
 
 
 def hold_mlxd_to(isa: str) -> None:

@@ -170,12 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only", type=lambda text: text.split(","), default=None, help=", ".join(SERVERS)
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
-    parser.add_argument(
-        "--isa",
-        choices=held_isa.ISAS,
-        default=None,
-        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py)",
-    )
+    held_isa.add_argument(parser)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/mlxd").expanduser())
     args = parser.parse_args(argv)

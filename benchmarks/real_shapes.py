@@ -408,13 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "mlxd-mlx-int8 (default: the first three)",
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
-    parser.add_argument(
-        "--isa",
-        choices=held_isa.ISAS,
-        default=None,
-        help="hold mlxd and llama.cpp to this ISA (benchmarks/held_isa.py: a stand-in for a "
-        "CPU without AVX-512)",
-    )
+    held_isa.add_argument(parser)
     parser.add_argument("--startup-timeout", type=float, default=1800.0, metavar="SECONDS")
     parser.add_argument(
         "--restarts",
