@@ -173,18 +173,15 @@ def _pass(
     rows = next(iter(inputs.values())).shape[0]
     calls: list[Callable[[], mx.array]] = []
     for m in group:
-        x = inputs[m.inputs]
+        x, packed = inputs[m.inputs], m.dot if layout == "dot" and m.dot else m.packed
         if m.per_token:
-            packed = m.dot if layout == "dot" and m.dot else m.packed
             routes = _routes(rows, int(packed.weight.shape[0]), m.per_token)
             mx.eval(routes)
             calls.append(partial(kernels.gather_qmatmul, x, routes, packed))
         elif layout == "float32":
             calls.append(partial(mx.matmul, x, cast(mx.array, m.dense).T))
         else:
-            calls.append(
-                partial(kernels.qmatmul, x, m.dot if layout == "dot" and m.dot else m.packed)
-            )
+            calls.append(partial(kernels.qmatmul, x, packed))
     return lambda: [call() for call in calls]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from mlxd.config import TEXT_KINDS, ModelConfig
 from mlxd.memory_need import MemoryNeed
 from mlxd.models.estimate import Headers, estimate_weight_bytes
-from mlxd.models.gguf_arch import architecture_of
+from mlxd.models.gguf_arch import Meta, architecture_of
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits, scales_dtype
 from mlxd.models.kernel_layers import stores_half_kv
@@ -112,8 +112,8 @@ def gguf_headers(gguf: GGUFFile) -> Headers:
         tensors[f"{module}.weight"] = _entry("U32", [*rows, columns * bits // 32], 4)
         tensors[f"{module}.scales"] = _entry(scales, groups, _ITEMSIZES[scales])
         tensors[f"{module}.biases"] = _entry(scales, groups, _ITEMSIZES[scales])
-    family = gguf.metadata.get("general.architecture")
-    top_k = gguf.metadata.get(f"{family}.expert_used_count")  # config.json's num_experts_per_tok
+    # What the conversion writes as config.json's num_experts_per_tok (models/gguf_arch.py).
+    top_k = Meta(gguf.metadata, gguf.metadata.get("general.architecture", ""))("expert_used_count")
     return Headers(tensors, {"group_size": GROUP_SIZE}, top_k if isinstance(top_k, int) else None)
 
 
