@@ -114,6 +114,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step += 1
         if step > 500:
             raise RuntimeError("generation did not finish")
+    # The generator has already started one more step, whose collectives need every rank: a
+    # rank that exited now would fail the others mid-step. A last broadcast on the same stream
+    # waits for that step everywhere (the worker's "stop" command does the same).
+    broadcast_object("stop" if leader else None, group, stream=generator.stream)
     return {
         "rank": group.rank(),
         "size": group.size(),

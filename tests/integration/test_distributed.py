@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,18 @@ def run_rank_script(argv: list[str], outs: list[Path]) -> list[dict[str, Any]]:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         pytest.fail(f"ranks did not finish in {GROUP_TIMEOUT_S}s:\n{output.decode()[-3000:]}")
-    log = output.decode()[-6000:]
+    log = _distinct_lines(output.decode())[-6000:]
     assert process.returncode == 0, log
     missing = [out.name for out in outs if not out.exists()]
     assert not missing, f"no {missing} from the ranks:\n{log}"
     return [json.loads(out.read_text()) for out in outs]
+
+
+def _distinct_lines(text: str) -> str:
+    """`text` with each line once (and its count): a rank that fails floods the group's output
+    with one ring error, which would push the other ranks' last words out of the tail."""
+    counts = Counter(text.splitlines())
+    return "\n".join(line if counts[line] == 1 else f"{line}  [x{counts[line]}]" for line in counts)
 
 
 def rank_args(model_dir: Path, strategy: str, out: Path) -> list[str]:
