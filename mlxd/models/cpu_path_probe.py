@@ -9,7 +9,9 @@ mixture of experts' stacks run the model's gather, each of a phase's rows routed
 experts drawn uniformly: at a decode step an expert gets a few rows, not all of them (timed
 as one dense matrix of every expert, a Qwen3-30B-A3B shape's one-row step came out 6–12x its
 gather's figure, 128 experts and top 8), and a layer with experts is timed over the whole
-prefill chunk (an expert's rows are its share of the chunk's). A phase's
+prefill chunk (an expert's rows are its share of the chunk's). A stack over `STACK_BYTES` is
+timed over a slice of its experts that keeps each one's share of the routes, its time scaled up
+to the whole stack. A phase's
 figure is a whole-model step estimate: layers × one layer's matmuls, plus the head for decode
 (a prefill chunk projects only its last positions). The head is timed over at most
 `HEAD_ROWS` of its outputs and scaled up (its time is linear in them), so a 128k vocabulary's
@@ -59,6 +61,11 @@ HEAD_ROWS = 8192
 REPEATS = 3
 PREFILL_REPEATS = 3
 PREFILL_ROWS = 128
+# Packed bytes of a stack of experts timed whole. A DeepSeek-V3 layer's three stacks of 256
+# experts are 5.6 GB at 4 bits (twice that with the int8 layout's copy), which this child would
+# hold before the model loads; a slice of 32 of them takes each expert's share of the routes
+# as the whole stack does, so its time scaled by 256 / 32 is the stack's.
+STACK_BYTES = 256 * 2**20
 GIVE_UP = 2.0
 
 
@@ -84,7 +91,7 @@ class _Matrix:
     packed: kernels.Packed
     dot: kernels.Packed | None  # pack_dot's, where the kernels have integer dot products
     dense: mx.array | None  # float32 [out, in], where float32 is timed (never for experts)
-    scale: float  # time multiplier (a head timed over a slice of its rows)
+    scale: float  # time multiplier (a head timed over a slice of its rows, a stack of its experts)
     per_token: int = 0  # a stack of experts: each row of x routed to this many of them
 
     @property
@@ -110,17 +117,29 @@ def _matrix(shape: Shape, precise: bool, float32: bool) -> _Matrix:
 
 def _stack(experts: Experts, per_token: int, precise: bool) -> _Matrix:
     """A stack of experts as the loader packs it: no float32 copy under any plan
-    (models/packed.py), so a "float32" pass runs it packed too."""
+    (models/packed.py), so a "float32" pass runs it packed too. Over `STACK_BYTES`, a slice
+    of it (`_slice`)."""
     count, out, in_dims, group, stored_bits = experts
     bits = kernels.KERNEL_BITS[stored_bits]
+    timed, routes = _slice(count, min(per_token or count, count), out * in_dims * bits // 8)
     weight, scales, biases = (
-        a.reshape(count, out, -1) for a in _arbitrary_quantized(count * out, in_dims, group, bits)
+        a.reshape(timed, out, -1) for a in _arbitrary_quantized(timed * out, in_dims, group, bits)
     )
     packed = kernels.pack_experts(weight, scales, biases, group, bits)
     dot = None
     if kernels.integer_dot():
         dot = kernels.pack_experts(weight, scales, biases, group, bits, dot=True, precise=precise)
-    return _Matrix(packed, dot, None, 1.0, min(per_token or count, count))
+    return _Matrix(packed, dot, None, count / timed, routes)
+
+
+def _slice(count: int, per_token: int, expert_bytes: int) -> tuple[int, int]:
+    """How many of a stack's `count` experts to time, and the top k to route each row to among
+    them: the whole stack where it packs within `STACK_BYTES`, else the most experts that do,
+    in a multiple of the fewest E' with a whole k' = k E' / E (each expert's share of the
+    routes, k / E, is then the stack's)."""
+    unit = count // math.gcd(count, per_token)
+    timed = min(count, max(1, STACK_BYTES // (expert_bytes * unit)) * unit)
+    return timed, per_token * timed // count
 
 
 def _routes(rows: int, experts: int, per_token: int) -> mx.array:

@@ -664,6 +664,53 @@ def test_an_experts_top_k_unknown_routes_every_row_through_every_expert(monkeypa
     assert widths and set(widths) == {4}
 
 
+@pytest.mark.parametrize(
+    ("stack", "top_k", "timed"),
+    [
+        ((128, 768, 2048), 8, (128, 8)),  # Qwen3-30B-A3B: 100 MB, whole
+        ((8, 14336, 4096), 2, (8, 2)),  # Mixtral 8x7B: 235 MB, whole
+        ((128, 1536, 4096), 8, (80, 5)),  # Qwen3-235B-A22B: 403 MB, in slices of 16 and 1
+        ((256, 2048, 7168), 8, (32, 1)),  # DeepSeek-V3: 1.9 GB, the fewest with a whole k
+        ((256, 2048, 7168), 256, (36, 36)),  # its top k unknown: every expert of the slice
+    ],
+)
+def test_a_large_stack_of_experts_is_timed_over_a_slice_with_its_share_of_routes(
+    stack, top_k, timed
+):
+    from mlxd.models.cpu_path_probe import STACK_BYTES, _slice
+
+    count, out, in_dims = stack
+    experts, routes = _slice(count, top_k, out * in_dims // 2)
+    assert (experts, routes) == timed
+    assert routes * count == top_k * experts  # each expert's share of the routes kept
+    assert experts == count or experts * out * in_dims // 2 <= STACK_BYTES
+
+
+def test_a_sliced_stack_is_timed_as_the_whole_stack(monkeypatch):
+    """A slice of half the experts routed to half the top k counts twice: the step estimate is
+    the dense matmuls' time plus twice the slice's."""
+    from mlxd import kernels
+    from mlxd.models import cpu_path_probe
+    from mlxd.models.cpu_path_probe import ModelShapes
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    monkeypatch.setattr(cpu_path_probe, "STACK_BYTES", 8 * 64 * 96 // 2)
+    stack = cpu_path_probe._stack((16, 64, 96, 32, 4), 4, precise=True)
+    assert stack.packed.weight.shape[0] == 8 and stack.per_token == 2 and stack.scale == 2.0
+    # Every pass "takes" 1 ms: the dense matrix's counts once, the slice's twice.
+    monkeypatch.setattr(cpu_path_probe, "_best_ms", lambda runs, *_: [1.0] * len(runs))
+    shapes = ModelShapes(
+        layer=((64, 64, 32, 4),),
+        head=None,
+        layers=3,
+        experts=((16, 64, 96, 32, 4),),
+        experts_per_token=4,
+    )
+    timings = cpu_path_probe.time_paths(shapes, Phases(prefill=16), float32=False)
+    assert timings.packed == (9.0, 9.0, 9.0, 9.0)
+
+
 def test_the_timing_child_reads_a_mixture_of_experts():
     from mlxd.models.cpu_path_probe import ModelShapes
     from mlxd.models.cpu_path_timing import time_paths
