@@ -2,7 +2,8 @@
 // grouping by expert around the int8 dot-product kernel's work items (qdot_tiles.h). The
 // gathered rows of x are rounded to int8 per block once, on the calling thread, as qdot.cpp
 // rounds a dense matmul's. An expert with `buffer_rows` rows or more runs qmatmul's buffered
-// passes on this layout instead, as qdot.cpp's dense matmul does from there.
+// passes on this layout instead, as qdot.cpp's dense matmul does from there: its rows are
+// not rounded.
 
 #include "parallel.h"
 #include "qdot_tiles.h"
@@ -28,7 +29,14 @@ void run(const Gather<S>& a, int buffer_rows) {
   int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
   float* d = scratch.data() + size_t(routed) * TERMS * a.K / 4;
   float* sum8 = d + per_block;
-  quantize_rows<TERMS>(xs.data(), routed, a.K, 1, x8, d, sum8);
+  for (int i = 0; i < routing.selected; ++i) {  // the rows the buffered passes do not take
+    const int e = routing.active()[i], first = start[e], count = start[e + 1] - first;
+    if (buffer_rows == 0 || count < buffer_rows) {
+      const size_t row = size_t(first) * TERMS;
+      quantize_rows<TERMS>(xs.data() + size_t(first) * a.K, count, a.K, 1, x8 + row * a.K,
+                           d + row * blocks, sum8 + row * blocks);
+    }
+  }
   const int threads = a.threads;
   parallel_for(threads, int64_t(routing.selected) * items, [&](int64_t begin, int64_t end) {
     Scratch buf(buffer_rows > 0 ? buffered_floats() : 0);
