@@ -40,6 +40,8 @@ from mlxd.models.estimate import (
     packed_weight_bytes,
     quantized_shapes,
 )
+from mlxd.models.fused import GROUPS
+from mlxd.models.kernel_layers import has_kernel_attention
 from mlxd.models.packability import has_own_head, is_lm_head, why_not_packable
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
     None when its headers show no such decoder layer (the layers the kernels do not take run
     float32 on both paths: nothing to compare). The layer timed is the most common one: a
     mixture of experts with a few dense layers first (DeepSeek's `first_k_dense_replace`,
-    Qwen3-MoE's `mlp_only_layers`) is timed as its expert layers."""
+    Qwen3-MoE's `mlp_only_layers`) is timed as its expert layers; q, k and v as one matmul
+    where the model runs them so (`_fused`)."""
     read = headers(source)
     modules: dict[str, Shape] = {}
     stacks: dict[str, int] = {}  # experts per stack [E, out, in], whose shape counts E x out rows
@@ -72,9 +75,12 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
         tuple((part, modules[name], stacks.get(name, 1)) for part, name in sorted(parts.items()))
         for _, parts in sorted(layers.items())
     )
+    kind = kinds.most_common(1)[0][0]  # the first layer of that kind on ties
+    if has_kernel_attention(read.model_type):
+        kind = _fused(kind)
     dense: list[Shape] = []
     experts: list[Experts] = []
-    for _, shape, count in kinds.most_common(1)[0][0]:  # the first layer of that kind on ties
+    for _, shape, count in kind:
         if count > 1:
             experts.append((count, *shape))
         else:
@@ -86,6 +92,32 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
     head = modules[heads[0]] if heads else None
     per_token = (read.experts_per_token or 0) if experts else 0
     return ModelShapes(tuple(dense), head, len(layers), tuple(experts), per_token)
+
+
+Part = tuple[str, Shape, int]  # a layer's matmul: its name in the layer, shape, experts
+
+
+def _fused(layer: tuple[Part, ...]) -> tuple[Part, ...]:
+    """`layer` as `KernelAttention` runs it: its q, k and v projections of one layout as one
+    matmul over their rows together (models/fused.py). Timed apart, they cost two kernel calls
+    a layer more than the model's step (and on the int8 layout two more roundings of x), and
+    SmolLM2's k and v, 192 rows each, were jobs too short for two threads to share."""
+    parts = {name: (shape, count) for name, shape, count in layer}
+    for fused, members in GROUPS.items():
+        for name in [n for n in parts if n.rpartition(".")[2] == members[0]]:
+            parent = name.rpartition(".")[0]
+            names = [f"{parent}.{member}" if parent else member for member in members]
+            found = [parts.get(n) for n in names]
+            if any(f is None or f[1] != 1 for f in found):
+                continue  # not all there, or stacks of experts
+            shapes = [f[0] for f in found if f is not None]
+            if len({shape[1:] for shape in shapes}) != 1:
+                continue  # inputs, group or bits differ: the loader keeps them apart too
+            for n in names:
+                del parts[n]
+            rows = sum(shape[0] for shape in shapes)
+            parts[f"{parent}.{fused}" if parent else fused] = ((rows, *shapes[0][1:]), 1)
+    return tuple(sorted((name, shape, count) for name, (shape, count) in parts.items()))
 
 
 def identity(

@@ -35,12 +35,14 @@ class Headers:
     """What the estimates read of a model's weights, none of them loaded: each tensor's
     safetensors header entry (dtype, shape, data_offsets) by name, mlx-lm's quantization
     config, and for a mixture of experts how many experts each token is routed to (None where
-    the config does not say). A model directory's come from its files (`headers`); a GGUF's
-    from its own header, as its conversion will write them (models/sizing.py)."""
+    the config does not say), and mlx-lm's model type (config.json's). A model directory's come
+    from its files (`headers`); a GGUF's from its own header, as its conversion will write them
+    (models/sizing.py)."""
 
     tensors: dict[str, dict[str, Any]]
     quantization: dict[str, Any]
     experts_per_token: int | None = None
+    model_type: str = ""
 
 
 def headers(source: Path | Headers) -> Headers:
@@ -48,7 +50,12 @@ def headers(source: Path | Headers) -> Headers:
     if isinstance(source, Headers):
         return source
     config = _config(Path(source))
-    return Headers(_tensors(Path(source)), _quantization(config), _experts_per_token(config))
+    return Headers(
+        _tensors(Path(source)),
+        _quantization(config),
+        _experts_per_token(config),
+        str(config.get("model_type", "")),
+    )
 
 
 def _read_header(path: Path) -> dict[str, dict[str, Any]]:

@@ -181,6 +181,12 @@ def _standard_attention_classes() -> tuple[type, ...]:
     )
 
 
+def has_kernel_attention(model_type: str) -> bool:
+    """Whether a model of config `model_type` gets `KernelAttention` on the kernels' path
+    (`use_kernel_attention`), which runs its packed q, k and v projections as one matmul."""
+    return MODEL_REMAPPING.get(model_type, model_type) in STANDARD_ATTENTION_MODULES
+
+
 def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) -> bool:
     """Whether a model of config `model_type` computing in `compute_dtype` keeps its KV cache
     in float16 (`cache.kv_dtype`): on the CPU backend, where `KernelAttention` runs it on the
@@ -192,7 +198,7 @@ def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) ->
         and compute_dtype == "float32"
         and backend_name() == "cpu"
         and kernels.available()
-        and MODEL_REMAPPING.get(model_type, model_type) in STANDARD_ATTENTION_MODULES
+        and has_kernel_attention(model_type)
         and (kv_dtype == "float16" or kernels.isa() != "generic")
     )
 

@@ -114,7 +114,12 @@ def gguf_headers(gguf: GGUFFile) -> Headers:
         tensors[f"{module}.biases"] = _entry(scales, groups, _ITEMSIZES[scales])
     # What the conversion writes as config.json's num_experts_per_tok (models/gguf_arch.py).
     top_k = Meta(gguf.metadata, gguf.metadata.get("general.architecture", ""))("expert_used_count")
-    return Headers(tensors, {"group_size": GROUP_SIZE}, top_k if isinstance(top_k, int) else None)
+    return Headers(
+        tensors,
+        {"group_size": GROUP_SIZE},
+        top_k if isinstance(top_k, int) else None,
+        arch.model_type if arch else "",
+    )
 
 
 def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:

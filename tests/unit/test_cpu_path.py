@@ -762,6 +762,37 @@ def test_a_mixture_of_experts_is_timed_as_its_expert_layers_past_its_dense_ones(
     assert plain is not None and plain.experts == () and plain.experts_per_token == 0
 
 
+@pytest.mark.parametrize(
+    ("model_type", "v_bits", "timed"),
+    [
+        # KernelAttention's q, k and v as one matmul: 64 + 32 + 32 rows
+        ("llama", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),
+        ("mistral", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),  # mlx-lm runs it as llama
+        ("qwen3", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),
+        # mlx-lm's own attention runs them apart; so does the loader where v's width differs
+        # (a Q4_K_M's v is Q6_K: 8 bits on the kernels)
+        ("gemma2", 4, [(32, 64, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 64, 32, 4)]),
+        ("llama", 8, [(32, 64, 32, 4), (32, 64, 32, 8), (64, 64, 32, 4), (64, 64, 32, 4)]),
+    ],
+)
+def test_q_k_and_v_are_timed_as_one_matmul_where_the_model_runs_them_so(
+    model_type: str, v_bits: int, timed: list
+):
+    from mlxd.models.cpu_path_timing import model_shapes
+    from mlxd.models.estimate import Headers
+
+    parts = {"q_proj": ([64, 64], 4), "k_proj": ([32, 64], 4), "v_proj": ([32, 64], v_bits)}
+    parts["o_proj"] = ([64, 64], 4)
+    tensors = {}
+    for index in (0, 1):
+        for part, (shape, bits) in parts.items():
+            for leaf, entry in _quantized(shape, bits).items():
+                tensors[f"model.layers.{index}.self_attn.{part}.{leaf}"] = entry
+    shapes = model_shapes(Headers(tensors, {"group_size": 32}, model_type=model_type))
+    assert shapes is not None and shapes.layers == 2
+    assert sorted(shapes.layer) == timed
+
+
 def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
     from mlxd.config import ModelConfig, ServerConfig
     from mlxd.models import cpu_path_timing
@@ -769,7 +800,11 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     shapes = cpu_path_timing.model_shapes(smol_packed.path)
     assert shapes is not None and shapes.layers == 30
     assert shapes.head == (49_152, 576, 32, 8)  # the tied 8-bit embedding
-    assert (1536, 576, 32, 4) in shapes.layer and len(shapes.layer) == 7
+    # q, k and v as one matmul (576 + 192 + 192 rows), as KernelAttention runs them
+    assert (
+        sorted(shapes.layer)
+        == [(576, 576, 32, 4), (576, 1536, 32, 4), (960, 576, 32, 4)] + [(1536, 576, 32, 4)] * 2
+    )
     timed = []
 
     def fake(shapes, phases, precise, float32):

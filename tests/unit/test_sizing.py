@@ -13,7 +13,12 @@ from gguf import GGMLQuantizationType as Q
 from mlxd import host_memory
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.models.cpu_path_timing import model_shapes
-from mlxd.models.estimate import estimate_weight_bytes, packed_weight_bytes, quantized_shapes
+from mlxd.models.estimate import (
+    estimate_weight_bytes,
+    headers,
+    packed_weight_bytes,
+    quantized_shapes,
+)
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.sizing import dir_geometry, gguf_headers, gguf_weights_and_geometry, model_need
 from mlxd.models.source_paths import source_path
@@ -57,6 +62,7 @@ def test_a_ggufs_header_gives_its_conversions_shapes_and_bytes(
     model_dir = resolve_source(str(tmp_path / "tiny.gguf"), model_name="tiny", cache_dir=tmp_path)
     header = gguf_headers(GGUFFile(tmp_path / "tiny.gguf"))
     assert quantized_shapes(header) == quantized_shapes(model_dir)
+    assert header.model_type == headers(model_dir).model_type != ""
     shapes = model_shapes(header)
     assert shapes == model_shapes(model_dir) is not None
     if model_type == "qwen3_moe":  # each stack [E, out, in] apart, with the config's top k
