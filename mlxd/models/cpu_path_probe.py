@@ -76,6 +76,9 @@ class ModelShapes:
     layers: int
     experts: tuple[Experts, ...] = ()  # one decoder layer's stacks of experts
     experts_per_token: int = 0  # their top k (0: unknown, then every expert)
+    # `layer` as the float32 plan runs it, where the packed one fuses matmuls (q, k and v
+    # apart: models/fused.py fuses packed layers only); () where the same.
+    apart: tuple[Shape, ...] = ()
 
     @property
     def parameters(self) -> int:
@@ -121,7 +124,7 @@ def _stack(experts: Experts, per_token: int, precise: bool) -> _Matrix:
     of it (`_slice`)."""
     count, out, in_dims, group, stored_bits = experts
     bits = kernels.KERNEL_BITS[stored_bits]
-    timed, routes = _slice(count, min(per_token or count, count), out * in_dims * bits // 8)
+    timed, routes, scale = _slice(count, min(per_token or count, count), out * in_dims * bits // 8)
     weight, scales, biases = (
         a.reshape(timed, out, -1) for a in _arbitrary_quantized(timed * out, in_dims, group, bits)
     )
@@ -129,17 +132,24 @@ def _stack(experts: Experts, per_token: int, precise: bool) -> _Matrix:
     dot = None
     if kernels.integer_dot():
         dot = kernels.pack_experts(weight, scales, biases, group, bits, dot=True, precise=precise)
-    return _Matrix(packed, dot, None, count / timed, routes)
+    return _Matrix(packed, dot, None, scale, routes)
 
 
-def _slice(count: int, per_token: int, expert_bytes: int) -> tuple[int, int]:
-    """How many of a stack's `count` experts to time, and the top k to route each row to among
-    them: the whole stack where it packs within `STACK_BYTES`, else the most experts that do,
-    in a multiple of the fewest E' with a whole k' = k E' / E (each expert's share of the
-    routes, k / E, is then the stack's)."""
+def _slice(count: int, per_token: int, expert_bytes: int) -> tuple[int, int, float]:
+    """How many of a stack's `count` experts to time, the top k to route each row to among
+    them, and the time's multiplier: the whole stack where it packs within `STACK_BYTES`;
+    else the most experts that do in a multiple of the fewest E' with a whole k' = k E' / E
+    (each expert's share of the routes, k / E, is then the stack's), times E / E'. Where even
+    that is too large (top 1 of a few large experts: Llama 4's), each row keeps its k experts
+    among fewer: a row's work, and so a decode step's, is the stack's, while an expert gets
+    more rows than it would (a prefill chunk's estimate is then low)."""
+    if count * expert_bytes <= STACK_BYTES:
+        return count, per_token, 1.0
     unit = count // math.gcd(count, per_token)
-    timed = min(count, max(1, STACK_BYTES // (expert_bytes * unit)) * unit)
-    return timed, per_token * timed // count
+    if unit * expert_bytes <= STACK_BYTES:
+        timed = STACK_BYTES // (expert_bytes * unit) * unit
+        return timed, per_token * timed // count, count / timed
+    return max(per_token, STACK_BYTES // expert_bytes), per_token, 1.0
 
 
 def _routes(rows: int, experts: int, per_token: int) -> mx.array:
@@ -221,7 +231,8 @@ def _time(
         mx.eval(list(inputs.values()))
         runs = [_pass(group, inputs, layout) for layout in layouts]
         repeats = PREFILL_REPEATS if prefill else REPEATS
-        # The pass's bar shared evenly by its scale groups (one, in practice: a layer, a head).
+        # The pass's bar shared evenly by its scale groups (a layer or a head; a sliced stack
+        # of experts apart).
         best = _best_ms(runs, repeats, warm_up, give_up_ms / scale / len(scales))
         totals = [total + scale * ms for total, ms in zip(totals, best, strict=True)]
     return totals
@@ -241,8 +252,10 @@ def time_paths(
     packed as int8 dot products on every core (x as two int8 terms, or one unless `precise`),
     with the head's share of both packed layouts on every core (each part takes its faster).
     Without `float32` (it does not fit) only the packed layouts, on every core."""
-    layer = [_matrix(s, precise, float32) for s in shapes.layer]
-    layer += [_stack(e, shapes.experts_per_token, precise) for e in shapes.experts]
+    stacks = [_stack(e, shapes.experts_per_token, precise) for e in shapes.experts]
+    layer = [_matrix(s, precise, float32 and not shapes.apart) for s in shapes.layer] + stacks
+    # The float32 plan's layer, where the packed one fuses some of its matmuls.
+    apart = [_matrix(s, precise, float32) for s in shapes.apart] + stacks if shapes.apart else layer
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
     # Per part ("layer", "head") and phase: the slowest packed layout's best ms (float32 is
@@ -265,12 +278,15 @@ def time_paths(
             packed_best[key] = max(*ms, packed_best.get(key, 0.0))
         return [m * rows / timed for m in ms]
 
-    def phase_times(layouts: list[Layout]) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
-        """Per layout, per phase the step estimate, and the head's share of it."""
+    def phase_times(
+        layouts: list[Layout], matrices: list[_Matrix] = layer
+    ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+        """Per layout, per phase the step estimate (a layer of `matrices`), and the head's
+        share of it."""
         steps: list[list[float]] = [[] for _ in layouts]
         heads: list[list[float]] = [[] for _ in layouts]
         for phase in range(len(phases.rows)):
-            ms = part("layer", layer, phase, layouts)
+            ms = part("layer", matrices, phase, layouts)
             head_ms = [0.0] * len(layouts)
             if head and phase < len(phases.decode):  # a prefill chunk projects its last rows
                 head_ms = part("head", head, phase, layouts)
@@ -288,7 +304,7 @@ def time_paths(
     # Float32 last, against the packed layouts' figures.
     kernels.set_threads(1)
     packed_one = phase_times(["float"])[0][0] if cores > 1 else packed_all
-    float32_ms = phase_times(["float32"])[0][0]
+    float32_ms = phase_times(["float32"], apart)[0][0]
     return Timings(packed_all, packed_one, float32_ms, packed_dot, head_packed, head_dot)
 
 
@@ -303,6 +319,7 @@ def main() -> None:
         raw["layers"],
         tuple(tuple(e) for e in raw["experts"]),
         raw["experts_per_token"],
+        tuple(tuple(s) for s in raw["apart"]),
     )
     phases = Phases(args["phases"]["prefill"], tuple(args["phases"]["decode"]))
     timings = time_paths(shapes, phases, args["precise"], args["float32"])

@@ -30,6 +30,7 @@ from typing import Any
 from mlxd import kernels
 from mlxd.accel import backend_name
 from mlxd.config import ModelConfig, ServerConfig
+from mlxd.kernels import KERNEL_BITS
 from mlxd.models.cpu_path import Choice, Phases, Timings, decide, precise_activations
 from mlxd.models.cpu_path_cache import UNSTEADY, TimingCache, pace_ms
 from mlxd.models.cpu_path_probe import Experts, ModelShapes, Shape
@@ -76,22 +77,17 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
         for _, parts in sorted(layers.items())
     )
     kind = kinds.most_common(1)[0][0]  # the first layer of that kind on ties
-    if has_kernel_attention(read.model_type):
-        kind = _fused(kind)
-    dense: list[Shape] = []
-    experts: list[Experts] = []
-    for _, shape, count in kind:
-        if count > 1:
-            experts.append((count, *shape))
-        else:
-            dense.append(shape)
+    fused = _fused(kind) if has_kernel_attention(read.model_type) else kind
+    dense = [shape for _, shape, count in fused if count == 1]
+    experts: list[Experts] = [(count, *shape) for _, shape, count in fused if count > 1]
+    apart = [shape for _, shape, count in kind if count == 1] if fused != kind else []
     heads = [name for name in modules if is_lm_head(name)]
     if not has_own_head(name.rpartition(".")[0] for name in read.tensors):
         # Tied: the embedding table is the head (untied beside a float lm_head: none packed).
         heads = [name for name in modules if name.endswith("embed_tokens")]
     head = modules[heads[0]] if heads else None
     per_token = (read.experts_per_token or 0) if experts else 0
-    return ModelShapes(tuple(dense), head, len(layers), tuple(experts), per_token)
+    return ModelShapes(tuple(dense), head, len(layers), tuple(experts), per_token, tuple(apart))
 
 
 Part = tuple[str, Shape, int]  # a layer's matmul: its name in the layer, shape, experts
@@ -99,7 +95,8 @@ Part = tuple[str, Shape, int]  # a layer's matmul: its name in the layer, shape,
 
 def _fused(layer: tuple[Part, ...]) -> tuple[Part, ...]:
     """`layer` as `KernelAttention` runs it: its q, k and v projections of one layout as one
-    matmul over their rows together (models/fused.py). Timed apart, they cost two kernel calls
+    matmul over their rows together (models/fused.py; the float32 plan's dense layers run them
+    apart, `ModelShapes.apart`). Timed apart, they cost two kernel calls
     a layer more than the model's step (and on the int8 layout two more roundings of x), and
     SmolLM2's k and v, 192 rows each, were jobs too short for two threads to share."""
     parts = {name: (shape, count) for name, shape, count in layer}
@@ -111,12 +108,14 @@ def _fused(layer: tuple[Part, ...]) -> tuple[Part, ...]:
             if any(f is None or f[1] != 1 for f in found):
                 continue  # not all there, or stacks of experts
             shapes = [f[0] for f in found if f is not None]
-            if len({shape[1:] for shape in shapes}) != 1:
-                continue  # inputs, group or bits differ: the loader keeps them apart too
+            # As the kernels hold them (a Q5_K_M's Q5_K q and k and Q6_K v all at 8 bits).
+            layouts = {(inputs, group, KERNEL_BITS[bits]) for _, inputs, group, bits in shapes}
+            if len(layouts) != 1:
+                continue  # inputs, group or width differ: the loader keeps them apart too
             for n in names:
                 del parts[n]
             rows = sum(shape[0] for shape in shapes)
-            parts[f"{parent}.{fused}" if parent else fused] = ((rows, *shapes[0][1:]), 1)
+            parts[f"{parent}.{fused}" if parent else fused] = ((rows, *layouts.pop()), 1)
     return tuple(sorted((name, shape, count) for name, (shape, count) in parts.items()))
 
 
@@ -138,7 +137,8 @@ def identity(
         # (a mixture of experts' stacks and top k only where there are some: the keys of
         # dense models' timings stay as they were)
         "shapes": [list(shapes.layer), shapes.head, shapes.layers]
-        + ([list(shapes.experts), shapes.experts_per_token] if shapes.experts else []),
+        + ([list(shapes.experts), shapes.experts_per_token] if shapes.experts else [])
+        + ([list(shapes.apart)] if shapes.apart else []),
         "phases": list(phases.rows),
         "precise": precise,
         "float32": float32,

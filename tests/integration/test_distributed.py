@@ -77,10 +77,20 @@ def run_rank_script(argv: list[str], outs: list[Path]) -> list[dict[str, Any]]:
 
 
 def _distinct_lines(text: str) -> str:
-    """`text` with each line once (and its count): a rank that fails floods the group's output
-    with one ring error, which would push the other ranks' last words out of the tail."""
-    counts = Counter(text.splitlines())
-    return "\n".join(line if counts[line] == 1 else f"{line}  [x{counts[line]}]" for line in counts)
+    """`text` with a line repeated more than three times shown once, with its count: a rank
+    that fails floods the group's output with one ring error, which would push the other
+    ranks' last words out of the tail (tracebacks' lines, alike across ranks, stay)."""
+    lines = text.splitlines()
+    counts = Counter(lines)
+    shown: set[str] = set()
+    kept = []
+    for line in lines:
+        if counts[line] <= 3:
+            kept.append(line)
+        elif line not in shown:
+            shown.add(line)
+            kept.append(f"{line}  [x{counts[line]}]")
+    return "\n".join(kept)
 
 
 def rank_args(model_dir: Path, strategy: str, out: Path) -> list[str]:

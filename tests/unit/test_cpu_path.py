@@ -680,10 +680,23 @@ def test_a_large_stack_of_experts_is_timed_over_a_slice_with_its_share_of_routes
     from mlxd.models.cpu_path_probe import STACK_BYTES, _slice
 
     count, out, in_dims = stack
-    experts, routes = _slice(count, top_k, out * in_dims // 2)
+    experts, routes, scale = _slice(count, top_k, out * in_dims // 2)
     assert (experts, routes) == timed
     assert routes * count == top_k * experts  # each expert's share of the routes kept
+    assert scale == count / experts
     assert experts == count or experts * out * in_dims // 2 <= STACK_BYTES
+
+
+def test_a_stack_no_share_keeping_slice_fits_keeps_each_rows_top_k_among_fewer():
+    """Llama 4 Scout: 16 experts of 8,192 x 5,120, top 1 (335 MB at 4 bits); a slice keeping
+    each expert's share needs all 16. Twelve of them, each row through one: a row's work is
+    the stack's, so the time is not scaled."""
+    from mlxd.models.cpu_path_probe import STACK_BYTES, _slice
+
+    expert_bytes = 8192 * 5120 // 2
+    assert 16 * expert_bytes > STACK_BYTES
+    assert _slice(16, 1, expert_bytes) == (12, 1, 1.0)
+    assert _slice(16, 2, expert_bytes) == (8, 1, 2.0)  # top 2: a share-keeping slice of 8
 
 
 def test_a_sliced_stack_is_timed_as_the_whole_stack(monkeypatch):
@@ -791,6 +804,65 @@ def test_q_k_and_v_are_timed_as_one_matmul_where_the_model_runs_them_so(
     shapes = model_shapes(Headers(tensors, {"group_size": 32}, model_type=model_type))
     assert shapes is not None and shapes.layers == 2
     assert sorted(shapes.layer) == timed
+    # The float32 plan's layers (no fusion there) are timed as stored.
+    stored = sorted((shape[0], 64, 32, bits) for shape, bits in parts.values())
+    assert sorted(shapes.apart or shapes.layer) == stored
+
+
+def test_q_k_and_v_of_one_kernel_width_fuse_whatever_their_stored_bits():
+    """A Q5_K_M's q and k (Q5_K) and v (Q6_K) all run at 8 bits: the loader fuses them."""
+    from mlxd.models.cpu_path_timing import model_shapes
+    from mlxd.models.estimate import Headers
+
+    tensors = {}
+    for part, bits in {"q_proj": 5, "k_proj": 5, "v_proj": 6}.items():
+        for leaf, entry in _quantized([64, 64], bits).items():
+            tensors[f"model.layers.0.self_attn.{part}.{leaf}"] = entry
+    shapes = model_shapes(Headers(tensors, {"group_size": 32}, model_type="llama"))
+    assert shapes is not None and shapes.layer == ((192, 64, 32, 8),)
+
+
+def test_the_probe_times_a_layer_as_the_loader_runs_it(smol_packed):
+    """The packed matmuls of a loaded SmolLM2 layer (q, k and v fused) are the shapes the
+    probe times."""
+    from mlxd.models.cpu_path_timing import model_shapes
+    from mlxd.models.packed import PackedLinear
+
+    shapes = model_shapes(smol_packed.path)
+    assert shapes is not None
+    loaded = sorted(
+        tuple(module.packed.shape)
+        for _, module in smol_packed.model.layers[0].named_modules()
+        if isinstance(module, PackedLinear)
+    )
+    assert loaded == sorted((out, inputs) for out, inputs, *_ in shapes.layer)
+
+
+def test_the_float32_pass_times_the_layer_apart_and_the_packed_passes_fused(monkeypatch):
+    from mlxd import kernels
+    from mlxd.models import cpu_path_probe
+    from mlxd.models.cpu_path_probe import ModelShapes
+
+    if not kernels.available():
+        pytest.fail("mlxd's CPU kernels did not build: python -m mlxd.kernels.build")
+    passes: dict[str, set[tuple[int, ...]]] = {}
+    make_pass = cpu_path_probe._pass
+
+    def spied(group: list, inputs: dict, layout: str):
+        if group[0].packed.shape[1] == 64:  # the layer, not the head
+            passes.setdefault(layout, set()).add(tuple(sorted(m.packed.shape[0] for m in group)))
+        return make_pass(group, inputs, layout)
+
+    monkeypatch.setattr(cpu_path_probe, "_pass", spied)
+    shapes = ModelShapes(
+        layer=((64, 64, 32, 4), (128, 64, 32, 4)),
+        head=None,
+        layers=1,
+        apart=((32, 64, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 64, 32, 4)),
+    )
+    cpu_path_probe.time_paths(shapes, Phases(prefill=16))
+    assert passes.pop("float32") == {(32, 32, 64, 64)}
+    assert passes and all(shapes == {(64, 128)} for shapes in passes.values())
 
 
 def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path, monkeypatch):
