@@ -44,6 +44,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -252,10 +253,27 @@ def time_paths(
     packed as int8 dot products on every core (x as two int8 terms, or one unless `precise`),
     with the head's share of both packed layouts on every core (each part takes its faster).
     Without `float32` (it does not fit) only the packed layouts, on every core."""
+    made: dict[tuple[Shape, int], _Matrix] = {}
+
+    def matrices(listed: tuple[Shape, ...], dense: bool) -> list[_Matrix]:
+        """A matrix per shape of `listed`, each repeat of a shape its own (gate and up are two
+        matrices in the model, not one read twice), made once for both layers below."""
+        seen: Counter[Shape] = Counter()
+        result = []
+        for shape in listed:
+            key = (shape, seen[shape])
+            seen[shape] += 1
+            if key not in made:
+                made[key] = _matrix(shape, precise, dense)
+            result.append(made[key])
+        return result
+
     stacks = [_stack(e, shapes.experts_per_token, precise) for e in shapes.experts]
-    layer = [_matrix(s, precise, float32 and not shapes.apart) for s in shapes.layer] + stacks
-    # The float32 plan's layer, where the packed one fuses some of its matmuls.
-    apart = [_matrix(s, precise, float32) for s in shapes.apart] + stacks if shapes.apart else layer
+    # The float32 plan's layer, where the packed one fuses some of its matmuls (q, k and v):
+    # the rest are the same matrices, with their float32 copies.
+    apart = matrices(shapes.apart, float32) + stacks if shapes.apart else None
+    layer = matrices(shapes.layer, float32 and not shapes.apart) + stacks
+    apart = apart or layer
     head = [_matrix(shapes.head, precise, float32)] if shapes.head else []
     cores = len(os.sched_getaffinity(0))
     # Per part ("layer", "head") and phase: the slowest packed layout's best ms (float32 is
