@@ -77,7 +77,7 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
         for _, parts in sorted(layers.items())
     )
     kind = kinds.most_common(1)[0][0]  # the first layer of that kind on ties
-    fused = _fused(kind) if has_kernel_attention(read.model_type) else kind
+    fused = _fused(kind) if has_kernel_attention(read.config) else kind
     dense = [shape for _, shape, count in fused if count == 1]
     experts: list[Experts] = [(count, *shape) for _, shape, count in fused if count > 1]
     apart = [shape for _, shape, count in kind if count == 1] if fused != kind else []
@@ -123,13 +123,12 @@ def identity(
     shapes: ModelShapes, phases: Phases, precise: bool = True, float32: bool = True
 ) -> dict[str, Any]:
     """What the timings depend on (the cache key's ingredients): with the arguments of
-    `time_paths`."""
-    spec = importlib.util.find_spec("mlxd.kernels._cpu")
-    origin = spec.origin if spec is not None else None
-    build = hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
+    `time_paths`, and the probe's own code (a change to how it times, the shapes and kernels
+    unchanged, times again rather than keep figures it would no longer take)."""
     return {
         "cpu": cpu_model(),
-        "kernels": build,
+        "kernels": source_hash("mlxd.kernels._cpu"),
+        "probe": source_hash("mlxd.models.cpu_path_probe"),
         "isa": kernels.isa(),  # the variant the kernels dispatched to (or were forced to)
         "blas": [os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_CORETYPE")],
         "threads": len(os.sched_getaffinity(0)),
@@ -143,6 +142,14 @@ def identity(
         "precise": precise,
         "float32": float32,
     }
+
+
+def source_hash(module: str) -> str | None:
+    """The first 16 hex digits of the SHA-256 of `module`'s file (None: not there, such as
+    kernels never built)."""
+    spec = importlib.util.find_spec(module)
+    origin = spec.origin if spec is not None else None
+    return hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
 
 
 def cpu_model() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,14 @@ class Headers:
     """What the estimates read of a model's weights, none of them loaded: each tensor's
     safetensors header entry (dtype, shape, data_offsets) by name, mlx-lm's quantization
     config, and for a mixture of experts how many experts each token is routed to (None where
-    the config does not say), and mlx-lm's model type (config.json's). A model directory's come
+    the config does not say), and mlx-lm's config (config.json's). A model directory's come
     from its files (`headers`); a GGUF's from its own header, as its conversion will write them
     (models/sizing.py)."""
 
     tensors: dict[str, dict[str, Any]]
     quantization: dict[str, Any]
     experts_per_token: int | None = None
-    model_type: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 def headers(source: Path | Headers) -> Headers:
@@ -54,7 +54,7 @@ def headers(source: Path | Headers) -> Headers:
         _tensors(Path(source)),
         _quantization(config),
         _experts_per_token(config),
-        str(config.get("model_type", "")),
+        config,
     )
 
 

@@ -13,7 +13,10 @@ and the kernel widens them as it reads.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
+from collections.abc import Mapping
 from typing import Any, cast
 
 import mlx.core as mx
@@ -181,24 +184,44 @@ def _standard_attention_classes() -> tuple[type, ...]:
     )
 
 
-def has_kernel_attention(model_type: str) -> bool:
-    """Whether a model of config `model_type` gets `KernelAttention` on the kernels' path
-    (`use_kernel_attention`), which runs its packed q, k and v projections as one matmul."""
-    return MODEL_REMAPPING.get(model_type, model_type) in STANDARD_ATTENTION_MODULES
+def has_kernel_attention(config: Mapping[str, Any]) -> bool:
+    """Whether the mlx-lm model of `config` (config.json's) gets `KernelAttention` on the
+    kernels' path (`use_kernel_attention`), which runs its packed q, k and v projections as one
+    matmul. Asked of the model itself, built from `config` with its arrays never evaluated
+    (≈15 ms and no memory for a 70B shape): types that wrap llama's or qwen's model under
+    another name (smollm3, qwen2_vl, pixtral; mistral3 as its text_config says) get it as they
+    load. A config mlx-lm cannot build keeps mlx-lm's attention (its load fails anyway)."""
+    return _builds_kernel_attention(json.dumps(dict(config), sort_keys=True, default=str))
 
 
-def stores_half_kv(model_type: str, compute_dtype: str | None, kv_dtype: str) -> bool:
-    """Whether a model of config `model_type` computing in `compute_dtype` keeps its KV cache
-    in float16 (`cache.kv_dtype`): on the CPU backend, where `KernelAttention` runs it on the
-    kernel with float32 activations; with `auto`, where the kernels widen halves in hardware
-    (every ISA variant but generic, whose software conversion made decode attention 4-12x
-    slower: docs/performance.md). The loader and the memory estimate both ask."""
+@functools.lru_cache(maxsize=64)
+def _builds_kernel_attention(config_json: str) -> bool:
+    config = json.loads(config_json)
+    model_type = str(config.get("model_type", ""))
+    try:
+        module = importlib.import_module(
+            f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}"
+        )
+        model = module.Model(module.ModelArgs.from_dict(config))
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return False
+    standard = _standard_attention_classes()
+    return any(type(layer) in standard for _, layer in model.named_modules())
+
+
+def stores_half_kv(kernel_attention: bool, compute_dtype: str | None, kv_dtype: str) -> bool:
+    """Whether a model computing in `compute_dtype` keeps its KV cache in float16
+    (`cache.kv_dtype`): on the CPU backend, where `KernelAttention` runs it on the kernel
+    (`kernel_attention`: `has_kernel_attention` of its config) with float32 activations; with
+    `auto`, where the kernels widen halves in hardware (every ISA variant but generic, whose
+    software conversion made decode attention 4-12x slower: docs/performance.md). The loader
+    and the memory estimate both ask."""
     return (
         kv_dtype != "float32"
         and compute_dtype == "float32"
         and backend_name() == "cpu"
         and kernels.available()
-        and has_kernel_attention(model_type)
+        and kernel_attention
         and (kv_dtype == "float16" or kernels.isa() != "generic")
     )
 

@@ -14,10 +14,11 @@ from typing import Any
 from mlxd.config import TEXT_KINDS, ModelConfig
 from mlxd.memory_need import MemoryNeed
 from mlxd.models.estimate import Headers, estimate_weight_bytes
+from mlxd.models.gguf import model_config
 from mlxd.models.gguf_arch import Meta, architecture_of
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits, scales_dtype
-from mlxd.models.kernel_layers import stores_half_kv
+from mlxd.models.kernel_layers import has_kernel_attention, stores_half_kv
 from mlxd.models.loader import _target_dtype
 
 # Bits per weight of each GGUF type the importer holds exactly in MLX's affine layout (a scale
@@ -37,7 +38,9 @@ class KVGeometry:
     key_dim: int
     value_dim: int
     context: int | None  # the model's own context length
-    model_type: str = ""  # mlx-lm's (config.json's), which decides where the KV is float16
+    # The model runs `KernelAttention` (kernel_layers.has_kernel_attention), which decides
+    # where the KV is float16.
+    kernel_attention: bool = False
 
     def bytes_per_token(self, itemsize: int) -> int:
         return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * itemsize
@@ -59,7 +62,7 @@ def model_need(
         target = _target_dtype(config.dtype)
         # The KV takes the compute dtype, but for a float16 cache on the CPU kernel path.
         if config.kind == "llm" and stores_half_kv(
-            geometry.model_type, target, config.cache.kv_dtype
+            geometry.kernel_attention, target, config.cache.kv_dtype
         ):
             itemsize, dtype = 2, "float16"
         else:
@@ -86,7 +89,7 @@ def gguf_weights_and_geometry(
     """A GGUF's weight bytes once imported and loaded with `dtype`, and its KV geometry, from
     its header: counted by the same rules as a converted directory (estimate.py)."""
     weights = estimate_weight_bytes(gguf_headers(gguf), dtype, packs=packs)
-    return weights, _gguf_geometry(gguf.metadata)
+    return weights, _gguf_geometry(gguf)
 
 
 def gguf_headers(gguf: GGUFFile) -> Headers:
@@ -118,7 +121,7 @@ def gguf_headers(gguf: GGUFFile) -> Headers:
         tensors,
         {"group_size": GROUP_SIZE},
         top_k if isinstance(top_k, int) else None,
-        arch.model_type if arch else "",
+        model_config(gguf, arch) if arch else {},
     )
 
 
@@ -126,7 +129,8 @@ def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:
     return {"dtype": dtype, "shape": shape, "data_offsets": [0, math.prod(shape) * itemsize]}
 
 
-def _gguf_geometry(metadata: dict[str, Any]) -> KVGeometry | None:
+def _gguf_geometry(gguf: GGUFFile) -> KVGeometry | None:
+    metadata = gguf.metadata
     arch = metadata.get("general.architecture")
 
     def value(key: str, default: Any = None) -> Any:
@@ -147,7 +151,8 @@ def _gguf_geometry(metadata: dict[str, Any]) -> KVGeometry | None:
         key_dim=key_dim,
         value_dim=value("attention.value_length") or key_dim,
         context=value("context_length"),
-        model_type=architecture.model_type if architecture else "",
+        kernel_attention=architecture is not None
+        and has_kernel_attention(model_config(gguf, architecture)),
     )
 
 
@@ -166,5 +171,5 @@ def _config_geometry(config: dict[str, Any]) -> KVGeometry | None:
         key_dim=head_dim,
         value_dim=head_dim,
         context=int(context) if context else None,
-        model_type=str(config.get("model_type", "")),
+        kernel_attention=has_kernel_attention(config),
     )

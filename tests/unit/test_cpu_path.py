@@ -134,6 +134,7 @@ def identity(**changes: object) -> dict[str, object]:
     base: dict[str, object] = {
         "cpu": "AMD EPYC",
         "kernels": "abc123",
+        "probe": "abc123",
         "isa": "avx2",
         "shapes": [[576, 1536, 32, 4]],
         "phases": [1, 8, 32, 512],
@@ -149,12 +150,37 @@ def test_timings_are_cached_by_cpu_kernel_build_and_shapes(tmp_path):
     assert TimingCache(tmp_path).get(TimingCache.key(identity())) == Record(EPYC, 0.5)
     for changed in (
         identity(kernels="def456"),  # a rebuilt kernel module
+        identity(probe="def456"),  # a probe that times another way
         identity(isa="avx512"),
         identity(cpu="Intel Xeon"),
         identity(shapes=[[2048, 8192, 64, 4]]),
         identity(phases=[1, 8, 32, 2048]),
     ):
         assert cache.get(TimingCache.key(changed)) is None
+
+
+def test_a_probe_that_times_another_way_keys_anew(tmp_path, monkeypatch):
+    """The key names the probe's code by its file's hash, as it names the kernel build: a
+    probe changed in how it times keys anew though the shapes and kernels are the same."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from mlxd.models import cpu_path_timing
+    from mlxd.models.cpu_path_probe import ModelShapes
+
+    probe = tmp_path / "cpu_path_probe.py"
+    real = importlib.util.find_spec
+
+    def find_spec(name: str) -> object:
+        return SimpleNamespace(origin=str(probe)) if name.endswith("cpu_path_probe") else real(name)
+
+    monkeypatch.setattr(cpu_path_timing.importlib.util, "find_spec", find_spec)
+    shapes = ModelShapes(((576, 1536, 32, 4),), None, 30)
+    keys = []
+    for source in ("rows = 8", "rows = 8", "rows = 16"):
+        probe.write_text(source)
+        keys.append(TimingCache.key(cpu_path_timing.identity(shapes, PHASES)))
+    assert keys[0] == keys[1] != keys[2]
 
 
 def test_a_cached_decision_says_so(tmp_path):
@@ -775,6 +801,32 @@ def test_a_mixture_of_experts_is_timed_as_its_expert_layers_past_its_dense_ones(
     assert plain is not None and plain.experts == () and plain.experts_per_token == 0
 
 
+# A text model's config.json of the layer's shapes below (hidden 64, 4 heads of 16, 2 kv heads).
+TEXT_CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 128,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def _config(model_type: str) -> dict:
+    if model_type == "qwen2_vl":  # mlx-lm builds qwen2's model of its text_config
+        return {"model_type": model_type, "text_config": {"model_type": "qwen2", **TEXT_CONFIG}}
+    extra = {
+        "gemma2": {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0},
+        "smollm3": {"no_rope_layer_interval": 2},  # llama's model, some layers without RoPE
+    }
+    return {"model_type": model_type, **TEXT_CONFIG, **extra.get(model_type, {})}
+
+
 @pytest.mark.parametrize(
     ("model_type", "v_bits", "timed"),
     [
@@ -782,6 +834,9 @@ def test_a_mixture_of_experts_is_timed_as_its_expert_layers_past_its_dense_ones(
         ("llama", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),
         ("mistral", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),  # mlx-lm runs it as llama
         ("qwen3", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),
+        # llama's and qwen2's models under other types: the loader fuses theirs too
+        ("smollm3", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),
+        ("qwen2_vl", 4, [(64, 64, 32, 4), (128, 64, 32, 4)]),
         # mlx-lm's own attention runs them apart; so does the loader where v's width differs
         # (a Q4_K_M's v is Q6_K: 8 bits on the kernels)
         ("gemma2", 4, [(32, 64, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 64, 32, 4)]),
@@ -801,7 +856,7 @@ def test_q_k_and_v_are_timed_as_one_matmul_where_the_model_runs_them_so(
         for part, (shape, bits) in parts.items():
             for leaf, entry in _quantized(shape, bits).items():
                 tensors[f"model.layers.{index}.self_attn.{part}.{leaf}"] = entry
-    shapes = model_shapes(Headers(tensors, {"group_size": 32}, model_type=model_type))
+    shapes = model_shapes(Headers(tensors, {"group_size": 32}, config=_config(model_type)))
     assert shapes is not None and shapes.layers == 2
     assert sorted(shapes.layer) == timed
     # The float32 plan's layers (no fusion there) are timed as stored.
@@ -818,7 +873,7 @@ def test_q_k_and_v_of_one_kernel_width_fuse_whatever_their_stored_bits():
     for part, bits in {"q_proj": 5, "k_proj": 5, "v_proj": 6}.items():
         for leaf, entry in _quantized([64, 64], bits).items():
             tensors[f"model.layers.0.self_attn.{part}.{leaf}"] = entry
-    shapes = model_shapes(Headers(tensors, {"group_size": 32}, model_type="llama"))
+    shapes = model_shapes(Headers(tensors, {"group_size": 32}, config=_config("llama")))
     assert shapes is not None and shapes.layer == ((192, 64, 32, 8),)
 
 

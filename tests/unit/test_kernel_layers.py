@@ -71,3 +71,57 @@ def test_no_mlx_lm_module_is_patched() -> None:
     for module in (llama, qwen2, qwen3):
         assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert type(tiny("llama").layers[0].self_attn) is llama.Attention
+
+
+TEXT = dict(
+    SHAPE, head_dim=16, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True
+)
+MINISTRAL = dict(
+    TEXT,
+    rope_parameters={
+        "rope_theta": 10000.0,
+        "llama_4_scaling_beta": 0.1,
+        "original_max_position_embeddings": 512,
+    },
+)
+OWN_ATTENTION = dict(  # gemma2's further fields
+    query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "swapped"),
+    [
+        ({"model_type": "llama", **TEXT}, True),
+        ({"model_type": "mistral", **TEXT}, True),  # mlx-lm loads it as llama
+        ({"model_type": "qwen3", **TEXT}, True),
+        # llama's or qwen's model under another name: the probe timed these apart before
+        ({"model_type": "smollm3", "no_rope_layer_interval": 2, **TEXT}, True),
+        ({"model_type": "qwen2_vl", "text_config": {"model_type": "qwen2", **TEXT}}, True),
+        ({"model_type": "pixtral", "text_config": {"model_type": "llama", **TEXT}}, True),
+        # mistral3 wraps llama or ministral3, as its text_config says
+        ({"model_type": "mistral3", "text_config": {"model_type": "llama", **TEXT}}, True),
+        (
+            {"model_type": "mistral3", "text_config": {"model_type": "ministral3", **MINISTRAL}},
+            False,
+        ),
+        ({"model_type": "gemma2", **TEXT, **OWN_ATTENTION}, False),
+        ({"model_type": "no-such-type", **TEXT}, False),
+    ],
+)
+def test_kernel_attention_is_predicted_as_the_loader_swaps_it(config: dict, swapped: bool) -> None:
+    """`has_kernel_attention` (asked by the load's probe and the memory estimate before any
+    weight is read) says what `use_kernel_attention` then does to the built model."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    from mlxd.models.kernel_layers import has_kernel_attention
+
+    assert has_kernel_attention(config) is swapped
+    if config["model_type"] == "no-such-type" or not kernels.available():
+        return
+    module = __import__(
+        f"mlx_lm.models.{MODEL_REMAPPING.get(config['model_type'], config['model_type'])}",
+        fromlist=["Model"],
+    )
+    model = module.Model(module.ModelArgs.from_dict(config))
+    assert (use_kernel_attention(model) > 0) is swapped

@@ -20,6 +20,7 @@ from mlxd.models.estimate import (
     quantized_shapes,
 )
 from mlxd.models.gguf_header import GGUFFile
+from mlxd.models.kernel_layers import has_kernel_attention
 from mlxd.models.sizing import dir_geometry, gguf_headers, gguf_weights_and_geometry, model_need
 from mlxd.models.source_paths import source_path
 from mlxd.models.sources import resolve_source
@@ -62,7 +63,18 @@ def test_a_ggufs_header_gives_its_conversions_shapes_and_bytes(
     model_dir = resolve_source(str(tmp_path / "tiny.gguf"), model_name="tiny", cache_dir=tmp_path)
     header = gguf_headers(GGUFFile(tmp_path / "tiny.gguf"))
     assert quantized_shapes(header) == quantized_shapes(model_dir)
-    assert header.model_type == headers(model_dir).model_type != ""
+    converted = headers(model_dir).config  # config.json as the conversion wrote it
+    assert header.config["model_type"] == converted["model_type"] != ""
+    # q, k and v fused in the probe's layer and the KV's float16 counted alike either way
+    runs_kernel_attention = model_type in ("llama", "qwen3")
+    assert has_kernel_attention(header.config) is runs_kernel_attention
+    assert has_kernel_attention(converted) is runs_kernel_attention
+    gguf_geometry = gguf_weights_and_geometry(GGUFFile(tmp_path / "tiny.gguf"), "auto", packs=True)[
+        1
+    ]
+    dir_kv = dir_geometry(model_dir)
+    assert gguf_geometry is not None and dir_kv is not None
+    assert gguf_geometry.kernel_attention is dir_kv.kernel_attention is runs_kernel_attention
     shapes = model_shapes(header)
     assert shapes == model_shapes(model_dir) is not None
     if model_type == "qwen3_moe":  # each stack [E, out, in] apart, with the config's top k
@@ -127,7 +139,7 @@ def test_a_float16_kv_cache_is_counted_at_two_bytes_where_the_kernels_store_it(
         assert "KV (4 sequences x 8192 tokens, float16)" in need.describe()
     # An architecture whose attention stays on MLX keeps the compute dtype (float32).
     assert geometry is not None
-    assert model_need(config, weights, replace(geometry, model_type="gemma2")).kv == f32
+    assert model_need(config, weights, replace(geometry, kernel_attention=False)).kv == f32
     # The generic variant (no F16C or NEON) keeps float32 unless the YAML asks for float16.
     monkeypatch.setattr(kernels, "isa", lambda: "generic")
     assert model_need(config, weights, geometry).kv == f32
