@@ -7,7 +7,8 @@ request in 2.45 s, 0.72–0.80 s with a worker ready; SmolLM2 3.0 s against 0.57
 while some declared model could still need a worker, one is kept ready: spawned once the
 daemon is quiet (no load running, every engine idle for `QUIET_S`), so that its imports take a
 core no request is using, and ended once no model could take it. It costs about 105 MiB while
-it waits.
+it waits, which `server.memory_budget` counts: a spare is kept only where the budget has room
+for it beside the models' engines (a budget the models fill takes none).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from mlxd.config import ServerConfig
 from mlxd.control.model_runtime import ModelRuntime
 
 QUIET_S = 3.0
+# What a waiting spare holds (≈105 MiB measured: Python with MLX, mlx-lm and transformers
+# imported), with some margin.
+SPARE_BYTES = 128 * 2**20
 
 Want = Literal["spawn", "discard", "keep"]
 
@@ -41,6 +45,15 @@ def _quiet(runtime: ModelRuntime, now: float) -> bool:
     return all(engine.idle and now - engine.last_used >= QUIET_S for engine in engines)
 
 
+def _engine_bytes(runtimes: Iterable[ModelRuntime]) -> int:
+    """What the budget counts for these models' engines, serving and draining."""
+    return sum(
+        engine.memory_bytes
+        for runtime in runtimes
+        for engine in [*runtime.draining, *([runtime.engine] if runtime.engine else [])]
+    )
+
+
 def spare_wanted(
     models: Iterable[ModelRuntime],
     server: ServerConfig,
@@ -61,5 +74,7 @@ def spare_wanted(
         return "keep"
     if not any(_waits(runtime) and not joins(runtime) for runtime in runtimes):
         return "discard"
+    if _engine_bytes([*runtimes, *removed]) + SPARE_BYTES > server.budget_bytes:
+        return "discard"  # no room beside the engines: the next load spawns its own worker
     quiet = all(_quiet(runtime, now) for runtime in [*runtimes, *removed])
     return "spawn" if quiet else "keep"

@@ -13,7 +13,7 @@ import pytest
 from mlxd.config import ModelConfig, ServerConfig
 from mlxd.config.sections import DistributedConfig
 from mlxd.control.model_runtime import ModelRuntime
-from mlxd.control.spare_policy import QUIET_S, spare_wanted
+from mlxd.control.spare_policy import QUIET_S, SPARE_BYTES, spare_wanted
 from mlxd.runtime import spare_worker
 
 NOW = 1000.0
@@ -27,6 +27,7 @@ class Served:
     idle: bool = True
     last_used: float = 0.0
     failure: str | None = None
+    memory_bytes: int = 0
 
 
 def model(engine: Served | None = None, **fields: object) -> ModelRuntime:
@@ -70,6 +71,23 @@ def test_no_spare_where_no_model_would_take_it():
     assert spare_wanted([model()], ServerConfig(workers="inline"), NOW) == "discard"
     # A LoRA adapter whose base engine runs joins it.
     assert spare_wanted([model()], PROCESS, NOW, joins=lambda runtime: True) == "discard"
+
+
+def test_a_spare_is_kept_only_where_the_memory_budget_has_room_for_it():
+    """It holds memory while it waits: the budget counts it beside the engines."""
+    budget = ServerConfig(workers="process", memory_budget=4 * 2**30)
+    waiting = model()
+    room = budget.budget_bytes - SPARE_BYTES
+    assert spare_wanted([waiting, model(Served(memory_bytes=room))], budget, NOW) == "spawn"
+    full = model(Served(memory_bytes=room + 1))
+    assert spare_wanted([waiting, full], budget, NOW) == "discard"
+    # A draining engine (a reloaded model's, or a removed one's) holds its memory too.
+    draining = model(Served(memory_bytes=room // 2), draining=[Served(memory_bytes=room // 2 + 1)])
+    assert spare_wanted([waiting, draining], budget, NOW) == "discard"
+    gone = model(draining=[Served(memory_bytes=room + 1)])
+    assert spare_wanted([waiting], budget, NOW, removed=[gone]) == "discard"
+    # A running load may take the one there is: kept, whatever the budget.
+    assert spare_wanted([model(loading=object()), full], budget, NOW) == "keep"
 
 
 @pytest.fixture
