@@ -98,6 +98,7 @@ OWN_ATTENTION = dict(  # gemma2's further fields
         # llama's or qwen's model under another name: the probe timed these apart before
         ({"model_type": "smollm3", "no_rope_layer_interval": 2, **TEXT}, True),
         ({"model_type": "qwen2_vl", "text_config": {"model_type": "qwen2", **TEXT}}, True),
+        ({"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3", **TEXT}}, True),
         ({"model_type": "pixtral", "text_config": {"model_type": "llama", **TEXT}}, True),
         # mistral3 wraps llama or ministral3, as its text_config says
         ({"model_type": "mistral3", "text_config": {"model_type": "llama", **TEXT}}, True),
