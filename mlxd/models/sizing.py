@@ -16,6 +16,7 @@ from mlxd.memory_need import MemoryNeed
 from mlxd.models.estimate import Headers, estimate_weight_bytes
 from mlxd.models.gguf import model_config
 from mlxd.models.gguf_arch import Meta, architecture_of
+from mlxd.models.gguf_errors import GGUFError
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits, scales_dtype
 from mlxd.models.kernel_layers import has_kernel_attention, stores_half_kv
@@ -121,8 +122,20 @@ def gguf_headers(gguf: GGUFFile) -> Headers:
         tensors,
         {"group_size": GROUP_SIZE},
         top_k if isinstance(top_k, int) else None,
-        model_config(gguf, arch) if arch else {},
+        _gguf_config(gguf),
     )
+
+
+def _gguf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """config.json as the GGUF's conversion will write it; {} where it cannot be written (the
+    conversion then says why, with the file's other problems)."""
+    arch = architecture_of(gguf.metadata)
+    if arch is None:
+        return {}
+    try:
+        return model_config(gguf, arch)
+    except GGUFError:
+        return {}
 
 
 def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:
@@ -144,15 +157,13 @@ def _gguf_geometry(gguf: GGUFFile) -> KVGeometry | None:
         return None
     kv_heads = value("attention.head_count_kv", heads)
     key_dim = value("attention.key_length") or hidden // heads
-    architecture = architecture_of(metadata)
     return KVGeometry(
         layers=layers,
         kv_heads=max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
         key_dim=key_dim,
         value_dim=value("attention.value_length") or key_dim,
         context=value("context_length"),
-        kernel_attention=architecture is not None
-        and has_kernel_attention(model_config(gguf, architecture)),
+        kernel_attention=has_kernel_attention(_gguf_config(gguf)),
     )
 
 

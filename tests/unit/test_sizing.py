@@ -147,3 +147,27 @@ def test_a_float16_kv_cache_is_counted_at_two_bytes_where_the_kernels_store_it(
         update={"cache": config.cache.model_copy(update={"kv_dtype": "float16"})}
     )
     assert model_need(half, weights, geometry).kv == f32 // 2
+
+
+def test_a_gguf_whose_config_cannot_be_written_is_still_sized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The estimate asks the GGUF's config only whether the model runs the kernels' attention:
+    where the conversion could not write one, the size comes out all the same, with mlx-lm's
+    attention counted (float32 KV), and the conversion reports the file's problems itself."""
+    from mlxd.models import sizing
+    from mlxd.models.gguf_errors import UnsupportedArchitecture
+
+    config = tiny_config("llama", hidden_size=256, intermediate_size=512)
+    write_gguf(tmp_path / "tiny.gguf", config, tiny_weights(config), Q.Q4_0)
+    header = GGUFFile(tmp_path / "tiny.gguf")
+    _, sized = gguf_weights_and_geometry(header, "auto", packs=True)
+    assert sized is not None and sized.kernel_attention is True
+
+    def cannot(*args: object) -> dict:
+        raise UnsupportedArchitecture("per-layer llama.attention.head_count_kv is not supported")
+
+    monkeypatch.setattr(sizing, "model_config", cannot)
+    weights, geometry = gguf_weights_and_geometry(header, "auto", packs=True)
+    assert weights > 0 and geometry is not None and geometry.kernel_attention is False
+    assert gguf_headers(header).config == {}
