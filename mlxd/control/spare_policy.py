@@ -46,11 +46,13 @@ def _quiet(runtime: ModelRuntime, now: float) -> bool:
 
 
 def _engine_bytes(runtimes: Iterable[ModelRuntime]) -> int:
-    """What the budget counts for these models' engines, serving and draining."""
+    """What the budget counts for these models' engines, serving and draining; a dead one's
+    worker has exited (its restart may take the spare)."""
     return sum(
         engine.memory_bytes
         for runtime in runtimes
         for engine in [*runtime.draining, *([runtime.engine] if runtime.engine else [])]
+        if engine.failure is None
     )
 
 
@@ -67,7 +69,7 @@ def spare_wanted(
     reload removed whose engines still drain (busy or not, they take no worker); `joins`:
     whether a model's load would join an engine already running (a LoRA adapter's shared base)
     instead of starting a worker."""
-    runtimes = list(models)
+    runtimes, removed = list(models), list(removed)
     if server.workers != "process":
         return "discard"
     if any(runtime.loading is not None for runtime in runtimes):

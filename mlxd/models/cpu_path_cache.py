@@ -53,7 +53,7 @@ class TimingCache:
     @staticmethod
     def key(identity: dict[str, Any]) -> str:
         """A stable key for what the timings depend on: the CPU model, the kernel build and
-        the ISA it runs, the BLAS, the thread count and the shapes."""
+        the ISA it runs, the probe's code, the BLAS, the thread count and the shapes."""
         text = json.dumps(identity, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -123,18 +123,19 @@ def identity(
     shapes: ModelShapes, phases: Phases, precise: bool = True, float32: bool = True
 ) -> dict[str, Any]:
     """What the timings depend on (the cache key's ingredients): with the arguments of
-    `time_paths`, and the probe's own code (a change to how it times, the shapes and kernels
-    unchanged, times again rather than keep figures it would no longer take)."""
+    `time_paths`, and the probe's own code with the kernels' Python side (a change to how it
+    times or calls them, the shapes and the kernel build unchanged, times again rather than
+    keep figures it would no longer take)."""
     return {
         "cpu": cpu_model(),
         "kernels": source_hash("mlxd.kernels._cpu"),
-        "probe": source_hash("mlxd.models.cpu_path_probe"),
+        "probe": source_hash("mlxd.models.cpu_path_probe", "mlxd.kernels", "mlxd.kernels.layout"),
         "isa": kernels.isa(),  # the variant the kernels dispatched to (or were forced to)
         "blas": [os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_CORETYPE")],
         "threads": len(os.sched_getaffinity(0)),
         "mlx": importlib.metadata.version("mlx"),
-        # (a mixture of experts' stacks and top k only where there are some: the keys of
-        # dense models' timings stay as they were)
+        # (a mixture of experts' stacks and top k, and the float32 plan's separate matmuls,
+        # only where there are some)
         "shapes": [list(shapes.layer), shapes.head, shapes.layers]
         + ([list(shapes.experts), shapes.experts_per_token] if shapes.experts else [])
         + ([list(shapes.apart)] if shapes.apart else []),
@@ -144,12 +145,16 @@ def identity(
     }
 
 
-def source_hash(module: str) -> str | None:
-    """The first 16 hex digits of the SHA-256 of `module`'s file (None: not there, such as
-    kernels never built)."""
-    spec = importlib.util.find_spec(module)
-    origin = spec.origin if spec is not None else None
-    return hashlib.sha256(Path(origin).read_bytes()).hexdigest()[:16] if origin else None
+def source_hash(*modules: str) -> str | None:
+    """The first 16 hex digits of the SHA-256 of the `modules`' files (None: one is not
+    there, such as kernels never built)."""
+    digest = hashlib.sha256()
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            return None
+        digest.update(Path(spec.origin).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def cpu_model() -> str:
@@ -271,7 +276,7 @@ def choose_cpu_path(
     """The CPU path for a quantized LLM loaded with dtype auto (its model directory, or a
     GGUF's headers as its conversion will write them), or None where there is no choice
     (another backend or dtype, kernels not built, weights the kernels do not take, a
-    distributed rank). Times the paths unless this CPU, kernel build, shape set and
+    distributed rank). Times the paths unless this CPU, kernel build, probe, shape set and
     `cpu_activations` were timed before (the cache under server.cache_dir)."""
     if not (
         backend_name() == "cpu"

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.models import base
 from mlx_lm.models.rope_utils import Llama3RoPE
-from mlx_lm.utils import MODEL_REMAPPING
+from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
 from mlxd import kernels
 from mlxd.accel import backend_name
@@ -197,14 +197,27 @@ def has_kernel_attention(config: Mapping[str, Any]) -> bool:
 @functools.lru_cache(maxsize=64)
 def _builds_kernel_attention(config_json: str) -> bool:
     config = json.loads(config_json)
-    model_type = str(config.get("model_type", ""))
     try:
-        module = importlib.import_module(
-            f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}"
-        )
+        module = importlib.import_module(f"mlx_lm.models.{_module_name(config)}")
         model = module.Model(module.ModelArgs.from_dict(config))
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+    except Exception:
         return False
+    return runs_kernel_attention(model)
+
+
+def _module_name(config: dict[str, Any]) -> str:
+    """The mlx-lm module mlx-lm builds a config's model from: by its `architectures` where
+    mlx-lm remaps those, else by its (remapped) model type, as mlx-lm's loader picks it."""
+    model_type = str(config.get("model_type", ""))
+    architectures = config.get("architectures") or ()
+    for architecture in [architectures] if isinstance(architectures, str) else architectures:
+        if (remapped := MODEL_ARCHITECTURE_REMAPPING.get((model_type, architecture))) is not None:
+            return remapped
+    return MODEL_REMAPPING.get(model_type, model_type)
+
+
+def runs_kernel_attention(model: nn.Module) -> bool:
+    """Whether `model` holds attention `use_kernel_attention` swaps for `KernelAttention`."""
     standard = _standard_attention_classes()
     return any(type(layer) in standard for _, layer in model.named_modules())
 

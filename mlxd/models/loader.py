@@ -31,7 +31,7 @@ from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
 from mlxd.models.kernel_layers import (
-    has_kernel_attention,
+    runs_kernel_attention,
     stores_half_kv,
     use_kernel_attention,
     use_kernel_layers,
@@ -258,7 +258,7 @@ def load_llm(
         if experts:
             log.info("model '%s': %s", model_name, experts)
         compute = "float32" if packed else target  # the activations' dtype (None: as stored)
-        half_kv = stores_half_kv(has_kernel_attention(config), compute, kv_dtype)
+        half_kv = stores_half_kv(runs_kernel_attention(model), compute, kv_dtype)
         if packed:
             _use_fresh(model, fresh.arrays)
             model.set_dtype(mx.float32)  # norms and scales: the kernel computes in float32

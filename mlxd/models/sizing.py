@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from mlxd.memory_need import MemoryNeed
 from mlxd.models.estimate import Headers, estimate_weight_bytes
 from mlxd.models.gguf import model_config
 from mlxd.models.gguf_arch import Meta, architecture_of
-from mlxd.models.gguf_errors import GGUFError
 from mlxd.models.gguf_header import GGUFFile
 from mlxd.models.gguf_quants import GROUP_SIZE, requant_bits, scales_dtype
 from mlxd.models.kernel_layers import has_kernel_attention, stores_half_kv
@@ -127,15 +127,20 @@ def gguf_headers(gguf: GGUFFile) -> Headers:
 
 
 def _gguf_config(gguf: GGUFFile) -> dict[str, Any]:
-    """config.json as the GGUF's conversion will write it; {} where it cannot be written (the
-    conversion then says why, with the file's other problems)."""
-    arch = architecture_of(gguf.metadata)
-    if arch is None:
-        return {}
-    try:
-        return model_config(gguf, arch)
-    except GGUFError:
-        return {}
+    """config.json as the GGUF's conversion will write it, once per file object (it reads the
+    rope tensors); {} where it cannot be written (the conversion then says why, with the
+    file's other problems)."""
+    if (config := _GGUF_CONFIGS.get(gguf)) is None:
+        arch = architecture_of(gguf.metadata)
+        try:
+            config = model_config(gguf, arch) if arch is not None else {}
+        except Exception:
+            config = {}
+        _GGUF_CONFIGS[gguf] = config
+    return config
+
+
+_GGUF_CONFIGS: weakref.WeakKeyDictionary[GGUFFile, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _entry(dtype: str, shape: list[int], itemsize: int) -> dict[str, Any]:

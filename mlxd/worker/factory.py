@@ -57,7 +57,8 @@ async def locate(name: str, config: ModelConfig, server: ServerConfig) -> tuple[
         extra += await asyncio.to_thread(estimate_model_bytes, draft_path, draft.dtype, 0)
     if config.adapter is not None:
         extra += await asyncio.to_thread(adapter_bytes, config.adapter)
-    return path, model_need(config, weights, dir_geometry(path), extra)
+    geometry = await asyncio.to_thread(dir_geometry, path)  # builds an mlx-lm model: not here
+    return path, model_need(config, weights, geometry, extra)
 
 
 def _refuse_a_gguf_that_cannot_fit(

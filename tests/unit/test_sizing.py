@@ -168,6 +168,9 @@ def test_a_gguf_whose_config_cannot_be_written_is_still_sized(
         raise UnsupportedArchitecture("per-layer llama.attention.head_count_kv is not supported")
 
     monkeypatch.setattr(sizing, "model_config", cannot)
+    # (the config is read once per file object: the one above keeps its own)
+    assert gguf_headers(header).config["model_type"] == "llama"
+    header = GGUFFile(tmp_path / "tiny.gguf")
     weights, geometry = gguf_weights_and_geometry(header, "auto", packs=True)
     assert weights > 0 and geometry is not None and geometry.kernel_attention is False
     assert gguf_headers(header).config == {}

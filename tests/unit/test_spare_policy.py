@@ -86,6 +86,9 @@ def test_a_spare_is_kept_only_where_the_memory_budget_has_room_for_it():
     assert spare_wanted([waiting, draining], budget, NOW) == "discard"
     gone = model(draining=[Served(memory_bytes=room + 1)])
     assert spare_wanted([waiting], budget, NOW, removed=[gone]) == "discard"
+    # A dead engine's worker has exited: its memory is free, and its restart may take the spare.
+    dead = model(Served(memory_bytes=room + 1, failure="killed"))
+    assert spare_wanted([dead], budget, NOW) == "spawn"
     # A running load may take the one there is: kept, whatever the budget.
     assert spare_wanted([model(loading=object()), full], budget, NOW) == "keep"
 
