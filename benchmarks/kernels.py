@@ -44,7 +44,9 @@ def op_rows(model, batch: int, context: int) -> list[tuple[str, Callable, Callab
     args = model.args
     hidden, heads, kv_heads = args.hidden_size, args.num_attention_heads, args.num_key_value_heads
     head_dim = hidden // heads
-    up = model.model.layers[0].mlp.up_proj
+    mlp = model.model.layers[0].mlp
+    # (a packed load runs gate and up as one matmul: models/fused.py)
+    up = mlp.gate_up_proj.split()[1] if "gate_up_proj" in mlp else mlp.up_proj
     x = mx.random.normal((batch, 1, hidden))
     q = mx.random.normal((batch, 1, heads, head_dim)).transpose(0, 2, 1, 3)
     k = mx.random.normal((batch, kv_heads, context, head_dim))

@@ -186,6 +186,11 @@ NB_MODULE(_cpu, m) {
       "x"_a,
       "silu(gate) * x for float32 gate and x of one shape, with the rational SiLU.");
   m.def(
+      "swiglu_halves",
+      &mlxd::swiglu_halves,
+      "both"_a,
+      "swiglu of each row's halves of float32 both [..., 2F] (gate, then x): [..., F].");
+  m.def(
       "rope",
       &mlxd::rope,
       "x"_a,

@@ -22,16 +22,39 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
     throw std::invalid_argument("swiglu: float32 gate and x of one shape");
   }
   auto stream = mx::default_stream(mx::Device::cpu);
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {gate, x});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream, false), {gate, x});
+}
+
+mx::array swiglu_halves(const mx::array& both) {
+  if (both.dtype() != mx::float32 || both.ndim() == 0 || both.shape().back() % 2 != 0) {
+    throw std::invalid_argument("swiglu_halves: float32 [..., 2F]");
+  }
+  auto shape = both.shape();
+  shape.back() /= 2;
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32, std::make_shared<SwiGLU>(stream, true), {both});
 }
 
 void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = prepare(inputs, outputs);
-  encoder.dispatch([gp = rows<float>(inputs[0], encoder),
-                    xp = rows<float>(inputs[1], encoder),
+  if (!halves_) {
+    encoder.dispatch([gp = rows<float>(inputs[0], encoder),
+                      xp = rows<float>(inputs[1], encoder),
+                      yp = outputs[0].data<float>(),
+                      n = outputs[0].size(),
+                      run = kernels().swiglu]() { run(gp, xp, yp, n); });
+    return;
+  }
+  const size_t width = outputs[0].shape().back();
+  encoder.dispatch([bp = rows<float>(inputs[0], encoder),
                     yp = outputs[0].data<float>(),
-                    n = outputs[0].size(),
-                    run = kernels().swiglu]() { run(gp, xp, yp, n); });
+                    count = outputs[0].size() / (width ? width : 1),
+                    width,
+                    run = kernels().swiglu]() {
+    for (size_t r = 0; r < count; ++r) {
+      run(bp + 2 * r * width, bp + (2 * r + 1) * width, yp + r * width, width);
+    }
+  });
 }
 
 }  // namespace mlxd

@@ -44,8 +44,8 @@ _BINDINGS = (
     "assemble_kv", "attention", "built_isas", "dot_buffer_rows", "empty", "gather_qmatmul",
     "integer_dot", "isa", "map_file_arrays", "parallelize_default_stream", "q6_k_to_affine8",
     "qmatmul", "rms_norm", "rope", "rope_qkv", "runnable_isas", "sample", "set_dot_buffer_rows",
-    "set_spare_core_rows", "set_threads", "swiglu", "threads_for_rows", "tile_scale_pairs",
-    "tile_weights", "to_affine", "use_isa", "widen_weights",
+    "set_spare_core_rows", "set_threads", "swiglu", "swiglu_halves", "threads_for_rows",
+    "tile_scale_pairs", "tile_weights", "to_affine", "use_isa", "widen_weights",
 )  # fmt: skip
 
 
@@ -240,6 +240,13 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x for float32 gate and x of one shape, with models.activations' rational
     SiLU: one graph node where the compiled form is five."""
     result: mx.array = _module().swiglu(gate, x)
+    return result
+
+
+def swiglu_halves(both: mx.array) -> mx.array:
+    """`swiglu` of each row's halves of float32 `both` [..., 2F], a fused gate and up
+    projection's output (gate first): [..., F], without slicing it into two copies."""
+    result: mx.array = _module().swiglu_halves(both)
     return result
 
 

@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxd import kernels
+from mlxd.models.fused import fuse
 
 # Eigen's generic_fast_erf_float: erf(z) = z · P(z²) / Q(z²) on [-4, 4] (±1 beyond).
 _P = (
@@ -132,14 +133,32 @@ def swiglu_cpu(gate: mx.array, x: mx.array) -> mx.array:
 
 class RationalSwiGLU(nn.Module):
     """An mlx-lm SwiGLU MLP (the same three projections, so the same parameter names) whose
-    forward uses the rational SiLU."""
+    forward uses the rational SiLU. Packed gate and up projections the packed file keeps as
+    one matrix run as one `gate_up_proj` (models/fused.py: one kernel call, and SwiGLU reads
+    its output's halves) until `split_projections` gives them back."""
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        projections = [mlp.gate_proj, mlp.up_proj]
+        fused = fuse(projections, copy=False)
+        if fused is None:
+            self.gate_proj, self.up_proj = projections
+        else:
+            self.gate_up_proj = fused
+        self.down_proj = mlp.down_proj
 
     def __call__(self, x: mx.array) -> mx.array:
+        # Read once: split_projections may remove it from another thread meanwhile.
+        fused = self.get("gate_up_proj")
+        if fused is not None:
+            return self.down_proj(kernels.swiglu_halves(fused(x)))
         return self.down_proj(swiglu_cpu(self.gate_proj(x), self.up_proj(x)))
+
+    def split_projections(self) -> None:
+        """Gate and up as layers of their own again (in place before the fused one goes)."""
+        if "gate_up_proj" in self:
+            self.gate_proj, self.up_proj = self.gate_up_proj.split()
+            del self["gate_up_proj"]
 
 
 def use_rational_swiglu(model: nn.Module) -> int:
@@ -149,13 +168,14 @@ def use_rational_swiglu(model: nn.Module) -> int:
     Only MLP classes whose forward is exactly mlx-lm's SwiGLU pattern are taken (llama,
     qwen2/3, mistral …); a variant (bias, clipping, another activation) keeps its own forward.
     """
-    swaps = [(name, RationalSwiGLU(m)) for name, m in model.named_modules() if _is_swiglu_mlp(m)]
+    swaps = [(name, RationalSwiGLU(m)) for name, m in model.named_modules() if is_swiglu_mlp(m)]
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)
 
 
-def _is_swiglu_mlp(module: object) -> bool:
+def is_swiglu_mlp(module: object) -> bool:
+    """Whether `module` is an MLP `use_rational_swiglu` takes."""
     from mlx_lm.models.activations import swiglu
 
     # The class's forward method itself, not a callability test.

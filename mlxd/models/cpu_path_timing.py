@@ -42,7 +42,7 @@ from mlxd.models.estimate import (
     quantized_shapes,
 )
 from mlxd.models.fused import GROUPS
-from mlxd.models.kernel_layers import has_kernel_attention
+from mlxd.models.kernel_layers import kernel_fusions
 from mlxd.models.packability import has_own_head, is_lm_head, why_not_packable
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
     None when its headers show no such decoder layer (the layers the kernels do not take run
     float32 on both paths: nothing to compare). The layer timed is the most common one: a
     mixture of experts with a few dense layers first (DeepSeek's `first_k_dense_replace`,
-    Qwen3-MoE's `mlp_only_layers`) is timed as its expert layers; q, k and v as one matmul
-    where the model runs them so (`_fused`)."""
+    Qwen3-MoE's `mlp_only_layers`) is timed as its expert layers; q, k and v, and gate and up,
+    as one matmul each where the model runs them so (`_fused`)."""
     read = headers(source)
     modules: dict[str, Shape] = {}
     stacks: dict[str, int] = {}  # experts per stack [E, out, in], whose shape counts E x out rows
@@ -77,7 +77,7 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
         for _, parts in sorted(layers.items())
     )
     kind = kinds.most_common(1)[0][0]  # the first layer of that kind on ties
-    fused = _fused(kind) if has_kernel_attention(read.config) else kind
+    fused = _fused(kind, kernel_fusions(read.config))
     dense = [shape for _, shape, count in fused if count == 1]
     experts: list[Experts] = [(count, *shape) for _, shape, count in fused if count > 1]
     apart = [shape for _, shape, count in kind if count == 1] if fused != kind else []
@@ -93,14 +93,17 @@ def model_shapes(source: Path | Headers) -> ModelShapes | None:
 Part = tuple[str, Shape, int]  # a layer's matmul: its name in the layer, shape, experts
 
 
-def _fused(layer: tuple[Part, ...]) -> tuple[Part, ...]:
-    """`layer` as `KernelAttention` runs it: its q, k and v projections of one layout as one
-    matmul over their rows together (models/fused.py; the float32 plan's dense layers run them
-    apart, `ModelShapes.apart`). Timed apart, they cost two kernel calls
-    a layer more than the model's step (and on the int8 layout two more roundings of x), and
-    SmolLM2's k and v, 192 rows each, were jobs too short for two threads to share."""
+def _fused(layer: tuple[Part, ...], fusions: frozenset[str]) -> tuple[Part, ...]:
+    """`layer` as the kernels' path runs it: each of `fusions` (`KernelAttention`'s q, k and v,
+    `RationalSwiGLU`'s gate and up) of one layout as one matmul over their rows together
+    (models/fused.py; the float32 plan's dense layers run them apart, `ModelShapes.apart`).
+    Timed apart, q, k and v cost two kernel calls a layer more than the model's step (and on
+    the int8 layout two more roundings of x), and SmolLM2's k and v, 192 rows each, were jobs
+    too short for two threads to share."""
     parts = {name: (shape, count) for name, shape, count in layer}
     for fused, members in GROUPS.items():
+        if fused not in fusions:
+            continue
         for name in [n for n in parts if n.rpartition(".")[2] == members[0]]:
             parent = name.rpartition(".")[0]
             names = [f"{parent}.{member}" if parent else member for member in members]

@@ -28,6 +28,7 @@ from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
 from mlxd import kernels
 from mlxd.accel import backend_name
+from mlxd.models.activations import RationalSwiGLU, is_swiglu_mlp
 from mlxd.models.fused import fuse
 
 # mlx-lm model modules (mlx_lm.models.<name>) whose attention is standard (see
@@ -187,22 +188,35 @@ def _standard_attention_classes() -> tuple[type, ...]:
 def has_kernel_attention(config: Mapping[str, Any]) -> bool:
     """Whether the mlx-lm model of `config` (config.json's) gets `KernelAttention` on the
     kernels' path (`use_kernel_attention`), which runs its packed q, k and v projections as one
-    matmul. Asked of the model itself, built from `config` with its arrays never evaluated
-    (≈15 ms and no memory for a 70B shape): types that wrap llama's or qwen's model under
-    another name (smollm3, qwen2_vl, pixtral; mistral3 as its text_config says) get it as they
-    load. A config mlx-lm cannot build keeps mlx-lm's attention (its load fails anyway)."""
-    return _builds_kernel_attention(json.dumps(dict(config), sort_keys=True, default=str))
+    matmul (see `kernel_fusions`)."""
+    return "qkv_proj" in kernel_fusions(config)
+
+
+def kernel_fusions(config: Mapping[str, Any]) -> frozenset[str]:
+    """The fusions of models/fused.py (`GROUPS`' names) the mlx-lm model of `config` gets on
+    the kernels' path: "qkv_proj" where `KernelAttention` takes its attention, "gate_up_proj"
+    where `RationalSwiGLU` takes its MLP. Asked of the model itself, built from `config` with
+    its arrays never evaluated (≈15 ms and no memory for a 70B shape): types that wrap llama's
+    or qwen's model under another name (smollm3, qwen2_vl, pixtral; mistral3 as its
+    text_config says) get them as they load. A config mlx-lm cannot build gets none (its load
+    fails anyway)."""
+    return _built_fusions(json.dumps(dict(config), sort_keys=True, default=str))
 
 
 @functools.lru_cache(maxsize=64)
-def _builds_kernel_attention(config_json: str) -> bool:
+def _built_fusions(config_json: str) -> frozenset[str]:
     config = json.loads(config_json)
     try:
         module = importlib.import_module(f"mlx_lm.models.{_module_name(config)}")
         model = module.Model(module.ModelArgs.from_dict(config))
-    except Exception:
-        return False
-    return runs_kernel_attention(model)
+    except Exception:  # whatever a config mlx-lm cannot build raises: nothing fuses
+        return frozenset()
+    swiglu = any(is_swiglu_mlp(layer) for _, layer in model.named_modules())
+    return frozenset(
+        name
+        for name, runs in (("qkv_proj", runs_kernel_attention(model)), ("gate_up_proj", swiglu))
+        if runs
+    )
 
 
 def _module_name(config: dict[str, Any]) -> str:
@@ -350,10 +364,10 @@ class KernelAttention(nn.Module):
 
 
 def split_fused_projections(model: nn.Module) -> None:
-    """Every fused q/k/v projection of `model` as separate layers again (see KernelAttention):
-    a LoRA adapter attaches to them by name."""
+    """Every fused projection of `model` (q/k/v: KernelAttention; gate/up: RationalSwiGLU) as
+    separate layers again: a LoRA adapter attaches to them by name."""
     for _, module in model.named_modules():
-        if isinstance(module, KernelAttention):
+        if isinstance(module, (KernelAttention, RationalSwiGLU)):
             module.split_projections()
 
 

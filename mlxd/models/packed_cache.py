@@ -63,7 +63,7 @@ from mlxd import kernels
 from mlxd.kernels import Packed, layout
 from mlxd.kernels.build import SOURCE_DIR
 from mlxd.models.direct_write import array_bytes
-from mlxd.models.fused import GROUPS, same_layout
+from mlxd.models.fused import fused_groups
 from mlxd.models.sources import exclusive
 from mlxd.process_exit import before_exit
 
@@ -110,24 +110,6 @@ def wait_for_writes() -> None:
                 return
             thread = _writes.pop()
         thread.join()
-
-
-def fused_groups(layers: Mapping[str, Packed]) -> dict[str, list[str]]:
-    """The layers models/fused.py fuses (a layer's q, k and v projections, all packed alike),
-    by the name of their fusion: kept as that one matrix, so that a load maps it whole and
-    fuses nothing (a concatenation copied an 8B's 0.45 GiB at every load)."""
-    groups: dict[str, list[str]] = {}
-    for name in layers:
-        parent, _, leaf = name.rpartition(".")
-        for fusion, members in GROUPS.items():
-            parts = [f"{parent}.{member}" for member in members]
-            if (
-                leaf == members[0]
-                and all(part in layers for part in parts)
-                and same_layout([layers[part] for part in parts])
-            ):
-                groups[f"{parent}.{fusion}"] = parts
-    return groups
 
 
 def _aligned(offset: int) -> int:

@@ -877,20 +877,30 @@ def test_q_k_and_v_of_one_kernel_width_fuse_whatever_their_stored_bits():
     assert shapes is not None and shapes.layer == ((192, 64, 32, 8),)
 
 
-def test_the_probe_times_a_layer_as_the_loader_runs_it(smol_packed):
-    """The packed matmuls of a loaded SmolLM2 layer (q, k and v fused) are the shapes the
-    probe times."""
+def test_the_probe_times_a_layer_as_the_loader_runs_it(smol, tmp_path):
+    """The packed matmuls of a loaded SmolLM2 layer (q, k and v fused, gate and up too) are the
+    shapes the probe times: on a first load, which packs, and on the next, from the packed
+    file."""
     from mlxd.models.cpu_path_timing import model_shapes
+    from mlxd.models.loader import load_llm
     from mlxd.models.packed import PackedLinear
+    from mlxd.models.packed_cache import wait_for_writes
 
-    shapes = model_shapes(smol_packed.path)
+    def layer_shapes(loaded) -> list[tuple[int, int]]:
+        return sorted(
+            tuple(module.packed.shape)
+            for _, module in loaded.model.layers[0].named_modules()
+            if isinstance(module, PackedLinear)
+        )
+
+    shapes = model_shapes(smol.path)
     assert shapes is not None
-    loaded = sorted(
-        tuple(module.packed.shape)
-        for _, module in smol_packed.model.layers[0].named_modules()
-        if isinstance(module, PackedLinear)
-    )
-    assert loaded == sorted((out, inputs) for out, inputs, *_ in shapes.layer)
+    timed = sorted((out, inputs) for out, inputs, *_ in shapes.layer)
+    first = load_llm(smol.path, dtype="auto", model_name="smol", cache_dir=tmp_path)
+    wait_for_writes()  # the packed file, written beside the first load
+    assert (2 * 1536, 576) in timed and layer_shapes(first) == timed
+    cached = load_llm(smol.path, dtype="auto", model_name="smol", cache_dir=tmp_path)
+    assert layer_shapes(cached) == timed
 
 
 def test_the_float32_pass_times_the_layer_apart_and_the_packed_passes_fused(monkeypatch):
@@ -927,11 +937,11 @@ def test_a_model_is_timed_once_then_served_from_the_cache(smol_packed, tmp_path,
     shapes = cpu_path_timing.model_shapes(smol_packed.path)
     assert shapes is not None and shapes.layers == 30
     assert shapes.head == (49_152, 576, 32, 8)  # the tied 8-bit embedding
-    # q, k and v as one matmul (576 + 192 + 192 rows), as KernelAttention runs them
-    assert (
-        sorted(shapes.layer)
-        == [(576, 576, 32, 4), (576, 1536, 32, 4), (960, 576, 32, 4)] + [(1536, 576, 32, 4)] * 2
-    )
+    # q, k and v as one matmul (576 + 192 + 192 rows), as KernelAttention runs them; gate and
+    # up as another (1536 + 1536), as RationalSwiGLU does
+    assert sorted(shapes.layer) == [
+        (576, 576, 32, 4), (576, 1536, 32, 4), (960, 576, 32, 4), (3072, 576, 32, 4)
+    ]  # fmt: skip
     timed = []
 
     def fake(shapes, phases, precise, float32):

@@ -1,5 +1,5 @@
-"""Packed q, k and v projections run as one kernel call (models/fused.py): the same numbers as
-three, and given back as three for a LoRA adapter."""
+"""Packed q, k and v projections run as one kernel call, gate and up as another
+(models/fused.py): the same numbers as apart, and given back apart for a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlxd import kernels
-from mlxd.models.fused import Fused, fuse
+from mlxd.models.fused import Fused, fuse, keep_groups_whole
 from mlxd.models.kernel_layers import KernelAttention, split_fused_projections
 from mlxd.models.packed import PackedLinear, SplitLinear, pack
 
@@ -51,14 +51,60 @@ def test_layers_of_another_kind_or_layout_stay_apart() -> None:
     assert fuse([*parts[:2], split]) is None  # the mixed plan's two weight sets
 
 
-def test_a_packed_model_computes_the_same_with_its_projections_fused(smol) -> None:
-    from mlxd.models.loader import load_llm
+def test_a_load_packs_each_group_as_one_matrix_which_fuses_without_a_copy() -> None:
+    """`keep_groups_whole` makes a group's layers views of one matrix, each computing what it
+    did; `fuse` then takes that matrix as it is."""
+    import mlx.nn as nn
 
-    loaded = load_llm(smol.path, dtype="auto", model_name="smol")  # as the CPU engine loads it
+    mx.random.seed(7)
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.gate_proj, model.mlp.up_proj = (
+        linear(96, 256, True, False),
+        linear(96, 256, True, False),
+    )
+    model.mlp.down_proj = linear(256, 96, True, False)
+    x = mx.random.normal((3, 256))
+    before = [model.mlp.gate_proj(x), model.mlp.up_proj(x)]
+    layers = {
+        f"mlp.{name}": getattr(model.mlp, name).packed
+        for name in ("gate_proj", "up_proj", "down_proj")
+    }
+    keep_groups_whole(model, layers)
+    gate, up = model.mlp.gate_proj, model.mlp.up_proj
+    assert gate.whole is not None and up.whole is gate.whole
+    assert (gate.first_row, up.first_row) == (0, 96)
+    assert layers["mlp.up_proj"].whole is gate.whole and layers["mlp.down_proj"].whole is None
+    for layer, y in zip((gate, up), before, strict=True):
+        assert mx.array_equal(layer(x), y).item()
+    fused = fuse([gate, up], copy=False)
+    assert fused is not None and fused.weight is gate.whole.weight  # no copy
+    # Separate arrays do not fuse without a copy.
+    assert fuse([linear(96, 256, True, False), linear(96, 256, True, False)], copy=False) is None
+
+
+def test_a_packed_model_computes_the_same_with_its_projections_fused(smol, tmp_path) -> None:
+    from mlxd.models.activations import RationalSwiGLU
+    from mlxd.models.loader import load_llm
+    from mlxd.models.packed_cache import wait_for_writes
+
+    # As the CPU engine loads it: the first load packs each group as one matrix's rows (no
+    # copy when it fuses them), the next maps them from the packed file, which keeps them so.
+    first = load_llm(smol.path, dtype="auto", model_name="smol", cache_dir=tmp_path)
+    wait_for_writes()
+    assert all(
+        "gate_up_proj" in mlp
+        for _, mlp in first.model.named_modules()
+        if isinstance(mlp, RationalSwiGLU)
+    )
+    loaded = load_llm(smol.path, dtype="auto", model_name="smol", cache_dir=tmp_path)
     attentions = [m for _, m in loaded.model.named_modules() if isinstance(m, KernelAttention)]
     assert attentions and all("qkv_proj" in a and "q_proj" not in a for a in attentions)
+    mlps = [m for _, m in loaded.model.named_modules() if isinstance(m, RationalSwiGLU)]
+    assert mlps and all("gate_up_proj" in m and "gate_proj" not in m for m in mlps)
     ids = mx.array([smol.tokenizer.encode("The capital of France is")])
     fused = loaded.model(ids)
     split_fused_projections(loaded.model)
     assert all("qkv_proj" not in a and "q_proj" in a for a in attentions)
+    assert all("gate_up_proj" not in m and "gate_proj" in m for m in mlps)
     assert mx.array_equal(loaded.model(ids), fused).item()

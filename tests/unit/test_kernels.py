@@ -376,6 +376,20 @@ def test_swiglu_equals_the_rational_one_and_silu(kernel_isa: str) -> None:
         assert mx.allclose(got, exact(g, v), atol=1e-5).item()
 
 
+def test_swiglu_of_a_fused_outputs_halves_is_swiglu_of_the_two(kernel_isa: str) -> None:
+    """A fused gate and up projection's output [..., 2F], gate first: the same values to the
+    bit as the kernel given the two halves apart, a row's halves never mixed with another's."""
+    both = mx.concatenate([mx.random.normal((3, 7, 1536)) * 6, mx.random.normal((3, 7, 1536))], -1)
+    strided = mx.random.normal((2 * 96, 5)).T  # rows not contiguous: copied first
+    for fused in (both, strided):
+        half = fused.shape[-1] // 2
+        got = kernels.swiglu_halves(fused)
+        assert got.shape == (*fused.shape[:-1], half)
+        assert mx.array_equal(got, kernels.swiglu(fused[..., :half], fused[..., half:])).item()
+    with pytest.raises(ValueError, match="2F"):
+        kernels.swiglu_halves(mx.zeros((2, 3)))
+
+
 @pytest.mark.parametrize(
     "shape",
     [

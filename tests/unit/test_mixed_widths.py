@@ -89,7 +89,8 @@ def test_the_kernels_take_the_affine_layers_and_blas_the_mxfp4_one(mixed_dir: Pa
     layers = dict(packed.model.named_modules())
     assert type(layers[MXFP4]) is nn.Linear and layers[MXFP4].weight.dtype == mx.float32
     assert isinstance(layers[SIX_BIT], PackedLinear) and layers[SIX_BIT].bits == 8
-    assert isinstance(layers["model.layers.0.mlp.up_proj"], PackedLinear)
+    # (gate and up as one matmul: models/fused.py)
+    assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], PackedLinear)
     # Sized before loading, as it runs.
     assert packed_weight_bytes(mixed_dir) == pytest.approx(packed.nbytes, rel=0.02)
     # The same function as every layer dequantized to float32.
