@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from mlxd.host_memory import trim_heap
 from mlxd.kernels import Packed
 from mlxd.models.packed import PackedLinear
 
@@ -136,7 +137,7 @@ def keep_groups_whole(model: nn.Module, layers: dict[str, Packed]) -> None:
         packed = [layers[part] for part in parts]
         if packed[0].whole is not None and all(p.whole is packed[0].whole for p in packed):
             continue  # already one matrix's rows (the packed file's)
-        linears = [modules[part] for part in parts]
+        linears = [modules.pop(part) for part in parts]  # (the last references but the model's)
         if not all(type(linear) is PackedLinear for linear in linears):
             continue  # the mixed plan's SplitLinear keeps its own
         first = packed[0]
@@ -152,3 +153,4 @@ def keep_groups_whole(model: nn.Module, layers: dict[str, Packed]) -> None:
             model.update_modules(tree_unflatten([(part, PackedLinear(view, linear.get("bias")))]))
         del packed, linears
         mx.clear_cache()
+        trim_heap()  # the parts' blocks, else resident while the heap grows past them
