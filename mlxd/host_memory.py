@@ -9,7 +9,6 @@ and what is left under it bounds what is available.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -107,12 +106,3 @@ def _stat(directory: Path, key: str) -> int:
             if name == key:
                 return int(value)
     return 0
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
-    nothing). Blocks under glibc's mmap threshold (32 MB at most) come from the heap, and
-    those freed between live ones stay resident: a first load's matrices regrouped into one
-    per group left a 1B's 0.28 GiB there (models/fused.py `keep_groups_whole`)."""
-    with suppress(OSError, AttributeError):  # no C library found, or not glibc
-        ctypes.CDLL(None).malloc_trim(0)

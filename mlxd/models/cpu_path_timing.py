@@ -41,7 +41,7 @@ from mlxd.models.estimate import (
     packed_weight_bytes,
     quantized_shapes,
 )
-from mlxd.models.fused import GROUPS
+from mlxd.models.groups import GROUPS
 from mlxd.models.kernel_layers import kernel_fusions
 from mlxd.models.packability import has_own_head, is_lm_head, why_not_packable
 

@@ -30,7 +30,6 @@ from mlxd.models import fresh_weights
 from mlxd.models.activations import use_rational_swiglu
 from mlxd.models.adapters import adapter_problem
 from mlxd.models.cpu_path import Choice
-from mlxd.models.fused import keep_groups_whole
 from mlxd.models.kernel_layers import (
     runs_kernel_attention,
     stores_half_kv,
@@ -185,18 +184,14 @@ def _pack_model_kept(
     under `cache_dir`, and keeping them there for the next load when some did not come from
     there (models/packed_cache.py)."""
     if cache_dir is None:
-        layers, _ = pack_model(model, path_for, dot, fresh, precise, head_dot=head_dot)
-        fresh.clear()  # (the conversion's packed layers: keep_groups_whole replaces some)
-        keep_groups_whole(model, layers)
+        pack_model(model, path_for, dot, fresh, precise, head_dot=head_dot)
         return
     cache = PackedCache.for_model(cache_dir, path, dot, precise, head_dot)
     seen = cache.stamp()
     kept = cache.read() or Kept()
     cached = {**kept.layers, **fresh}
+    fresh.clear()  # pack_model takes them out of `cached` as it uses them
     layers, _ = pack_model(model, path_for, dot, cached, precise, kept.others, head_dot)
-    fresh.clear()
-    cached.clear()
-    keep_groups_whole(model, layers)
     others = take_others(model, layers, kept.others)
     new = sum(1 for name, weights in layers.items() if kept.layers.get(name) is not weights)
     if new or any(kept.others.get(name) is not array for name, array in others.items()):

@@ -63,7 +63,7 @@ from mlxd import kernels
 from mlxd.kernels import Packed, layout
 from mlxd.kernels.build import SOURCE_DIR
 from mlxd.models.direct_write import array_bytes
-from mlxd.models.fused import fused_groups
+from mlxd.models.groups import fused_groups
 from mlxd.models.sources import exclusive
 from mlxd.process_exit import before_exit
 

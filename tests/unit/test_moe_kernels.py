@@ -261,7 +261,7 @@ def test_tiny_moe_models_give_the_same_greedy_tokens_packed(model_type, bits, gr
     assert len(switches) == 3 * layers and all(s.dot == dot for s in switches)
     # A later load takes the expert stacks from the packed cache as they are (models/packed_cache).
     again = build()
-    assert pack_model(again, dot=dot, cached=layers_packed) == (layers_packed, 0)
+    assert pack_model(again, dot=dot, cached=dict(layers_packed)) == (layers_packed, 0)
     assert packed_here == len(layers_packed)
     names = [name for name, _ in tree_flatten(packed.parameters())]
     assert not [name for name in names if ".switch_mlp." in name and name.endswith("scales")]
