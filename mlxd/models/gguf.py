@@ -49,6 +49,7 @@ from mlxd.models.gguf_tokenizer import (
     tokenizer_config,
     tokenizer_problem,
 )
+from mlxd.models.groups import as_one_matrix
 from mlxd.models.packability import why_not_packable
 from mlxd.models.packed import pack
 from mlxd.models.read_once import Passed, ReadOnce
@@ -230,6 +231,7 @@ def _write_weights(
             early = _packed(module, converted, layout)
             if early is not None:
                 packed[module] = early
+                as_one_matrix(packed, module)  # a group as the load fuses it (models/groups.py)
             writer.add(name, converted.weight, hold=early is None)
             if converted.scales is not None and converted.biases is not None:
                 writer.add(f"{module}.scales", converted.scales, hold=early is None)

@@ -30,7 +30,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from mlxd import kernels
 from mlxd.kernels import KERNEL_BITS, Packed
-from mlxd.models.groups import group_of, is_one_matrix, one_matrix
+from mlxd.models.groups import as_one_matrix, group_of
 from mlxd.models.packability import (
     Quantized,
     expert_stacks,
@@ -280,22 +280,18 @@ def _packed_linear(
 
 
 def _pack_group_as_one(model: nn.Module, layers: dict[str, Packed], name: str) -> None:
-    """Where `name` completes a group models/fused.py fuses (models/groups.py), its layers as
-    rows of one matrix, as the packed file keeps them: fusing them then copies nothing. Right
-    as the group completes, so the parts' memory goes to the next layers' packing (regrouped
-    after the whole model, a 1B's first load kept 0.28 GiB more resident). Layers already so
-    (the packed file's), or kept beside float32 weights (the mixed plan), stay as they are."""
+    """Where `name` completes a group models/fused.py fuses, its layers as rows of one matrix
+    (models/groups.py), as the packed file keeps them: fusing them then copies nothing. Layers
+    kept beside float32 weights (the mixed plan) stay as they are."""
     found = group_of(name, layers)
     if found is None:
         return
-    parts = found[1]
-    packed = [layers[part] for part in parts]
-    linears = [_module_at(model, part) for part in parts]
-    if is_one_matrix(packed) or not all(type(linear) is PackedLinear for linear in linears):
+    linears = {part: _module_at(model, part) for part in found[1]}
+    if not all(type(linear) is PackedLinear for linear in linears.values()):
         return
-    for part, linear, view in zip(parts, linears, one_matrix(packed), strict=True):
-        layers[part] = view
-        model.update_modules(tree_unflatten([(part, PackedLinear(view, linear.get("bias")))]))
+    for part in as_one_matrix(layers, name):
+        bias = linears[part].get("bias")
+        model.update_modules(tree_unflatten([(part, PackedLinear(layers[part], bias))]))
 
 
 def _module_at(model: nn.Module, name: str) -> nn.Module:

@@ -17,6 +17,7 @@ from mlxd import host_memory
 from mlxd.models import fresh_weights, packed, packed_cache
 from mlxd.models.fresh_weights import Fresh, PackLayout
 from mlxd.models.gguf import convert_gguf
+from mlxd.models.groups import fused_groups, is_one_matrix
 from mlxd.models.loader import load_llm
 from mlxd.models.packability import quantized_layers, why_layer_not_packable
 from mlxd.models.packed import fits, pack
@@ -105,6 +106,11 @@ def test_a_conversion_packs_every_matrix_as_its_load_would(
         np.testing.assert_array_equal(np.array(early.scale_bias), np.array(again.scale_bias))
         assert f"{name}.weight" not in fresh.arrays  # held once: packed
     assert "model.embed_tokens.weight" in fresh.arrays
+    # Each group the load fuses (q, k and v; gate and up) packed as one matrix's rows, as it
+    # completed: fusing it copies nothing.
+    groups = fused_groups(fresh.packed)
+    assert any(name.endswith("qkv_proj") for name in groups)
+    assert all(is_one_matrix([fresh.packed[part] for part in parts]) for parts in groups.values())
 
 
 def _not_again(*args: object) -> None:
