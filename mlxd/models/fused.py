@@ -12,9 +12,8 @@ A LoRA adapter attaches to the projections by name (models/lora.py): `Fused.spli
 separate layers back first.
 
 A load packs each group as one matrix's rows (models/groups.py), as the packed file keeps it,
-so fusing copies nothing. Gate and up fuse only so (`fuse(copy=False)`): concatenating them
-would hold two thirds of every MLP twice (an 8B's ≈2 GB); q, k and v of separate arrays are
-still concatenated.
+so fusing copies nothing. Gate and up fuse only so (`fuse(copy=False)`): concatenating separate
+arrays would hold two thirds of every MLP twice (an 8B's ≈2 GB).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ _LAYOUT_SOURCES = (
     SOURCE_DIR / "convert.h",
     Path(__file__).with_name("packed.py"),
     Path(__file__).with_name("packability.py"),
-    Path(__file__).with_name("fused.py"),  # which layers are kept as one
+    Path(__file__).with_name("groups.py"),  # which layers are kept as one
     Path(__file__).with_name("loader.py"),  # which makes the other arrays (casts, dequantizing)
 )
 
