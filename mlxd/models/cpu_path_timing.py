@@ -41,7 +41,7 @@ from mlxd.models.estimate import (
     packed_weight_bytes,
     quantized_shapes,
 )
-from mlxd.models.groups import GROUPS
+from mlxd.models.groups import members_of
 from mlxd.models.kernel_layers import kernel_fusions
 from mlxd.models.packability import has_own_head, is_lm_head, why_not_packable
 
@@ -101,24 +101,23 @@ def _fused(layer: tuple[Part, ...], fusions: frozenset[str]) -> tuple[Part, ...]
     the int8 layout two more roundings of x), and SmolLM2's k and v, 192 rows each, were jobs
     too short for two threads to share."""
     parts = {name: (shape, count) for name, shape, count in layer}
-    for fused, members in GROUPS.items():
-        if fused not in fusions:
-            continue
-        for name in [n for n in parts if n.rpartition(".")[2] == members[0]]:
-            parent = name.rpartition(".")[0]
-            names = [f"{parent}.{member}" if parent else member for member in members]
-            found = [parts.get(n) for n in names]
-            if any(f is None or f[1] != 1 for f in found):
-                continue  # not all there, or stacks of experts
-            shapes = [f[0] for f in found if f is not None]
-            # As the kernels hold them (a Q5_K_M's Q5_K q and k and Q6_K v all at 8 bits).
-            layouts = {(inputs, group, KERNEL_BITS[bits]) for _, inputs, group, bits in shapes}
-            if len(layouts) != 1:
-                continue  # inputs, group or width differ: the loader keeps them apart too
-            for n in names:
-                del parts[n]
-            rows = sum(shape[0] for shape in shapes)
-            parts[f"{parent}.{fused}" if parent else fused] = ((rows, *layouts.pop()), 1)
+    for name in list(parts):
+        named = members_of(name)
+        if named is None or named[0].rpartition(".")[2] not in fusions or name != named[1][0]:
+            continue  # fused by its group's first member
+        fused, names = named
+        found = [parts.get(n) for n in names]
+        if any(f is None or f[1] != 1 for f in found):
+            continue  # not all there, or stacks of experts
+        shapes = [f[0] for f in found if f is not None]
+        # As the kernels hold them (a Q5_K_M's Q5_K q and k and Q6_K v all at 8 bits).
+        layouts = {(inputs, group, KERNEL_BITS[bits]) for _, inputs, group, bits in shapes}
+        if len(layouts) != 1:
+            continue  # inputs, group or width differ: the loader keeps them apart too
+        for n in names:
+            del parts[n]
+        rows = sum(shape[0] for shape in shapes)
+        parts[fused] = ((rows, *layouts.pop()), 1)
     return tuple(sorted((name, shape, count) for name, (shape, count) in parts.items()))
 
 

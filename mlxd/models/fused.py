@@ -72,9 +72,8 @@ def fuse(layers: list[nn.Module], copy: bool = True) -> Fused | None:
         return None
     widths = [linear.output_dims for linear in linears]
     bias = None if biases[0] is None else mx.concatenate([cast(mx.array, b) for b in biases])
-    whole = packed[0].whole
-    if whole is not None and is_one_matrix(packed):
-        fused = whole
+    if is_one_matrix(packed):
+        fused = cast(Packed, packed[0].whole)
     elif not copy:
         return None
     else:

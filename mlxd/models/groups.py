@@ -32,15 +32,26 @@ def fused_groups(layers: Mapping[str, Packed]) -> dict[str, list[str]]:
     return groups
 
 
+def members_of(name: str) -> tuple[str, list[str]] | None:
+    """The fusion a layer named `name` belongs to by its name (e.g. "model.layers.0.mlp.up_proj":
+    "model.layers.0.mlp.gate_up_proj"), and its members' names in order; else None."""
+    parent, _, leaf = name.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    for fusion, members in GROUPS.items():
+        if leaf in members:
+            return prefix + fusion, [prefix + member for member in members]
+    return None
+
+
 def group_of(name: str, layers: Mapping[str, Packed]) -> tuple[str, list[str]] | None:
     """The fusion `name` belongs to and its members, where all of them are in `layers` and
     packed alike; else None."""
-    parent, _, leaf = name.rpartition(".")
-    for fusion, members in GROUPS.items():
-        if leaf in members:
-            parts = [f"{parent}.{member}" if parent else member for member in members]
-            if all(part in layers for part in parts) and same_layout([layers[p] for p in parts]):
-                return (f"{parent}.{fusion}" if parent else fusion), parts
+    found = members_of(name)
+    if found is None:
+        return None
+    parts = found[1]
+    if all(part in layers for part in parts) and same_layout([layers[p] for p in parts]):
+        return found
     return None
 
 
