@@ -90,4 +90,7 @@ def one_matrix(packed: list[Packed]) -> list[Packed]:
     for p in packed:
         views.append(whole.rows(row, p.shape[0]))
         row += p.shape[0]
+    # The slices too (views still, once evaluated): a conversion hands them to a load that
+    # may run on another thread, which cannot evaluate the stream of the thread made them.
+    mx.eval([(view.weight, view.scale_bias) for view in views])
     return views
