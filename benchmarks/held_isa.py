@@ -1,15 +1,17 @@
-"""Both servers held to AVX2 on a CPU that has more: a stand-in for the AVX2-only CPUs most home
-labs own (AMD Zen 2/3, Intel's consumer parts) when the machine at hand has AVX-512.
+"""Both servers held to a smaller ISA than the CPU has: a stand-in for the CPUs without AVX-512
+most home labs own when the machine at hand has it.
 
-`--isa avx2` (benchmarks.compare, benchmarks.prefix_cache, benchmarks.real_shapes): mlxd runs
-its kernels' `avx2` variant (MLXD_KERNELS_ISA, in the servers' environment and this process's,
-so the printed machine line says so) and OpenBLAS its Haswell kernels (what it picks on an
-AVX2-only CPU), and llama.cpp a build of the same source with AVX2, FMA, F16C and BMI2 and
-without AVX-512 or AVX-VNNI, made once beside ../shared/tools/build-llama-server's native
-build (`build-avx2`, about 10 minutes on 2 cores). An explicit `--llama-server` is taken as the
-AVX2 build. mlx_lm.server (the `baseline` peer) is not held: MLX's own CPU code is built for
-the machine it runs on. The CPU still brings its own memory and caches: the stand-in shows
-the code's side, not another CPU's figures (docs/performance.md).
+`--isa avx2` (benchmarks.compare, benchmarks.prefix_cache, benchmarks.real_shapes): AVX2, FMA
+and F16C, as AMD Zen 2/3 have. `--isa avxvnni`: those and AVX-VNNI (256-bit int8 dot products),
+as Intel's consumer cores since Alder Lake have; only a CPU with `avx_vnni` runs it. mlxd runs
+its kernels' variant of that name (MLXD_KERNELS_ISA, in the servers' environment and this
+process's, so the printed machine line says so) and OpenBLAS its Haswell kernels (what it picks
+on such a CPU), and llama.cpp a build of the same source with those instructions and without
+AVX-512, made once beside ../shared/tools/build-llama-server's native build (`build-<isa>`,
+about 10 minutes on 2 cores). An explicit `--llama-server` is taken as that build.
+mlx_lm.server (the `baseline` peer) is not held: MLX's own CPU code is built for the machine it
+runs on. The CPU still brings its own memory and caches: the stand-in shows the code's side, not
+another CPU's figures (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ISAS = ("avx2",)
 # GGML_NATIVE off, so the compiler targets exactly these; AMX off as build-llama-server has it.
-AVX2_BUILD = (
+_BUILD = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=OFF",
     "-DGGML_AVX=ON",
@@ -31,7 +32,6 @@ AVX2_BUILD = (
     "-DGGML_F16C=ON",
     "-DGGML_BMI2=ON",
     "-DGGML_AVX512=OFF",
-    "-DGGML_AVX_VNNI=OFF",
     "-DGGML_AMX_TILE=OFF",
     "-DGGML_AMX_INT8=OFF",
     "-DGGML_AMX_BF16=OFF",
@@ -40,6 +40,9 @@ AVX2_BUILD = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+# llama.cpp's cmake options for each held ISA, beside _BUILD.
+BUILDS = {"avx2": ("-DGGML_AVX_VNNI=OFF",), "avxvnni": ("-DGGML_AVX_VNNI=ON",)}
+ISAS = tuple(BUILDS)
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -68,27 +71,28 @@ def hold_mlxd_to(isa: str) -> None:
     os.environ["OPENBLAS_CORETYPE"] = "Haswell"
 
 
-def avx2_llama_server(native: Path) -> Path:
-    """llama-server built without AVX-512 from the source tree of the `native` build
+def held_llama_server_build(isa: str, native: Path) -> Path:
+    """llama-server built for `isa` without AVX-512 from the source tree of the `native` build
     (<source>/build/bin/llama-server), once."""
     source = native.resolve().parents[2]
-    binary = source / "build-avx2" / "bin" / "llama-server"
+    build = f"build-{isa}"
+    binary = source / build / "bin" / "llama-server"
     if binary.exists():
         return binary
     if not (source / "CMakeLists.txt").exists():
         raise SystemExit(
-            f"--isa avx2: {native} is not in a llama.cpp source tree; "
-            "pass an AVX2 build as --llama-server"
+            f"--isa {isa}: {native} is not in a llama.cpp source tree; "
+            f"pass a build for {isa} as --llama-server"
         )
-    print(f"building llama-server for AVX2 in {source / 'build-avx2'} (once)", flush=True)
+    print(f"building llama-server for {isa} in {source / build} (once)", flush=True)
     subprocess.run(
-        ["cmake", "-B", "build-avx2", "-G", "Ninja", *AVX2_BUILD],
+        ["cmake", "-B", build, "-G", "Ninja", *_BUILD, *BUILDS[isa]],
         cwd=source,
         check=True,
         stdout=sys.stderr,
     )
     subprocess.run(
-        ["cmake", "--build", "build-avx2", "--target", "llama-server", f"-j{os.cpu_count()}"],
+        ["cmake", "--build", build, "--target", "llama-server", f"-j{os.cpu_count()}"],
         cwd=source,
         check=True,
         stdout=sys.stderr,
@@ -101,4 +105,4 @@ def held_llama_server(isa: str | None, explicit: Path | None, found: Path | None
     where one is held and the binary was not given explicitly."""
     if isa is None or explicit is not None or found is None:
         return found
-    return avx2_llama_server(found)
+    return held_llama_server_build(isa, found)
