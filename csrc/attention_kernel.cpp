@@ -15,6 +15,7 @@
 #include "exp.h"
 #include "parallel.h"
 #include "simd.h"
+#include "tiles.h"
 #include "variant.h"
 
 namespace mlxd {
@@ -201,25 +202,58 @@ void transpose_keys(const Args<KV>& a, float* kt, int b, int hk) {
   }
 }
 
-// acc[r] += p[r][j] * v[j][0, width) over the first `visible` values. FULL (width W) loads
-// each chunk as one vector; a partial chunk is copied lane by lane. Apart so that neither path
+// acc[r][c] += p[r][j] * v[j][c W, c W + width) over the first `visible` values. FULL loads
+// whole vectors; a partial chunk (CHUNKS 1) is copied lane by lane. Apart so that neither path
 // takes the accumulators' address: they stay in registers instead of a store per key.
-template <int ROWS, bool FULL, typename KV>
+template <int ROWS, int CHUNKS, bool FULL, typename KV>
 inline void weigh_values(
-    const Args<KV>& a, const KV* v, const float* sc, int visible, int width, vf (&acc)[ROWS]) {
+    const Args<KV>& a, const KV* v, const float* sc, int visible, int width,
+    vf (&acc)[ROWS][CHUNKS]) {
+  static_assert(FULL || CHUNKS == 1, "a partial chunk goes alone");
   const int padded = a.padded();
   for (int j = 0; j < visible; ++j) {
     const KV* vj = v + j * a.vs[2];
-    vf chunk = {};
+    vf chunk[CHUNKS] = {};
     if constexpr (FULL) {
-      chunk = kv_load(vj);
+      for (int c = 0; c < CHUNKS; ++c) {
+        chunk[c] = kv_load(vj + c * W);
+      }
     } else {
       for (int lane = 0; lane < width; ++lane) {
-        chunk[lane] = kv_scalar(vj[lane]);
+        chunk[0][lane] = kv_scalar(vj[lane]);
       }
     }
     for (int r = 0; r < ROWS; ++r) {
-      acc[r] += sc[size_t(r) * padded + j] * chunk;
+      const float p = sc[size_t(r) * padded + j];
+      for (int c = 0; c < CHUNKS; ++c) {
+        acc[r][c] += p * chunk[c];
+      }
+    }
+  }
+}
+
+// Value chunks a pass of `weigh_values` takes for ROWS rows: each accumulator is a chain of
+// dependent FMAs, one per key, so a decode step's few rows with one chunk each ran at the FMA's
+// latency (4 cycles), not its throughput (two a cycle). Up to four, as the registers allow
+// beside the chunks and a broadcast.
+template <int ROWS>
+constexpr int value_chunks() {
+  int chunks = 4;
+  while (chunks > 1 && ROWS * chunks + chunks + 2 > REGISTERS) {
+    chunks /= 2;
+  }
+  return chunks;
+}
+
+// Rows r of out_rows get acc[r] * inv[r] at columns [d0, d0 + width) (width up to CHUNKS W).
+template <int ROWS, int CHUNKS>
+inline void store_weighed(
+    float* const (&out_rows)[ROWS], const vf (&acc)[ROWS][CHUNKS], const float (&inv)[ROWS],
+    int d0, int width) {
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < CHUNKS && c * W < width; ++c) {
+      const vf out = acc[r][c] * inv[r];
+      std::memcpy(out_rows[r] + d0 + c * W, &out, imin(W, width - c * W) * sizeof(float));
     }
   }
 }
@@ -249,14 +283,33 @@ void transposed_scores(
 
 // The same against the keys as stored (not transposed: a decode step's few rows per kv head
 // would not repay a copy of every key): each key read once for all the rows, a horizontal sum
-// per row and key. D a multiple of W.
+// per row and key, four keys' sums at a time where the registers hold their accumulators
+// (hsum4: a third of the shuffles). D a multiple of W.
 template <int ROWS, typename KV>
 void group_scores(
     const Args<KV>& a, const float (&qscaled)[ROWS][MAX_HEAD_DIM], int b, int hk, int most,
     float* sc) {
+  constexpr int KEYS = ROWS * 4 + 2 <= REGISTERS ? 4 : 1;
   const KV* kb = a.keys(b, hk);
   const int padded = a.padded(), chunks = a.D / W;
-  for (int j = 0; j < most; ++j) {
+  int j = 0;
+  if constexpr (KEYS == 4) {
+    for (; j + KEYS <= most; j += KEYS) {
+      vf s[ROWS][KEYS] = {};
+      for (int c = 0; c < chunks; ++c) {
+        for (int t = 0; t < KEYS; ++t) {
+          const vf kc = kv_load(kb + (j + t) * a.ks[2] + c * W);
+          for (int r = 0; r < ROWS; ++r) {
+            s[r][t] += load(qscaled[r] + c * W) * kc;
+          }
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        hsum4(s[r][0], s[r][1], s[r][2], s[r][3], sc + size_t(r) * padded + j);
+      }
+    }
+  }
+  for (; j < most; ++j) {
     const KV* kj = kb + j * a.ks[2];
     vf s[ROWS] = {};
     for (int c = 0; c < chunks; ++c) {
@@ -302,18 +355,26 @@ void attend_tile(const Args<KV>& a, const float* kt, int b, int hk, int r0, floa
     inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // nothing visible: zeros, not NaN
   }
   const KV* vb = a.values(b, hk);
-  for (int d0 = 0; d0 < a.Dv; d0 += W) {
+  float* out_rows[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    out_rows[r] = a.out_row(b, hs[r], is[r]);
+  }
+  constexpr int CHUNKS = value_chunks<ROWS>();
+  int d0 = 0;
+  for (; d0 + CHUNKS * W <= a.Dv; d0 += CHUNKS * W) {
+    vf acc[ROWS][CHUNKS] = {};
+    weigh_values<ROWS, CHUNKS, true>(a, vb + d0, sc, most, CHUNKS * W, acc);
+    store_weighed(out_rows, acc, inv, d0, CHUNKS * W);
+  }
+  for (; d0 < a.Dv; d0 += W) {
     const int width = imin(W, a.Dv - d0);
-    vf acc[ROWS] = {};
+    vf acc[ROWS][1] = {};
     if (width == W) {
-      weigh_values<ROWS, true>(a, vb + d0, sc, most, width, acc);
+      weigh_values<ROWS, 1, true>(a, vb + d0, sc, most, width, acc);
     } else {
-      weigh_values<ROWS, false>(a, vb + d0, sc, most, width, acc);
+      weigh_values<ROWS, 1, false>(a, vb + d0, sc, most, width, acc);
     }
-    for (int r = 0; r < ROWS; ++r) {
-      const vf out = acc[r] * inv[r];
-      std::memcpy(a.out_row(b, hs[r], is[r]) + d0, &out, width * sizeof(float));
-    }
+    store_weighed(out_rows, acc, inv, d0, width);
   }
 }
 

@@ -154,6 +154,36 @@ inline float hsum(vf v) {
 #endif
 }
 
+// out[0..3] = hsum(a), hsum(b), hsum(c), hsum(d): the four reductions share their shuffles
+// (three horizontal adds and one add on AVX2, where four hsum calls take twelve shuffles and
+// twelve adds).
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+#if defined(MLXD_ISA_AVX512) || defined(MLXD_ISA_AVX2)
+#if defined(MLXD_ISA_AVX512)
+  const auto half = [](vf v) {  // the two 256-bit halves added
+    const __m512 x = (__m512)v;
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 a8 = half(a), b8 = half(b), c8 = half(c), d8 = half(d);
+#else
+  const __m256 a8 = (__m256)a, b8 = (__m256)b, c8 = (__m256)c, d8 = (__m256)d;
+#endif
+  // Per 128-bit half: a's, b's, c's and d's sums of its four lanes.
+  const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+#elif defined(MLXD_ISA_NEON)
+  const float32x4_t ab = vpaddq_f32((float32x4_t)a, (float32x4_t)b);
+  const float32x4_t cd = vpaddq_f32((float32x4_t)c, (float32x4_t)d);
+  vst1q_f32(out, vpaddq_f32(ab, cd));
+#else
+  out[0] = hsum(a);
+  out[1] = hsum(b);
+  out[2] = hsum(c);
+  out[3] = hsum(d);
+#endif
+}
+
 inline float hmax(vf v) {
 #if defined(MLXD_ISA_AVX512)
   return _mm512_reduce_max_ps((__m512)v);
