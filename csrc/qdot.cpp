@@ -1,6 +1,7 @@
 // The quantized matmul by integer dot products, as llama.cpp's: x quantized per block of 32 to
 // int8, multiplied with the 4/8-bit weights by vpdpbusd (AVX-512 VNNI, AVX-VNNI), vpmaddubsw +
-// vpmaddwd (AVX2, AVX-512 without VNNI) or sdot (ARM dotprod), per ISA variant.
+// vpmaddwd (AVX2, AVX-512 without VNNI; precise's 8-bit weights there by vpmaddwd on x as
+// int16, qdot_tiles.h's WIDE) or sdot (ARM dotprod), per ISA variant.
 //
 // The float path (qmatmul.cpp) widens every weight to float and spends one FMA per weight and
 // row; here one instruction multiplies and sums 4 byte pairs per 32-bit lane, so a decode step
@@ -30,29 +31,21 @@ namespace MLXD_ISA {
 namespace {
 
 template <int BITS, int TERMS, typename S>
-void run(const Problem<S>& p, int threads) {
+void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
+          int group, int threads) {
+  constexpr int ROWS = X_ROWS<BITS, TERMS>;  // int8 rows a row of x takes
+  const size_t per_block = size_t(M) * ROWS * (K / BLOCK);
+  // One allocation: x8 (K / 4 floats' bytes per int8 row), then d and sum8 per block.
+  Scratch scratch(size_t(M) * ROWS * K / 4 + 2 * per_block);
+  int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
+  float* d = scratch.data() + size_t(M) * ROWS * K / 4;
+  quantize_rows<BITS, TERMS>(x, M, K, threads, x8, d, d + per_block);
+  const Problem<S> p{{x8, d, d + per_block}, w, scale_bias, y, M, N, K, scale_shift(group)};
   parallel_for(threads, p.N / GROUP, [&](int64_t first, int64_t last) {
     for (int g = int(first); g < int(last); ++g) {
       dot_work_item<BITS, TERMS, S>(p, g);
     }
   });
-}
-
-template <int TERMS, typename S>
-void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
-          int bits, int group, int threads) {
-  const size_t per_block = size_t(M) * TERMS * (K / BLOCK);
-  // One allocation: x8 (K / 4 floats' bytes per int8 row), then d and sum8 per block.
-  Scratch scratch(size_t(M) * TERMS * K / 4 + 2 * per_block);
-  int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
-  float* d = scratch.data() + size_t(M) * TERMS * K / 4;
-  quantize_rows<TERMS>(x, M, K, threads, x8, d, d + per_block);
-  const Problem<S> p{{x8, d, d + per_block}, w, scale_bias, y, M, N, K, scale_shift(group)};
-  if (bits == 4) {
-    run<4, TERMS, S>(p, threads);
-  } else {
-    run<8, TERMS, S>(p, threads);  // the op checked: 4 or 8
-  }
 }
 
 // Where the float path's buffered passes beat the integer dot products (AVX2 from 32 rows:
@@ -64,10 +57,12 @@ void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M
           int bits, int group, bool precise, int buffer_rows, int threads) {
   if (buffer_rows > 0 && M >= buffer_rows) {
     buffered_dot(x, w, scale_bias, y, M, N, K, bits, group, threads);
-  } else if (precise) {
-    qdot<2, S>(x, w, scale_bias, y, M, N, K, bits, group, threads);
+  } else if (precise) {  // the op checked: 4 or 8 bits
+    bits == 4 ? qdot<4, 2, S>(x, w, scale_bias, y, M, N, K, group, threads)
+              : qdot<8, 2, S>(x, w, scale_bias, y, M, N, K, group, threads);
   } else {
-    qdot<1, S>(x, w, scale_bias, y, M, N, K, bits, group, threads);
+    bits == 4 ? qdot<4, 1, S>(x, w, scale_bias, y, M, N, K, group, threads)
+              : qdot<8, 1, S>(x, w, scale_bias, y, M, N, K, group, threads);
   }
 }
 

@@ -4,6 +4,8 @@
 // output rows) for every row of x. Included once per ISA variant (simd.h), inside its namespace.
 #pragma once
 
+#include <utility>
+
 #include "parallel.h"
 #include "tiles.h"
 
@@ -50,14 +52,34 @@ constexpr int offset(int) {
 // Where the dot product is vpmaddubsw + vpmaddwd (no VNNI), 4-bit weights' pair sums (at most
 // 2 * 15 * 127) are summed as int16 for a whole block (8 per lane: 30,480 < 2^15) and widened
 // once, in `widen`: a third fewer instructions a step than widening every product.
+//
+// Precise's 8-bit weights there take x as int16 (WIDE): one int16 an input, 254 x8 + rest (see
+// quantize_rows), times the weights' bytes as int16 pairs, 16 products a vpmaddwd. vpmaddubsw
+// multiplies unsigned by signed bytes, so q (0-255) needs its sign moved onto x first: 4
+// instructions per 32 products and int8 row, 8 for precise's two rows, where this takes 4. (With
+// one term the same 4 either way, and twice the bytes of x: a Llama-3.2-1B-shaped layer's 8-bit
+// matmuls at 8 rows took 4.4-5.4 ms this way against 3.7-4.0.) AVX2 on two Zen 5 cores, precise:
+// SmolLM2's 8-bit head (49,152 x 576) at 32 rows 13.1 -> 7.6 ms (9.6 in the float layout), that
+// Llama-3.2-1B-shaped layer at 8 rows 6.7-7.3 -> 4.7-5.1 ms (6.1 in the float layout).
 #if (defined(MLXD_ISA_AVX512) && !defined(__AVX512VNNI__)) || \
     (defined(MLXD_ISA_AVX2) && !defined(__AVXVNNI__))
 template <int BITS>
 constexpr bool SUM16 = BITS == 4;
+template <int BITS, int TERMS>
+constexpr bool WIDE = BITS == 8 && TERMS == 2;
 #else
 template <int BITS>
 constexpr bool SUM16 = false;
+template <int BITS, int TERMS>
+constexpr bool WIDE = false;
 #endif
+
+// int8 rows (of K bytes) a row of x takes quantized: TERMS, or one int16 row where WIDE.
+template <int BITS, int TERMS>
+constexpr int X_ROWS = WIDE<BITS, TERMS> ? 2 : TERMS;
+// Dot products a row of x takes: one per int8 row, or one where WIDE (its int16 holds both terms).
+template <int BITS, int TERMS>
+constexpr int DOTS = WIDE<BITS, TERMS> ? 1 : TERMS;
 
 #if defined(MLXD_ISA_AVX512)
 // Adjacent int16 lanes summed into int32, times FACTOR (vpmaddwd by FACTOR: the multiplication
@@ -85,12 +107,15 @@ inline vi widen(vi part) {
 }
 
 // acc[j] += sum_i (w[4j + i] - OFFSET) x[4j + i], w unsigned bytes (q), x signed (x8, |x| <= 127)
-// (as int16 pairs where SUM16).
-template <int BITS>
+// (as int16 pairs where SUM16); where PAIRS (WIDE), w and x as int16 pairs (see load_step).
+template <int BITS, bool PAIRS = false>
 inline vi dot(vi acc, vi w, vi x) {
 #if defined(MLXD_ISA_AVX512) && defined(__AVX512VNNI__)
   return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
 #elif defined(MLXD_ISA_AVX512)
+  if constexpr (PAIRS) {
+    return acc + (vi)_mm512_madd_epi16((__m512i)w, (__m512i)x);
+  }
   __m512i u = (__m512i)w, s = (__m512i)x;
   if constexpr (BITS == 8) {  // |q - 128| <= 128 with q's sign moved onto x: pairs fit int16
     const __m512i q = _mm512_xor_si512(u, _mm512_set1_epi8(-128));
@@ -104,6 +129,9 @@ inline vi dot(vi acc, vi w, vi x) {
 #elif defined(MLXD_ISA_AVX2) && defined(__AVXVNNI__)
   return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
 #elif defined(MLXD_ISA_AVX2)
+  if constexpr (PAIRS) {
+    return acc + (vi)_mm256_madd_epi16((__m256i)w, (__m256i)x);
+  }
   __m256i u = (__m256i)w, s = (__m256i)x;
   if constexpr (BITS == 8) {
     const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
@@ -174,11 +202,16 @@ struct Problem {
   }
 };
 
-// The weight bytes of inputs k..k+3 (lo) and k+4..k+7 (hi) for the W rows at `at`.
-template <int BITS>
-inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
-  if constexpr (BITS == 4) {
-    typedef uint32_t vu __attribute__((vector_size(sizeof(vi))));
+// A step's weights for the W rows at `at`: the bytes of inputs k..k+3 (lo) and k+4..k+7 (hi),
+// or where WIDE inputs k, k+2 (lo) and k+1, k+3 (hi) as int16 pairs, x's int16 in that order.
+template <int BITS, bool PAIRS>
+inline void load_step(const uint8_t* at, int k, vi& lo, vi& hi) {
+  typedef uint32_t vu __attribute__((vector_size(sizeof(vi))));
+  if constexpr (PAIRS) {
+    const vu four = (vu)load_i32(at + (k / 4) * 64);
+    lo = (vi)(four & 0x00FF00FFu);
+    hi = (vi)((four >> 8) & 0x00FF00FFu);
+  } else if constexpr (BITS == 4) {
     const vu both = (vu)load_i32(at + (k / 8) * 64);
     lo = (vi)(both & 0x0F0F0F0Fu);
     hi = (vi)((both >> 4) & 0x0F0F0F0Fu);
@@ -188,19 +221,24 @@ inline void load_eight(const uint8_t* at, int k, vi& lo, vi& hi) {
   }
 }
 
-// y[m0 .. m0 + MB / TERMS, work item g] from int8 rows m0 * TERMS .. + MB: per block the int32
-// sums of SPLIT partial accumulators and of a row's TERMS, scaled in float into y's vectors,
-// which stay in registers until the last block (stored once, not loaded and stored again every
-// 32 inputs: at 8 rows that epilogue was as many instructions as the dot products).
+// y[m0 .. m0 + MB / DOTS, work item g] from MB dot rows (int8, or int16 where WIDE) from row
+// m0's: per block the int32 sums of SPLIT partial accumulators and of a row's DOTS, scaled in
+// float into y's vectors, which stay in registers until the last block (stored once, not loaded
+// and stored again every 32 inputs: at 8 rows that epilogue was as many instructions as the dot
+// products).
 template <int BITS, int MB, int TERMS, typename S>
 void rows_dot(const Problem<S>& p, int g, int m0) {
-  static_assert(MB % TERMS == 0, "whole rows of x per pass");
-  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS - MB / TERMS * NV);
-  constexpr int STEPS = SPLIT > 2 ? SPLIT / 2 : 1;  // steps of 8 inputs per iteration
+  constexpr bool PAIRS = WIDE<BITS, TERMS>;
+  constexpr int ROWS = X_ROWS<BITS, TERMS>, ROW_DOTS = DOTS<BITS, TERMS>;
+  static_assert(MB % ROW_DOTS == 0, "whole rows of x per pass");
+  constexpr int SPLIT = split_for(MB * NV, ACCUMULATORS - MB / ROW_DOTS * NV);
+  constexpr int STEP = PAIRS ? 4 : 8;  // inputs a step: two vectors of 4 a lane, or of int16 pairs
+  constexpr int STEPS = SPLIT > 2 ? SPLIT / 2 : 1;  // steps per iteration
   constexpr int BLOCK_BYTES = BLOCK * BITS / 8 * LANES;
-  constexpr float OFFSET = offset(BITS);  // q - OFFSET in the dot product
+  constexpr int X_BYTES = PAIRS ? 2 : 1;  // a dot row's bytes per input
+  constexpr float OFFSET = PAIRS ? 0 : offset(BITS);  // q - OFFSET in the dot product
   const int blocks = p.K / BLOCK;
-  const size_t first = size_t(m0) * TERMS;  // the pass's first int8 row
+  const size_t first = size_t(m0) * ROWS;  // the pass's first int8 row
   const int8_t* x8 = p.x.x8 + first * p.K;
   const float* d = p.x.d + first * blocks;
   const float* sum8 = p.x.sum8 + first * blocks;
@@ -209,7 +247,7 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
   for (int v = 0; v < NV; ++v) {
     scales[v] = p.scales(g, v);
   }
-  vf y[MB / TERMS][NV] = {};
+  vf y[MB / ROW_DOTS][NV] = {};
   for (int b = 0; b < blocks; ++b) {
     prefetch_block<BITS, TILES, V, BLOCK_BYTES>(p, g, b + PREFETCH_BLOCKS);
     vi part[MB][NV][SPLIT] = {};
@@ -218,23 +256,25 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
     // precise's one row, two int8 rows), `part` in memory: a 1B shape's 8192 x 2048 at one
     // row, precise, took 0.31 ms against 0.10 unrolled, int8 at 2-7 rows 2-3x the time
     // (AVX-512 VNNI). With float16 scales it had unrolled them: the same either way.
-    for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += 8 * STEPS) {
+    for (int k = b * BLOCK; k < (b + 1) * BLOCK; k += STEP * STEPS) {
 #pragma GCC unroll 8
       for (int u = 0; u < STEPS; ++u) {
-        const int kk = k + 8 * u;
+        const int kk = k + STEP * u;
         vi lo[NV], hi[NV];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) {
-          load_eight<BITS>(p.template weights<BITS>(g, v), kk, lo[v], hi[v]);
+          load_step<BITS, PAIRS>(p.template weights<BITS>(g, v), kk, lo[v], hi[v]);
         }
 #pragma GCC unroll 16
         for (int i = 0; i < MB; ++i) {
-          const int8_t* xr = x8 + size_t(i) * p.K + kk;
+          // lo's and hi's 4 bytes of x: inputs kk..kk+3, kk+4..kk+7, or where WIDE the int16
+          // of kk, kk+2 and kk+1, kk+3.
+          const int8_t* xr = x8 + (size_t(i) * p.K + kk) * X_BYTES;
           const vi x0 = broadcast4(xr), x1 = broadcast4(xr + 4);
 #pragma GCC unroll 8
           for (int v = 0; v < NV; ++v) {
-            part[i][v][(2 * u) % SPLIT] = dot<BITS>(part[i][v][(2 * u) % SPLIT], lo[v], x0);
-            part[i][v][(2 * u + 1) % SPLIT] = dot<BITS>(part[i][v][(2 * u + 1) % SPLIT], hi[v], x1);
+            part[i][v][(2 * u) % SPLIT] = dot<BITS, PAIRS>(part[i][v][(2 * u) % SPLIT], lo[v], x0);
+            part[i][v][(2 * u + 1) % SPLIT] = dot<BITS, PAIRS>(part[i][v][(2 * u + 1) % SPLIT], hi[v], x1);
           }
         }
       }
@@ -243,44 +283,53 @@ void rows_dot(const Problem<S>& p, int g, int m0) {
     for (int v = 0; v < NV; ++v) {
       const vf scale = load_scales(scales[v] + group_at);
       const vf bias = load_scales(scales[v] + group_at + LANES) + OFFSET * scale;
-      for (int i = 0; i < MB / TERMS; ++i) {
-        // A row's TERMS sums as one integer, 254 x8 + rest with precise (see quantize_rows),
+      for (int i = 0; i < MB / ROW_DOTS; ++i) {
+        // A row's two int8 sums as one integer, 254 x8 + rest with precise (see quantize_rows),
         // then scaled once: half the float work a block of the two sums scaled apart took.
         vi sum = {};
         for (int s = 0; s < SPLIT; ++s) {
-          sum += widen<BITS, TERMS == 2 ? REST_STEPS : 1>(part[i * TERMS][v][s]);
-          if constexpr (TERMS == 2) {
-            sum += widen<BITS>(part[i * TERMS + 1][v][s]);
+          sum += widen<BITS, ROW_DOTS == 2 ? REST_STEPS : 1>(part[i * ROW_DOTS][v][s]);
+          if constexpr (ROW_DOTS == 2) {
+            sum += widen<BITS>(part[i * ROW_DOTS + 1][v][s]);
           }
         }
-        const size_t at = size_t(i * TERMS + TERMS - 1) * blocks + b;  // the row's d, sum8
-        // Exact in float with one term (|sum| <= 32 * 255 * 127 < 2^24); with two, to float's
-        // 24 bits of a sum as exact as x's 16.
+        const size_t at = size_t(i * ROWS + ROWS - 1) * blocks + b;  // the row's d, sum8
+        // Exact in float with one int8 term (|sum| <= 32 * 255 * 127 < 2^24); with two, to
+        // float's 24 bits of a sum as exact as x's 16.
         const vf q_x8 = __builtin_convertvector(sum, vf);
         y[i][v] += (q_x8 * scale + bias * sum8[at]) * d[at];
       }
     }
   }
-  for (int i = 0; i < MB / TERMS; ++i) {
+  for (int i = 0; i < MB / ROW_DOTS; ++i) {
     for (int v = 0; v < NV; ++v) {
       store(p.out(m0 + i, g, v), y[i][v]);
     }
   }
 }
 
+// Where WIDE, each 4 inputs' int16 in the order load_step pairs the weights: k, k+2, k+1, k+3.
+template <size_t... J>
+constexpr vi wide_order(std::index_sequence<J...>) {
+  return vi{int((J & ~3u) | (J & 1) << 1 | (J & 2) >> 1)...};
+}
+
 // x's rows to int8 per block of 32, round to nearest, as llama.cpp's quantize_row_q8_1: int8
 // row m * TERMS. With TERMS = 2, row m * 2 + 1 holds what the rounding left, e = x - d x8, in
 // steps of d / 254 (|e| <= d / 2): x to 1 / 64,516 of its block's largest |x| instead of 1 / 254,
 // for twice the dot products. That row's d and sum8 are the pair's, as one term's (the x8
-// row's are not written: nothing reads them).
-template <int TERMS>
+// row's are not written: nothing reads them). Where WIDE, row m is one int16 row in those two
+// rows' bytes instead: 254 x8 + rest (|x16| <= 32,385).
+template <int BITS, int TERMS>
 void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float* d, float* sum8) {
+  constexpr int ROWS = X_ROWS<BITS, TERMS>;
   const int blocks = K / BLOCK;
   parallel_for(M > 1 ? threads : 1, M, [&](int64_t first, int64_t last) {
     for (int m = int(first); m < int(last); ++m) {
       for (int b = 0; b < blocks; ++b) {
         const float* xb = x + size_t(m) * K + b * BLOCK;
-        int8_t* qb = x8 + size_t(m) * TERMS * K + b * BLOCK;
+        int8_t* row = x8 + size_t(m) * ROWS * K;
+        int8_t* qb = row + b * BLOCK;  // (int8 rows)
         vf largest = {};
         for (int k = 0; k < BLOCK; k += W) {
           const vf v = load(xb + k);
@@ -296,19 +345,31 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
         for (int k = 0; k < BLOCK; k += W) {
           const vf v = load(xb + k);
           const vi q = round_to_int(v * by);
-          store_i8(qb + k, q);
           const vf qf = __builtin_convertvector(q, vf);
           total += qf;
+          vi rest = {};
           if constexpr (TERMS == 2) {
-            vf rest = __builtin_convertvector(round_to_int((v - qf * step) * by * REST_STEPS), vf);
-            rest = rest < low ? low : rest;
-            rest = rest > high ? high : rest;
-            store_i8(qb + K + k, __builtin_convertvector(rest, vi));
-            rest_total += rest;
+            vf e = __builtin_convertvector(round_to_int((v - qf * step) * by * REST_STEPS), vf);
+            e = e < low ? low : e;
+            e = e > high ? high : e;
+            rest = __builtin_convertvector(e, vi);
+            rest_total += e;
+          }
+          if constexpr (WIDE<BITS, TERMS>) {
+            typedef int16_t vs __attribute__((vector_size(W * 2)));
+            const vi wide = q * REST_STEPS + rest;
+            const vs ordered = __builtin_convertvector(
+                __builtin_shuffle(wide, wide_order(std::make_index_sequence<W>{})), vs);
+            std::memcpy(row + 2 * (b * BLOCK + k), &ordered, sizeof(ordered));
+          } else {
+            store_i8(qb + k, q);
+            if constexpr (TERMS == 2) {
+              store_i8(qb + K + k, rest);
+            }
           }
         }
         // Written where rows_dot reads them: the row's last int8 row.
-        const size_t at = size_t(m * TERMS + TERMS - 1) * blocks + b;
+        const size_t at = size_t(m * ROWS + ROWS - 1) * blocks + b;
         const float x8_sum = hsum(total);  // exact: |sum| <= 32 * 127
         if constexpr (TERMS == 2) {
           // The pair's scale and sum as one term's: x ~ step / 254 (254 x8 + rest), which
@@ -324,13 +385,14 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
   });
 }
 
-// Work item g of y for every row of x, in passes of MAX_ROWS / TERMS rows.
+// Work item g of y for every row of x, in passes of MAX_ROWS dot rows.
 template <int BITS, int TERMS, typename S>
 void dot_work_item(const Problem<S>& p, int g) {
-  constexpr int PASS = MAX_ROWS / TERMS;  // rows of x per pass
+  constexpr int ROW_DOTS = DOTS<BITS, TERMS>;
+  constexpr int PASS = MAX_ROWS / ROW_DOTS;  // rows of x per pass
   for (int m = 0; m < p.M; m += PASS) {
     with_rows<PASS>(imin(PASS, p.M - m), [&](auto mb) {
-      rows_dot<BITS, decltype(mb)::value * TERMS, TERMS, S>(p, g, m);
+      rows_dot<BITS, decltype(mb)::value * ROW_DOTS, TERMS, S>(p, g, m);
     });
   }
 }

@@ -109,8 +109,9 @@ class Timings:
 
     @property
     def head_dot_faster(self) -> bool:
-        """The same for the output head, over the phases that run it. On AVX2 an 8-bit head
-        (SmolLM2's) is the slower as int8 dot products where its 4-bit layers are the faster."""
+        """The same for the output head, over the phases that run it: an 8-bit head (SmolLM2's)
+        on AVX2 was the slower as precise's int8 dot products where its 4-bit layers were the
+        faster, until those took x as int16 there (csrc/qdot_tiles.h, WIDE)."""
         if not self._by_part:
             return self.dot_faster
         ran = [(d, f) for d, f in zip(self.head_dot, self.head_packed, strict=True) if f > 0]
