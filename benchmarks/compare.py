@@ -5,9 +5,11 @@ python -m benchmarks.compare --levels 1,8,32 --max-tokens 64
 python -m benchmarks.compare --only mlxd,llama.cpp --scenario editing --speculative-tokens 4
 python -m benchmarks.compare --model-dir /path/to/mlx-model --only baseline
 python -m benchmarks.compare --sampling greedy        # greedy rows only (default: also t0.7/p0.9)
+python -m benchmarks.compare --gguf SmolLM2.Q8_0.gguf  # another GGUF, served by both
 
-llama.cpp's `llama-server` serves the same GGUF mlxd converts (the demo model) with `-np C`
-slots of 512 tokens each, restarted per concurrency level C, as a home lab would size it.
+llama.cpp's `llama-server` serves the same GGUF mlxd converts (`--gguf`, the demo model by
+default) with `-np C` slots of 512 tokens each, restarted per concurrency level C, as a home lab
+would size it.
 Its binary: `--llama-server PATH`, else ../shared/tools/build-llama-server's cached build, else
 `llama-server` on PATH; without one the peer is skipped.
 The "editing" scenario sends a document and asks for it back with small fixes: the answer
@@ -88,13 +90,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def resolve_model_dir(model_dir: Path | None, cache_dir: Path) -> Path:
+def resolve_model_dir(model_dir: Path | None, cache_dir: Path, source: str = DEMO_SOURCE) -> Path:
+    """`model_dir`, else `source` (a GGUF) converted once under `cache_dir`."""
     if model_dir is not None:
         return model_dir.resolve()
     # Imported lazily so `--model-dir` works without mlxd's model code (and its imports).
     from mlxd.models.sources import resolve_source
 
-    return resolve_source(DEMO_SOURCE, model_name=MODEL_NAME, cache_dir=cache_dir)
+    return resolve_source(source, model_name=MODEL_NAME, cache_dir=cache_dir)
 
 
 def server_env() -> dict[str, str]:
@@ -140,10 +143,10 @@ def baseline_command(model_dir: Path, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def gguf_path() -> Path:
+def gguf_path(source: str = DEMO_SOURCE) -> Path:
     from mlxd.models.source_paths import source_path
 
-    return source_path(DEMO_SOURCE, model_name=MODEL_NAME)
+    return source_path(source, model_name=MODEL_NAME)
 
 
 def find_llama_server(explicit: Path | None) -> Path | None:
@@ -330,7 +333,7 @@ def bench_llama(
     binary: Path, args: argparse.Namespace, env: dict[str, str], log_dir: Path
 ) -> ServerRun:
     """llama-server sized per level (-np C), so one server per concurrency level."""
-    gguf, results = gguf_path(), {label: [] for label in args.sampling}
+    gguf, results = gguf_path(args.gguf), {label: [] for label in args.sampling}
     for level in args.levels:
         port = free_port()
         cmd = llama_command(binary, gguf, port, level)
@@ -423,13 +426,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
     held_isa.add_argument(parser)
     parser.add_argument(
-        "--model-dir", type=Path, default=None, help=f"MLX model dir (default: {DEMO_SOURCE})"
+        "--gguf",
+        type=lambda path: str(Path(path).resolve()),
+        default=DEMO_SOURCE,
+        help=f"the GGUF both servers serve (default: {DEMO_SOURCE})",
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="an MLX model dir for mlxd instead of --gguf"
     )
     parser.add_argument(
         "--cache-dir",
         type=Path,
         default=Path("~/.cache/mlxd").expanduser(),
-        help="where the demo GGUF is converted once (ignored with --model-dir)",
+        help="where the GGUF is converted once (ignored with --model-dir)",
     )
     parser.add_argument(
         "--context-length",
@@ -451,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.sampling) - set(SAMPLING):
         parser.error(f"--sampling: unknown {', '.join(sorted(unknown))}")
 
-    model_dir = resolve_model_dir(args.model_dir, args.cache_dir)
+    model_dir = resolve_model_dir(args.model_dir, args.cache_dir, args.gguf)
     if args.isa:
         held_isa.hold_mlxd_to(args.isa)
     env = server_env()
