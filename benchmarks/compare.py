@@ -333,7 +333,7 @@ def bench_llama(
     binary: Path, args: argparse.Namespace, env: dict[str, str], log_dir: Path
 ) -> ServerRun:
     """llama-server sized per level (-np C), so one server per concurrency level."""
-    gguf, results = gguf_path(args.gguf), {label: [] for label in args.sampling}
+    gguf, results = gguf_path(args.source), {label: [] for label in args.sampling}
     for level in args.levels:
         port = free_port()
         cmd = llama_command(binary, gguf, port, level)
@@ -427,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     held_isa.add_argument(parser)
     parser.add_argument(
         "--gguf",
-        type=lambda path: str(Path(path).resolve()),
-        default=DEMO_SOURCE,
+        type=Path,
+        default=None,
         help=f"the GGUF both servers serve (default: {DEMO_SOURCE})",
     )
     parser.add_argument(
@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.sampling) - set(SAMPLING):
         parser.error(f"--sampling: unknown {', '.join(sorted(unknown))}")
 
-    model_dir = resolve_model_dir(args.model_dir, args.cache_dir, args.gguf)
+    args.source = str(args.gguf.resolve()) if args.gguf else DEMO_SOURCE
+    model_dir = resolve_model_dir(args.model_dir, args.cache_dir, args.source)
     if args.isa:
         held_isa.hold_mlxd_to(args.isa)
     env = server_env()
