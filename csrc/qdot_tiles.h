@@ -58,9 +58,9 @@ constexpr int offset(int) {
 // multiplies unsigned by signed bytes, so q (0-255) needs its sign moved onto x first: 4
 // instructions per 32 products and int8 row, 8 for precise's two rows, where this takes 4. (With
 // one term the same 4 either way, and twice the bytes of x: a Llama-3.2-1B-shaped layer's 8-bit
-// matmuls at 8 rows took 4.4-5.4 ms this way against 3.7-4.0.) AVX2 on two Zen 5 cores, precise:
+// matmuls at 8 rows took 4.4-5.4 ms this way against 3.5-4.0.) AVX2 on two Zen 5 cores, precise:
 // SmolLM2's 8-bit head (49,152 x 576) at 32 rows 13.1 -> 7.6 ms (9.6 in the float layout), that
-// Llama-3.2-1B-shaped layer at 8 rows 6.7-7.3 -> 4.7-5.1 ms (6.1 in the float layout).
+// Llama-3.2-1B-shaped layer at 8 rows 6.7-7.3 -> 4.7-5.5 ms (5.7-6.7 in the float layout).
 #if (defined(MLXD_ISA_AVX512) && !defined(__AVX512VNNI__)) || \
     (defined(MLXD_ISA_AVX2) && !defined(__AVXVNNI__))
 template <int BITS>
