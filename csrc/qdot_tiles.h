@@ -329,7 +329,7 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
       for (int b = 0; b < blocks; ++b) {
         const float* xb = x + size_t(m) * K + b * BLOCK;
         int8_t* row = x8 + size_t(m) * ROWS * K;
-        int8_t* qb = row + b * BLOCK;  // (int8 rows)
+        int8_t* qb = row + b * BLOCK;  // the block in the int8 rows (not WIDE)
         vf largest = {};
         for (int k = 0; k < BLOCK; k += W) {
           const vf v = load(xb + k);
