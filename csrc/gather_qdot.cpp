@@ -17,25 +17,17 @@ namespace {
 
 template <int BITS, int TERMS, typename S>
 void run(const Gather<S>& a, int buffer_rows) {
-  const int pairs = a.T * a.J, blocks = a.K / BLOCK, items = a.N / GROUP;
+  const int pairs = a.T * a.J, items = a.N / GROUP;
   const Routing routing(a.idx, pairs, a.E);
   const int32_t* start = routing.start();
   const int routed = routing.routed;
   Scratch xs(size_t(routed) * a.K), ys(size_t(routed) * a.N);
   gather_rows(routing, a.x, a.idx, pairs, a.J, a.E, a.K, a.N, xs.data(), a.y);
-  // x8 (K / 4 floats' bytes per int8 row), then d and sum8 per row and block (as qdot.cpp).
-  constexpr int ROWS = X_ROWS<BITS, TERMS>;  // int8 rows a row of x takes
-  const size_t per_block = size_t(routed) * ROWS * blocks;
-  Scratch scratch(size_t(routed) * ROWS * a.K / 4 + 2 * per_block);
-  int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
-  float* d = scratch.data() + size_t(routed) * ROWS * a.K / 4;
-  float* sum8 = d + per_block;
+  QuantizedRows<BITS, TERMS> xq(routed, a.K);
   for (int i = 0; i < routing.selected; ++i) {  // the rows the buffered passes do not take
     const int e = routing.active()[i], first = start[e], count = start[e + 1] - first;
     if (buffer_rows == 0 || count < buffer_rows) {
-      const size_t row = size_t(first) * ROWS;
-      quantize_rows<BITS, TERMS>(xs.data() + size_t(first) * a.K, count, a.K, 1, x8 + row * a.K,
-                           d + row * blocks, sum8 + row * blocks);
+      xq.quantize(xs.data() + size_t(first) * a.K, first, count, 1);
     }
   }
   const int threads = a.threads;
@@ -51,8 +43,7 @@ void run(const Gather<S>& a, int buffer_rows) {
         scatter_item(routing, ys.data(), first, count, g, GROUP, a.N, a.y);
         continue;
       }
-      const size_t row = size_t(first) * ROWS;  // the expert's first int8 row
-      const Problem<S> p{{x8 + row * a.K, d + row * blocks, sum8 + row * blocks},
+      const Problem<S> p{xq.from(first),
                          a.weights(e, BITS),
                          a.scales(e),
                          ys.data() + size_t(first) * a.N,

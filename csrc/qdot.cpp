@@ -33,14 +33,9 @@ namespace {
 template <int BITS, int TERMS, typename S>
 void qdot(const float* x, const uint8_t* w, const S* scale_bias, float* y, int M, int N, int K,
           int group, int threads) {
-  constexpr int ROWS = X_ROWS<BITS, TERMS>;  // int8 rows a row of x takes
-  const size_t per_block = size_t(M) * ROWS * (K / BLOCK);
-  // One allocation: x8 (K / 4 floats' bytes per int8 row), then d and sum8 per block.
-  Scratch scratch(size_t(M) * ROWS * K / 4 + 2 * per_block);
-  int8_t* x8 = reinterpret_cast<int8_t*>(scratch.data());
-  float* d = scratch.data() + size_t(M) * ROWS * K / 4;
-  quantize_rows<BITS, TERMS>(x, M, K, threads, x8, d, d + per_block);
-  const Problem<S> p{{x8, d, d + per_block}, w, scale_bias, y, M, N, K, scale_shift(group)};
+  QuantizedRows<BITS, TERMS> xq(M, K);
+  xq.quantize(x, 0, M, threads);
+  const Problem<S> p{xq.from(0), w, scale_bias, y, M, N, K, scale_shift(group)};
   parallel_for(threads, p.N / GROUP, [&](int64_t first, int64_t last) {
     for (int g = int(first); g < int(last); ++g) {
       dot_work_item<BITS, TERMS, S>(p, g);

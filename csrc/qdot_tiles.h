@@ -168,11 +168,11 @@ inline vi broadcast4(const int8_t* p) {  // 4 bytes of x8 in every 32-bit lane
   return vi{} + word;
 }
 
-// x quantized per row and block: x8 [M * TERMS, K], and per block its scale d and the sum of
+// x quantized per row and block: x8 [M * X_ROWS, K], and per block its scale d and the sum of
 // x8 (see quantize_rows).
 struct Quantized {
   const int8_t* x8;
-  const float *d, *sum8;  // [M * TERMS, K / 32] each
+  const float *d, *sum8;  // [M * X_ROWS, K / 32] each
 };
 
 template <typename S>
@@ -384,6 +384,45 @@ void quantize_rows(const float* x, int M, int K, int threads, int8_t* x8, float*
     }
   });
 }
+
+// `rows` rows of x quantized for BITS-bit weights in one allocation: X_ROWS int8 rows of K bytes
+// a row of x, then d and sum8 per int8 row and block (the dense matmul quantizes all its rows at
+// once, the experts' each expert's rows in their place).
+template <int BITS, int TERMS>
+class QuantizedRows {
+ public:
+  QuantizedRows(int rows, int K)
+      : K_(K),
+        blocks_(K / BLOCK),
+        per_block_(size_t(rows) * ROWS * blocks_),
+        scratch_(size_t(rows) * ROWS * K / 4 + 2 * per_block_) {}
+
+  // Rows first .. first + count of x (`x` at row first) rounded into their place.
+  void quantize(const float* x, int first, int count, int threads) {
+    const size_t row = size_t(first) * ROWS;
+    float* d = scale() + row * blocks_;
+    quantize_rows<BITS, TERMS>(x, count, K_, threads, x8() + row * K_, d, d + per_block_);
+  }
+
+  // What the kernels read for the rows of x from `first` on.
+  Quantized from(int first) const {
+    const size_t row = size_t(first) * ROWS;
+    const float* d = scale() + row * blocks_;
+    return {x8() + row * K_, d, d + per_block_};
+  }
+
+ private:
+  static constexpr int ROWS = X_ROWS<BITS, TERMS>;
+  int8_t* x8() const {  // K / 4 floats' bytes per int8 row
+    return reinterpret_cast<int8_t*>(scratch_.data());
+  }
+  float* scale() const {  // d, then sum8 per_block_ floats on
+    return scratch_.data() + per_block_ * BLOCK / 4;
+  }
+  int K_, blocks_;
+  size_t per_block_;  // d's floats (and sum8's)
+  Scratch scratch_;
+};
 
 // Work item g of y for every row of x, in passes of MAX_ROWS dot rows.
 template <int BITS, int TERMS, typename S>
