@@ -143,6 +143,11 @@ def baseline_command(model_dir: Path, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def gguf_source(args: argparse.Namespace) -> str:
+    """The GGUF both servers serve: `--gguf`, else the demo's."""
+    return str(args.gguf.resolve()) if args.gguf else DEMO_SOURCE
+
+
 def gguf_path(source: str = DEMO_SOURCE) -> Path:
     from mlxd.models.source_paths import source_path
 
@@ -333,7 +338,7 @@ def bench_llama(
     binary: Path, args: argparse.Namespace, env: dict[str, str], log_dir: Path
 ) -> ServerRun:
     """llama-server sized per level (-np C), so one server per concurrency level."""
-    gguf, results = gguf_path(args.source), {label: [] for label in args.sampling}
+    gguf, results = gguf_path(gguf_source(args)), {label: [] for label in args.sampling}
     for level in args.levels:
         port = free_port()
         cmd = llama_command(binary, gguf, port, level)
@@ -460,8 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.sampling) - set(SAMPLING):
         parser.error(f"--sampling: unknown {', '.join(sorted(unknown))}")
 
-    args.source = str(args.gguf.resolve()) if args.gguf else DEMO_SOURCE
-    model_dir = resolve_model_dir(args.model_dir, args.cache_dir, args.source)
+    model_dir = resolve_model_dir(args.model_dir, args.cache_dir, gguf_source(args))
     if args.isa:
         held_isa.hold_mlxd_to(args.isa)
     env = server_env()
