@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NOT_APPLICABLE
+from tests.unit.test_kernel_build import disassemble, prefetches
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
@@ -50,6 +51,9 @@ def test_the_aarch64_variants_compute_right_under_qemu(tmp_path: Path) -> None:
                 timeout=300,
             )  # fmt: skip
             objects.append(str(out))
+            if source in ("qdot.cpp", "qmatmul.cpp"):  # the weights' look-ahead survived
+                found = prefetches(disassemble(str(out), "aarch64-linux-gnu-objdump"), "aarch64")
+                assert found > 0, f"{variant} {source}: no prefetch instruction"
     program = tmp_path / "kernel_check"
     subprocess.run(
         [CXX, "-std=c++17", "-O2", "-static", "-pthread", f"-I{csrc}",
