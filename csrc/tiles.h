@@ -34,7 +34,7 @@ constexpr int TILES = 1;
 constexpr int NV = TILES * V;  // vectors of output rows a work item
 constexpr int GROUP = TILES * LANES;  // output rows per work item
 // How far ahead (blocks of 32 inputs) weights are fetched. A Llama-3.2-1B's layers streamed from
-// memory at 8 rows on two Zen 5 cores: 4 blocks 20-23 GB/s, 8 blocks 27-31, 16 and 32 30-32.
+// memory at 8 rows on two Zen 5 cores: 4 blocks 20-26 GB/s, 8 blocks 27-31, 16 and 32 30-32.
 constexpr int PREFETCH_BLOCKS = 16;
 
 // log2(group / BLOCK), for a group of inputs sharing a scale (the op checked: 32 times a power
